@@ -1,0 +1,149 @@
+"""The Plan: the one versioned, frozen record passed from the solver to everything after it.
+
+Serialised generically: ``dataclasses.asdict`` out, a type-hint-driven rebuild in; a file of
+another ``version`` is refused with the fix.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import types
+import typing
+from dataclasses import dataclass
+from pathlib import Path
+
+from autopar.errors import UserError
+from cost_models.strategy import Estimate, Strategy
+
+PLAN_VERSION = 1
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class Mesh:
+    """Degrees of the device-mesh axes; their product is the number of devices."""
+
+    dp: int = 1
+    tp: int = 1
+    pp: int = 1
+    cp: int = 1
+    ep: int = 1
+
+    @property
+    def size(self) -> int:
+        return self.dp * self.tp * self.pp * self.cp * self.ep
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class Plan:
+    """How to train ``model`` on ``cluster``: every choice the runtime needs, nothing else."""
+
+    version: int = PLAN_VERSION
+    model: str
+    """Model spec string or preset name (``autopar.spec.parse_model_spec``)."""
+    cluster: str
+    """Hardware profile name or path."""
+    gpus: int
+    global_batch: int
+    """Sequences per optimizer step, over all data-parallel ranks."""
+    seq_len: int
+    dtype: str = "bf16"
+    mesh: Mesh
+    zero_stage: int = 0
+    micro_batch_size: int = 1
+    num_microbatches: int = 1
+    """Micro-batches per optimizer step on each data-parallel rank."""
+    schedule: str = "1f1b"
+    virtual_stages: int = 1
+    sequence_parallel: bool = False
+    stage_layers: tuple[int, ...]
+    """Transformer blocks on each pipeline stage, first to last."""
+    recompute: tuple[str, ...]
+    """Recompute mode of each transformer block: none, selective or full."""
+    offload: bool = False
+    """Optimizer state and master weights kept in host memory."""
+    estimate: Estimate | None = None
+
+    def __post_init__(self) -> None:
+        if self.version != PLAN_VERSION:
+            raise UserError(f"plan version {self.version} is not supported by this autopar "
+                            f"(version {PLAN_VERSION}); re-create it with `autopar plan`")
+        if self.mesh.size != self.gpus:
+            raise UserError(f"plan mesh {self.mesh} has {self.mesh.size} devices but gpus={self.gpus}")
+        if len(self.stage_layers) != self.mesh.pp * self.virtual_stages:
+            raise UserError(f"plan has {len(self.stage_layers)} stage_layers entries for "
+                            f"pp={self.mesh.pp} x virtual_stages={self.virtual_stages}")
+        if len(self.recompute) != sum(self.stage_layers):
+            raise UserError(f"plan has {len(self.recompute)} recompute entries for "
+                            f"{sum(self.stage_layers)} layers")
+        per_step = self.mesh.dp * self.micro_batch_size * self.num_microbatches
+        if per_step != self.global_batch:
+            raise UserError(f"plan dp x micro_batch_size x num_microbatches = {per_step} "
+                            f"but global_batch = {self.global_batch}")
+
+    @property
+    def num_layers(self) -> int:
+        return sum(self.stage_layers)
+
+    def strategy(self) -> Strategy:
+        """The cost model's view of this plan (uniform recompute: the most common mode)."""
+        modes = sorted(set(self.recompute), key=self.recompute.count, reverse=True)
+        return Strategy(dp=self.mesh.dp, tp=self.mesh.tp, pp=self.mesh.pp, zero=self.zero_stage,
+                        micro_batch=self.micro_batch_size, num_microbatches=self.num_microbatches,
+                        schedule=self.schedule, virtual_stages=self.virtual_stages,
+                        sequence_parallel=self.sequence_parallel,
+                        recompute=modes[0] if modes else "none",
+                        stage_layers=self.stage_layers, dtype=self.dtype)
+
+    def to_json(self) -> str:
+        """Canonical JSON: sorted keys, so identical plans are identical bytes."""
+        return json.dumps(dataclasses.asdict(self), indent=2, sort_keys=True) + "\n"
+
+    def save(self, path: str | Path) -> None:
+        Path(path).write_text(self.to_json())
+
+
+def _build(tp: typing.Any, value: typing.Any) -> typing.Any:
+    """Rebuild ``value`` (parsed JSON) as type ``tp``."""
+    origin = typing.get_origin(tp)
+    if origin in (typing.Union, types.UnionType):
+        if value is None:
+            return None
+        (inner,) = [a for a in typing.get_args(tp) if a is not type(None)]
+        return _build(inner, value)
+    if dataclasses.is_dataclass(tp):
+        if not isinstance(value, dict):
+            raise UserError(f"plan field of type {tp.__name__} must be an object, got {value!r}")
+        hints = typing.get_type_hints(tp)
+        names = {f.name for f in dataclasses.fields(tp)}
+        unknown = set(value) - names
+        if unknown:
+            raise UserError(f"plan has unknown {tp.__name__} fields {sorted(unknown)}")
+        return tp(**{k: _build(hints[k], v) for k, v in value.items()})
+    if origin is tuple:
+        (inner, *_), = [typing.get_args(tp)]
+        return tuple(_build(inner, v) for v in value)
+    if origin is dict:
+        return dict(value)
+    return value
+
+
+def plan_from_dict(data: dict) -> Plan:
+    if data.get("version") != PLAN_VERSION:
+        raise UserError(f"plan version {data.get('version')!r} is not supported by this autopar "
+                        f"(version {PLAN_VERSION}); re-create it with `autopar plan`")
+    try:
+        return _build(Plan, data)
+    except TypeError as exc:
+        raise UserError(f"plan is malformed: {exc}") from None
+
+
+def load_plan(path: str | Path) -> Plan:
+    p = Path(path)
+    if not p.is_file():
+        raise UserError(f"plan file {p} does not exist; create one with `autopar plan --out {p}`")
+    try:
+        data = json.loads(p.read_text())
+    except json.JSONDecodeError as exc:
+        raise UserError(f"plan file {p} is not valid JSON: {exc}") from None
+    return plan_from_dict(data)

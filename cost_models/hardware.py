@@ -1,0 +1,117 @@
+"""Hardware profiles: one device kind, its node, and the two topology tiers, loaded from JSON.
+
+Units are in the field names: ``_tflops`` is 10^12 FLOP/s, ``_gbps`` is 10^9 bytes/s,
+``_us`` microseconds, ``_gib`` 2^30 bytes.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field, fields
+from pathlib import Path
+
+
+class ProfileError(ValueError):
+    """A hardware profile that cannot be found or read; the message names the fix."""
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class LinkTier:
+    """One topology tier (NVLink inside a node, InfiniBand across nodes) under the α-β law."""
+
+    bw_gbps: float
+    """Achievable per-device bus bandwidth of a ring collective over this tier, GB/s."""
+    latency_us: float
+    """α: fixed cost of one collective step over this tier, µs."""
+    efficiency: float = 1.0
+    """Fraction of ``bw_gbps`` reached by the collectives the runtime issues (calibrated)."""
+    p2p_bw_gbps: float = 0.0
+    """Unidirectional point-to-point bandwidth per device, GB/s (0: use ``bw_gbps``)."""
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class HardwareProfile:
+    """A cluster's device and interconnect, as the cost model sees them."""
+
+    name: str
+    device: str
+    """Device model, e.g. ``A100-SXM4-80GB``."""
+    devices_per_node: int
+    memory_gib: float
+    """Device memory usable by the training process, GiB."""
+    peak_tflops: dict[str, float]
+    """Dense peak per dtype (``bf16``, ``fp16``, ``fp32``), TFLOP/s."""
+    hbm_bw_gbps: float
+    """Device memory bandwidth, GB/s."""
+    intra_node: LinkTier
+    inter_node: LinkTier
+    matmul_efficiency: float = 1.0
+    """Calibrated fraction of peak reached by the transformer's large GEMMs."""
+    memory_efficiency: float = 1.0
+    """Calibrated fraction of ``hbm_bw_gbps`` reached by element-wise kernels."""
+    reserve_gib: float = 0.0
+    """Memory not available to tensors: runtime context plus allocator fragmentation, GiB."""
+    launcher: str = "nccl"
+    """Process-group backend the runtime uses on this cluster: ``nccl`` or ``gloo``."""
+    notes: dict[str, str] = field(default_factory=dict)
+    """Where each figure comes from (datasheet, measurement command)."""
+
+    def __post_init__(self) -> None:
+        if self.devices_per_node <= 0:
+            raise ProfileError(f"profile {self.name!r}: devices_per_node must be positive")
+        if not self.peak_tflops:
+            raise ProfileError(f"profile {self.name!r}: peak_tflops needs at least one dtype")
+
+    @property
+    def memory_bytes(self) -> float:
+        return self.memory_gib * 2**30
+
+    def peak_flops(self, dtype: str) -> float:
+        """Dense peak of ``dtype`` in FLOP/s."""
+        if dtype not in self.peak_tflops:
+            raise ProfileError(f"profile {self.name!r} has no peak for dtype {dtype!r}; "
+                               f"it lists {', '.join(sorted(self.peak_tflops))}")
+        return self.peak_tflops[dtype] * 1e12
+
+
+PROFILE_DIR = Path(__file__).resolve().parent.parent / "hardware_profiles"
+
+
+def _profile_dir() -> Path:
+    """The shipped profiles: the ``hardware_profiles`` package beside this one."""
+    try:
+        import hardware_profiles
+    except ImportError:
+        return PROFILE_DIR
+    return Path(hardware_profiles.__file__).resolve().parent
+
+
+def available_profiles() -> list[str]:
+    return sorted(p.stem for p in _profile_dir().glob("*.json"))
+
+
+def profile_from_dict(data: dict) -> HardwareProfile:
+    known = {f.name for f in fields(HardwareProfile)}
+    unknown = set(data) - known
+    if unknown:
+        raise ProfileError(f"profile {data.get('name', '?')!r} has unknown keys {sorted(unknown)}")
+    try:
+        tiers = {k: LinkTier(**data[k]) for k in ("intra_node", "inter_node")}
+        return HardwareProfile(**{**data, **tiers})
+    except (KeyError, TypeError) as exc:
+        raise ProfileError(f"profile {data.get('name', '?')!r} is malformed: {exc}") from None
+
+
+def load_profile(name_or_path: str) -> HardwareProfile:
+    """A shipped profile by name (``dgx-a100-80g``) or a JSON file by path."""
+    path = Path(name_or_path)
+    if not path.suffix:
+        path = _profile_dir() / f"{name_or_path}.json"
+    if not path.is_file():
+        raise ProfileError(f"unknown cluster {name_or_path!r}; use a profile "
+                           f"({', '.join(available_profiles())}) or a path to a profile .json file")
+    try:
+        data = json.loads(path.read_text())
+    except json.JSONDecodeError as exc:
+        raise ProfileError(f"cluster profile {path} is not valid JSON: {exc}") from None
+    return profile_from_dict(data)

@@ -1,0 +1,56 @@
+"""What the cost model knows of a model: the tracer's counts, summarised per kind of block.
+
+A model is an embedding (first pipeline stage), ``layers`` identical transformer blocks, and a
+head (final norm, output projection and loss; last stage). Counts are per block and per token at
+sequence length ``seq``; bytes of activations assume 16-bit activations and 1-byte dropout masks.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class ModelProfile:
+    """Per-block counts of a decoder-only transformer, filled by ``autopar.trace``."""
+
+    name: str
+    layers: int
+    hidden: int
+    heads: int
+    kv_heads: int
+    ffn: int
+    vocab: int
+    seq: int
+    tied: bool
+    """The head reuses the embedding weight (a copy lives on the last stage when pp > 1)."""
+    block_params: int
+    """Parameters of one transformer block."""
+    embed_params: int
+    """Token (and learned position) embedding parameters."""
+    head_params: int
+    """Final norm plus output projection parameters (the projection counted even when tied)."""
+    block_matmul_flops_per_token: float
+    """Forward FLOPs of one block's weight GEMMs per token (2 per multiply-add)."""
+    block_attn_flops_per_token: float
+    """Forward FLOPs of one block's QKᵀ and AV per token at ``seq`` (full, not causal-halved)."""
+    head_flops_per_token: float
+    """Forward FLOPs of the output projection per token."""
+    block_act_bytes_replicated_per_token: float
+    """Saved-for-backward bytes per token that tensor parallelism does not split (SP does)."""
+    block_act_bytes_sharded_per_token: float
+    """Saved-for-backward bytes per token inside the column/row-parallel region (split by TP)."""
+    block_act_bytes_attn_per_token: float
+    """Saved-for-backward bytes per token of the attention core (scores, softmax, dropout):
+    split by TP, dropped by selective recompute."""
+
+    @property
+    def params(self) -> int:
+        """Total trainable parameters (a tied head counted once)."""
+        tied = self.vocab * self.hidden if self.tied else 0
+        return self.embed_params + self.layers * self.block_params + self.head_params - tied
+
+    def model_flops_per_token(self) -> float:
+        """Training FLOPs per token (forward + backward = 3x forward, no recompute)."""
+        fwd = self.layers * (self.block_matmul_flops_per_token + self.block_attn_flops_per_token)
+        return 3.0 * (fwd + self.head_flops_per_token)

@@ -1,0 +1,85 @@
+"""A parallel strategy (the part of a plan the cost model reads) and the estimate it gets."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+SCHEDULES = ("gpipe", "1f1b", "interleaved", "zero-bubble")
+RECOMPUTE = ("none", "selective", "full")
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class Strategy:
+    """How one training step is split over the devices."""
+
+    dp: int = 1
+    tp: int = 1
+    pp: int = 1
+    zero: int = 0
+    """ZeRO stage 0-3 over the dp axis (1: optimizer states, 2: + gradients, 3: + parameters)."""
+    micro_batch: int = 1
+    """Sequences per micro-batch per dp rank."""
+    num_microbatches: int = 1
+    """Micro-batches per optimizer step per dp rank (pipeline depth and/or accumulation)."""
+    schedule: str = "1f1b"
+    virtual_stages: int = 1
+    sequence_parallel: bool = False
+    recompute: str = "none"
+    stage_layers: tuple[int, ...] = ()
+    """Transformer blocks per pipeline stage; empty means as even as possible."""
+    dtype: str = "bf16"
+
+    def __post_init__(self) -> None:
+        for name in ("dp", "tp", "pp", "micro_batch", "num_microbatches", "virtual_stages"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if self.zero not in (0, 1, 2, 3):
+            raise ValueError(f"zero stage must be 0, 1, 2 or 3, got {self.zero}")
+        if self.schedule not in SCHEDULES:
+            raise ValueError(f"unknown schedule {self.schedule!r}; use one of {', '.join(SCHEDULES)}")
+        if self.recompute not in RECOMPUTE:
+            raise ValueError(f"unknown recompute {self.recompute!r}; use one of {', '.join(RECOMPUTE)}")
+        if self.stage_layers and len(self.stage_layers) != self.pp:
+            raise ValueError(f"stage_layers has {len(self.stage_layers)} entries for pp={self.pp}")
+
+    @property
+    def devices(self) -> int:
+        return self.dp * self.tp * self.pp
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class MemoryBreakdown:
+    """Bytes on the most loaded device (the stage with the highest peak)."""
+
+    peak_bytes: float
+    params_bytes: float
+    grads_bytes: float
+    optimizer_bytes: float
+    activations_bytes: float
+    buffers_bytes: float
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class TimeBreakdown:
+    """Seconds of one optimizer step on the critical path."""
+
+    compute_s: float
+    tp_comm_s: float
+    dp_comm_s: float
+    pp_comm_s: float
+    bubble_s: float
+    optimizer_s: float
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class Estimate:
+    """The cost model's verdict on one strategy (design.md's ``estimate`` JSON)."""
+
+    step_time_s: float
+    tokens_per_s: float
+    tflops_per_gpu: float
+    mfu: float
+    fits: bool
+    memory: MemoryBreakdown
+    time: TimeBreakdown
+    stage_peak_bytes: tuple[float, ...] = field(default=())
