@@ -45,9 +45,10 @@ def rotary_tables(seq: int, head_dim: int, base: float = 10000.0) -> tuple[torch
 
 
 def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Rotate pairs of channels of x [b, s, heads, head_dim] by the position angles."""
+    """Rotate pairs of channels of x [b, s, heads, head_dim] by the angles of positions 0..s-1
+    (the model is built for its training sequence length, so the tables are exactly [s, d/2])."""
     x1, x2 = x[..., 0::2], x[..., 1::2]
-    cos, sin = cos[None, : x.shape[1], None, :], sin[None, : x.shape[1], None, :]
+    cos, sin = cos[None, :, None, :], sin[None, :, None, :]
     return torch.stack((x1 * cos - x2 * sin, x1 * sin + x2 * cos), dim=-1).flatten(-2)
 
 
