@@ -1,0 +1,252 @@
+"""The ``autopar`` command line (design.md): plan, estimate, inspect, run, demo.
+
+Bad input exits 2 with one line on stderr; ``--json`` prints machine-readable output.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import sys
+from enum import Enum
+from pathlib import Path
+from typing import Optional
+
+import typer
+from rich.console import Console
+from rich.table import Table
+
+from autopar.errors import UserError
+from autopar.plan import Plan, load_plan
+from autopar.solve import Pins, Solution
+from autopar.workflow import estimate_strategy, fixed_strategy, make_plan, read_job
+from cost_models import ProfileError
+from cost_models.strategy import Estimate
+
+app = typer.Typer(add_completion=False, no_args_is_help=True, pretty_exceptions_enable=False,
+                  help="autopar: plan and run parallel training of transformers.")
+console = Console()
+
+
+class Schedule(str, Enum):
+    gpipe = "gpipe"
+    one_f_one_b = "1f1b"
+    interleaved = "interleaved"
+    zero_bubble = "zero-bubble"
+
+
+class Recompute(str, Enum):
+    none = "none"
+    selective = "selective"
+    full = "full"
+
+
+def _fail(message: str) -> None:
+    typer.echo(f"autopar: error: {message}", err=True)
+    raise typer.Exit(2)
+
+
+def _guard(fn):
+    """Run a command body; user errors become one line on stderr and exit 2."""
+    try:
+        return fn()
+    except (UserError, ProfileError) as exc:
+        _fail(str(exc))
+
+
+# Shared options (design.md names).
+MODEL = typer.Option(..., "--model", help="Preset (gpt3-175b, llama3-8b, ...) or spec gpt:layers=..,hidden=..,heads=..,vocab=..,seq=..")
+CLUSTER = typer.Option(..., "--cluster", help="Hardware profile name (dgx-a100-80g, dgx-h100, dgx-h200, cpu-local) or path")
+GPUS = typer.Option(..., "--gpus", help="Total number of devices")
+BATCH = typer.Option(..., "--global-batch", help="Sequences per optimizer step")
+SEQ = typer.Option(None, "--seq-len", help="Training sequence length (default: the model's)")
+DTYPE = typer.Option(None, "--dtype", help="bf16, fp16 or fp32 (default: bf16 where the profile has it)")
+JSON = typer.Option(False, "--json", help="Print JSON instead of tables")
+
+
+def _estimate_dict(est: Estimate) -> dict:
+    return dataclasses.asdict(est)
+
+
+def _gib(n: float) -> str:
+    return f"{n / 2**30:.2f} GiB"
+
+
+def _print_estimate(est: Estimate) -> None:
+    table = Table(title="estimate", show_header=False)
+    table.add_row("step time", f"{est.step_time_s:.4g} s")
+    table.add_row("tokens/s", f"{est.tokens_per_s:,.0f}")
+    table.add_row("TFLOP/s per device", f"{est.tflops_per_gpu:.1f}")
+    table.add_row("MFU", f"{est.mfu:.1%}")
+    table.add_row("fits", f"{'yes' if est.fits else 'NO'} (peak {_gib(est.memory.peak_bytes)})")
+    for k, v in dataclasses.asdict(est.time).items():
+        table.add_row(f"time.{k}", f"{v:.4g} s")
+    for k, v in dataclasses.asdict(est.memory).items():
+        table.add_row(f"memory.{k}", _gib(v))
+    console.print(table)
+
+
+def _print_plan(plan: Plan) -> None:
+    table = Table(title=f"plan: {plan.model} on {plan.gpus} x {plan.cluster}", show_header=False)
+    m = plan.mesh
+    table.add_row("mesh", f"dp={m.dp} tp={m.tp} pp={m.pp}")
+    table.add_row("zero stage", str(plan.zero_stage))
+    table.add_row("micro-batch x micro-batches", f"{plan.micro_batch_size} x {plan.num_microbatches}")
+    table.add_row("schedule", plan.schedule)
+    table.add_row("sequence parallel", str(plan.sequence_parallel))
+    table.add_row("stage layers", " ".join(map(str, plan.stage_layers)))
+    table.add_row("recompute", ", ".join(sorted(set(plan.recompute))))
+    console.print(table)
+
+
+@app.command()
+def plan(model: str = MODEL, cluster: str = CLUSTER, gpus: int = GPUS, global_batch: int = BATCH,
+         seq_len: Optional[int] = SEQ, dtype: Optional[str] = DTYPE,
+         tp: Optional[int] = typer.Option(None, "--tp", help="Pin tensor-parallel degree"),
+         pp: Optional[int] = typer.Option(None, "--pp", help="Pin pipeline-parallel degree"),
+         dp: Optional[int] = typer.Option(None, "--dp", help="Pin data-parallel degree"),
+         zero: Optional[int] = typer.Option(None, "--zero", min=0, max=3, help="Pin ZeRO stage"),
+         mbs: Optional[int] = typer.Option(None, "--mbs", help="Pin micro-batch size"),
+         schedule: Optional[Schedule] = typer.Option(None, "--schedule", help="Pin pipeline schedule"),
+         sp: Optional[bool] = typer.Option(None, "--sp/--no-sp", help="Pin sequence parallelism"),
+         recompute: Optional[Recompute] = typer.Option(None, "--recompute", help="Pin recompute mode"),
+         out: Optional[Path] = typer.Option(None, "--out", help="Write the plan JSON here"),
+         time_limit: float = typer.Option(60.0, "--time-limit", help="Search time limit, s"),
+         as_json: bool = JSON) -> None:
+    """Search the best plan for a model on a cluster."""
+    def body() -> None:
+        job = read_job(model, cluster, gpus, global_batch, seq_len, dtype)
+        pins = Pins(dp=dp, tp=tp, pp=pp, zero=zero, micro_batch=mbs,
+                    schedule=schedule.value if schedule else None, sequence_parallel=sp,
+                    recompute=recompute.value if recompute else None)
+        result, sol = make_plan(job, pins, time_limit)
+        if out is not None:
+            result.save(out)
+        if as_json:
+            typer.echo(json.dumps({"plan": json.loads(result.to_json()),
+                                   "estimate": _estimate_dict(sol.estimate),
+                                   "search": _search_dict(sol)}, indent=2, sort_keys=True))
+            return
+        _print_plan(result)
+        _print_estimate(sol.estimate)
+        console.print(f"search: {sol.time_s:.2f} s, {sol.candidates} candidates, {sol.solved} placements "
+                      f"solved, {'optimal' if sol.optimal else f'gap {sol.gap:.2%}'}"
+                      + (f"; written to {out}" if out else ""))
+    _guard(body)
+
+
+def _search_dict(sol: Solution) -> dict:
+    return {"time_s": sol.time_s, "candidates": sol.candidates, "solved": sol.solved,
+            "optimal": sol.optimal, "gap": sol.gap}
+
+
+@app.command()
+def estimate(model: str = MODEL, cluster: str = CLUSTER, gpus: int = GPUS, global_batch: int = BATCH,
+             seq_len: Optional[int] = SEQ, dtype: Optional[str] = DTYPE,
+             tp: int = typer.Option(1, "--tp"), pp: int = typer.Option(1, "--pp"),
+             dp: Optional[int] = typer.Option(None, "--dp"),
+             zero: int = typer.Option(0, "--zero", min=0, max=3),
+             mbs: int = typer.Option(1, "--mbs"),
+             schedule: Schedule = typer.Option(Schedule.one_f_one_b, "--schedule"),
+             vpp: int = typer.Option(1, "--vpp", help="Virtual stages per pipeline rank"),
+             sp: bool = typer.Option(False, "--sp/--no-sp"),
+             recompute: Recompute = typer.Option(Recompute.none, "--recompute"),
+             as_json: bool = JSON) -> None:
+    """Evaluate one fixed strategy with the cost model the planner uses."""
+    def body() -> None:
+        job = read_job(model, cluster, gpus, global_batch, seq_len, dtype)
+        strat = fixed_strategy(job, tp=tp, pp=pp, dp=dp, zero=zero, micro_batch=mbs,
+                               schedule=schedule.value, sequence_parallel=sp,
+                               recompute=recompute.value)
+        if vpp != 1:
+            strat = dataclasses.replace(strat, virtual_stages=vpp)
+        est = estimate_strategy(job, strat)
+        if as_json:
+            typer.echo(json.dumps(_estimate_dict(est), indent=2, sort_keys=True))
+        else:
+            _print_estimate(est)
+    _guard(body)
+
+
+@app.command()
+def inspect(model: str = MODEL, seq_len: Optional[int] = SEQ, as_json: bool = JSON) -> None:
+    """Show what the tracer sees: parameters, repeated blocks, FLOPs and activation bytes."""
+    def body() -> None:
+        from autopar.spec import parse_model_spec, with_seq
+        from autopar.trace import profile_from_graph, trace_spec
+        spec = parse_model_spec(model)
+        spec = with_seq(spec, seq_len) if seq_len else spec
+        graph = trace_spec(spec)
+        prof = profile_from_graph(graph, spec)
+        act = (prof.block_act_bytes_replicated_per_token + prof.block_act_bytes_sharded_per_token
+               + prof.block_act_bytes_attn_per_token)
+        info = {"model": spec.name, "params": graph.params, "seq_len": spec.seq,
+                "forward_flops_per_token": graph.flops / spec.seq,
+                "model_flops_per_token": prof.model_flops_per_token(),
+                "blocks": [{"kind": b.kind, "repeats": b.count, "params": b.params,
+                            "forward_flops_per_token": b.flops / spec.seq,
+                            "activation_bytes_per_token": act, "nodes": len(b.nodes)}
+                           for b in graph.blocks],
+                "embed_params": prof.embed_params, "head_params": prof.head_params}
+        if as_json:
+            typer.echo(json.dumps(info, indent=2, sort_keys=True))
+            return
+        console.print(f"{spec.name}: {graph.params:,} parameters, seq {spec.seq}, "
+                      f"{info['model_flops_per_token']:.4g} training FLOPs per token")
+        table = Table("block", "repeats", "params", "fwd FLOPs/token", "act bytes/token", "nodes")
+        for b in info["blocks"]:
+            table.add_row(b["kind"], str(b["repeats"]), f"{b['params']:,}",
+                          f"{b['forward_flops_per_token']:.4g}",
+                          f"{b['activation_bytes_per_token']:.4g}", str(b["nodes"]))
+        console.print(table)
+    _guard(body)
+
+
+@app.command()
+def run(plan_file: Path = typer.Argument(..., help="A plan JSON from `autopar plan --out`"),
+        steps: int = typer.Option(3, "--steps", min=1, help="Optimizer steps"),
+        as_json: bool = JSON) -> None:
+    """Run a plan locally under torchrun (gloo on CPU) on synthetic tokens."""
+    def body() -> None:
+        from autopar.runtime import run_plan
+        result = run_plan(load_plan(plan_file), steps)
+        if as_json:
+            typer.echo(json.dumps({"losses": result.losses, "step_times_s": result.step_times_s}))
+            return
+        for i, (loss, t) in enumerate(zip(result.losses, result.step_times_s)):
+            console.print(f"step {i}: loss {loss:.6f}  {t:.3f} s")
+    _guard(body)
+
+
+DEMO_MODEL = "gpt:layers=4,hidden=128,heads=4,vocab=512,seq=64,tied=0"
+
+
+@app.command()
+def demo(steps: int = typer.Option(5, "--steps", min=2, help="Optimizer steps to run"),
+         gpus: int = typer.Option(4, "--gpus", help="Local CPU ranks")) -> None:
+    """Plan a small GPT for the local CPU cluster, run it, and compare predicted and measured."""
+    def body() -> None:
+        from statistics import median
+
+        from autopar.runtime import run_plan
+        job = read_job(DEMO_MODEL, "cpu-local", gpus, global_batch=8 * gpus, dtype="fp32")
+        result_plan, sol = make_plan(job)
+        _print_plan(result_plan)
+        console.print(f"search: {sol.time_s:.2f} s over {sol.candidates} candidates")
+        result = run_plan(result_plan, steps)
+        for i, (loss, t) in enumerate(zip(result.losses, result.step_times_s)):
+            console.print(f"step {i}: loss {loss:.4f}  {t:.3f} s")
+        measured = median(result.step_times_s[1:])
+        predicted = sol.estimate.step_time_s
+        console.print(f"predicted step time {predicted:.3f} s, measured {measured:.3f} s "
+                      f"(median of steps 1..{steps - 1}), ratio {measured / predicted:.2f}")
+    _guard(body)
+
+
+def main() -> None:
+    """Console-script entry point."""
+    app(prog_name="autopar")
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,112 @@
+"""The steps behind the CLI and the Python API: read the inputs, plan, estimate one strategy.
+
+One-way: spec + profile -> trace -> cost -> solve -> Plan. Nothing here touches torch.distributed.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from autopar.errors import UserError
+from autopar.plan import Mesh, Plan
+from autopar.solve import Pins, Solution, search
+from autopar.spec import ModelSpec, parse_model_spec, with_seq
+from autopar.trace import profile_spec
+from cost_models import HardwareProfile, ModelProfile, ProfileError, Strategy, estimate, load_profile
+from cost_models.strategy import Estimate
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class Job:
+    """The three inputs, read and checked: a model, a cluster and the training settings."""
+
+    spec: ModelSpec
+    hw: HardwareProfile
+    cluster: str
+    """The cluster as the user named it (profile name or path), recorded in the plan."""
+    gpus: int
+    global_batch: int
+    dtype: str
+
+    @property
+    def seq_len(self) -> int:
+        return self.spec.seq
+
+
+def read_job(model: str, cluster: str, gpus: int, global_batch: int,
+             seq_len: int | None = None, dtype: str | None = None) -> Job:
+    """Parse and check the inputs; every problem is a ``UserError`` naming the fix."""
+    spec = parse_model_spec(model)
+    if seq_len is not None:
+        if seq_len <= 0:
+            raise UserError(f"--seq-len must be positive, got {seq_len}")
+        spec = with_seq(spec, seq_len)
+    try:
+        hw = load_profile(cluster)
+    except ProfileError as exc:
+        raise UserError(str(exc)) from None
+    if gpus <= 0:
+        raise UserError(f"--gpus must be positive, got {gpus}")
+    if global_batch <= 0:
+        raise UserError(f"--global-batch must be positive, got {global_batch}")
+    if gpus > hw.devices_per_node and gpus % hw.devices_per_node:
+        raise UserError(f"--gpus {gpus} is not a multiple of the {hw.devices_per_node} devices per "
+                        f"node of {hw.name}; use whole nodes (e.g. {gpus // hw.devices_per_node * hw.devices_per_node})")
+    dtype = dtype or ("bf16" if "bf16" in hw.peak_tflops else sorted(hw.peak_tflops)[0])
+    if dtype not in hw.peak_tflops:
+        raise UserError(f"--dtype {dtype} has no peak in profile {hw.name}; use one of "
+                        f"{', '.join(sorted(hw.peak_tflops))}")
+    return Job(spec=spec, hw=hw, cluster=cluster, gpus=gpus, global_batch=global_batch, dtype=dtype)
+
+
+def plan_from_strategy(job: Job, strat: Strategy, est: Estimate | None) -> Plan:
+    """The Plan that records ``strat`` (with its placement) for ``job``."""
+    return Plan(model=job.spec.name, cluster=job.cluster, gpus=job.gpus,
+                global_batch=job.global_batch, seq_len=job.seq_len, dtype=job.dtype,
+                mesh=Mesh(dp=strat.dp, tp=strat.tp, pp=strat.pp), zero_stage=strat.zero,
+                micro_batch_size=strat.micro_batch, num_microbatches=strat.num_microbatches,
+                schedule=strat.schedule, virtual_stages=strat.virtual_stages,
+                sequence_parallel=strat.sequence_parallel, stage_layers=strat.stage_layers,
+                recompute=(strat.recompute,) * job.spec.layers, estimate=est)
+
+
+def make_plan(job: Job, pins: Pins = Pins(), time_limit_s: float = 60.0,
+              profile: ModelProfile | None = None) -> tuple[Plan, Solution]:
+    """Trace, search, and record the best strategy as a Plan."""
+    if time_limit_s <= 0:
+        raise UserError(f"--time-limit must be positive, got {time_limit_s}")
+    profile = profile or profile_spec(job.spec)
+    sol = search(profile, job.hw, job.gpus, job.global_batch, job.dtype, pins, time_limit_s)
+    return plan_from_strategy(job, sol.strategy, sol.estimate), sol
+
+
+def fixed_strategy(job: Job, *, tp: int, pp: int, dp: int | None, zero: int, micro_batch: int,
+                   schedule: str, sequence_parallel: bool, recompute: str) -> Strategy:
+    """The one strategy ``estimate`` evaluates, checked against the job."""
+    for name, value in (("tp", tp), ("pp", pp), ("mbs", micro_batch)):
+        if value <= 0:
+            raise UserError(f"--{name} must be positive, got {value}")
+    if job.gpus % (tp * pp):
+        raise UserError(f"--gpus {job.gpus} is not divisible by tp x pp = {tp * pp}")
+    dp = dp or job.gpus // (tp * pp)
+    if dp * tp * pp != job.gpus:
+        raise UserError(f"dp x tp x pp = {dp * tp * pp} but --gpus is {job.gpus}")
+    if job.global_batch % (dp * micro_batch):
+        raise UserError(f"--global-batch {job.global_batch} is not divisible by dp x mbs = "
+                        f"{dp * micro_batch}")
+    if job.spec.heads % tp or job.spec.num_kv_heads % tp:
+        raise UserError(f"--tp {tp} does not divide the model's {job.spec.heads} heads and "
+                        f"{job.spec.num_kv_heads} kv heads")
+    if pp > job.spec.layers:
+        raise UserError(f"--pp {pp} exceeds the model's {job.spec.layers} layers")
+    try:
+        return Strategy(dp=dp, tp=tp, pp=pp, zero=zero, micro_batch=micro_batch,
+                        num_microbatches=job.global_batch // (dp * micro_batch),
+                        schedule=schedule, sequence_parallel=sequence_parallel and tp > 1,
+                        recompute=recompute, dtype=job.dtype)
+    except ValueError as exc:
+        raise UserError(str(exc)) from None
+
+
+def estimate_strategy(job: Job, strat: Strategy, profile: ModelProfile | None = None) -> Estimate:
+    return estimate(profile or profile_spec(job.spec), job.hw, strat, global_batch=job.global_batch)
