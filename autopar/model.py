@@ -27,8 +27,10 @@ class Embedding(nn.Module):
 
     def __init__(self, spec: ModelSpec) -> None:
         super().__init__()
-        self.tok = nn.Embedding(spec.vocab, spec.hidden)
-        self.pos = nn.Embedding(spec.seq, spec.hidden) if spec.arch == "gpt" else None
+        # ``_weight`` skips nn.Embedding's own init: Transformer.reset_parameters initialises all.
+        self.tok = nn.Embedding(spec.vocab, spec.hidden, _weight=torch.empty(spec.vocab, spec.hidden))
+        self.pos = (nn.Embedding(spec.seq, spec.hidden, _weight=torch.empty(spec.seq, spec.hidden))
+                    if spec.arch == "gpt" else None)
 
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:
         h = self.tok(tokens)
@@ -135,8 +137,11 @@ class Transformer(nn.Module):
 
     @torch.no_grad()
     def reset_parameters(self) -> None:
-        """GPT-2 style init: N(0, 0.02), output projections scaled by 1/sqrt(2 L), zero biases."""
+        """GPT-2 style init: N(0, 0.02), output projections scaled by 1/sqrt(2 L), zero biases.
+        Parameters on ``meta`` hold no values and are left alone."""
         for name, p in self.named_parameters():
+            if p.is_meta:
+                continue
             if p.dim() == 1:
                 if name.endswith("weight"):
                     p.fill_(1.0)
