@@ -1,0 +1,101 @@
+"""The command line: design.md's contracts, one-line errors with exit 2, README and CI in step."""
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from typer.testing import CliRunner
+
+from autopar.cli import app
+
+ROOT = Path(__file__).resolve().parent.parent
+runner = CliRunner()
+
+
+def invoke(*args: str):
+    return runner.invoke(app, list(args))
+
+
+def test_plan_json_has_design_fields(tmp_path):
+    out = tmp_path / "p.json"
+    res = invoke("plan", "--model", "gpt3-175b", "--cluster", "dgx-a100-80g", "--gpus", "1024",
+                 "--global-batch", "1536", "--json", "--out", str(out))
+    assert res.exit_code == 0, res.output
+    data = json.loads(res.stdout)
+    assert set(data) == {"plan", "estimate", "search"}
+    for key in ["step_time_s", "tokens_per_s", "tflops_per_gpu", "mfu", "fits", "memory", "time"]:
+        assert key in data["estimate"]
+    assert set(data["estimate"]["memory"]) >= {"peak_bytes", "params_bytes", "grads_bytes",
+                                               "optimizer_bytes", "activations_bytes", "buffers_bytes"}
+    assert set(data["estimate"]["time"]) >= {"compute_s", "tp_comm_s", "dp_comm_s", "pp_comm_s",
+                                             "bubble_s", "optimizer_s"}
+    assert set(data["search"]) >= {"time_s", "candidates", "optimal", "gap"}
+    mesh = data["plan"]["mesh"]
+    assert mesh["dp"] * mesh["tp"] * mesh["pp"] == 1024
+    assert data["estimate"]["fits"] and sum(data["plan"]["stage_layers"]) == 96
+    assert json.loads(out.read_text()) == data["plan"]
+
+
+def test_estimate_json_matches_the_plan_estimate():
+    args = ["--model", "megatron-7.5b", "--cluster", "dgx-a100-80g", "--gpus", "128",
+            "--global-batch", "512", "--json"]
+    plan = json.loads(invoke("plan", *args).stdout)["plan"]
+    res = invoke("estimate", *args, "--tp", str(plan["mesh"]["tp"]), "--pp", str(plan["mesh"]["pp"]),
+                 "--zero", str(plan["zero_stage"]), "--mbs", str(plan["micro_batch_size"]),
+                 "--schedule", plan["schedule"], "--recompute", plan["recompute"][0],
+                 "--sp" if plan["sequence_parallel"] else "--no-sp")
+    assert res.exit_code == 0, res.output
+    est = json.loads(res.stdout)
+    if plan["mesh"]["pp"] == 1:  # estimate places layers evenly; the plan may not when pp > 1
+        assert est["step_time_s"] == pytest.approx(plan["estimate"]["step_time_s"], rel=1e-12)
+
+
+def test_inspect_json():
+    res = invoke("inspect", "--model", "llama3-8b", "--json")
+    assert res.exit_code == 0, res.output
+    data = json.loads(res.stdout)
+    assert data["params"] == 8030261248 and data["blocks"][0]["repeats"] == 32
+
+
+@pytest.mark.parametrize("args, fragment", [
+    (["plan", "--model", "gpt5", "--cluster", "dgx-a100-80g", "--gpus", "8", "--global-batch", "8"],
+     "unknown model"),
+    (["plan", "--model", "gpt:layers=2,hidden=oops", "--cluster", "dgx-a100-80g", "--gpus", "8",
+      "--global-batch", "8"], "not an integer"),
+    (["plan", "--model", "gpt2", "--cluster", "dgx-a100-80g", "--gpus", "12", "--global-batch", "24"],
+     "not a multiple of the 8 devices per node"),
+    (["plan", "--model", "gpt2", "--cluster", "tpu-pod", "--gpus", "8", "--global-batch", "8"],
+     "unknown cluster"),
+    (["plan", "--model", "gpt3-175b", "--cluster", "dgx-a100-80g", "--gpus", "8", "--global-batch", "8"],
+     "does not fit"),
+    (["estimate", "--model", "gpt2", "--cluster", "dgx-a100-80g", "--gpus", "8", "--global-batch", "8",
+      "--tp", "3"], "not divisible"),
+    (["run", "missing-plan.json"], "does not exist"),
+])
+def test_bad_input_is_one_line_and_exit_2(args, fragment):
+    res = invoke(*args)
+    assert res.exit_code == 2, res.output
+    assert fragment in res.stderr
+    assert len(res.stderr.strip().splitlines()) == 1
+    assert "Traceback" not in res.output
+
+
+def test_console_script_exit_code_and_no_traceback():
+    proc = subprocess.run([sys.executable, "-m", "autopar.cli", "plan", "--model", "nope", "--cluster",
+                           "cpu-local", "--gpus", "4", "--global-batch", "4"],
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2
+    assert proc.stderr.startswith("autopar: error: unknown model") and "Traceback" not in proc.stderr
+
+
+def test_cli_surface_is_frozen():
+    names = sorted(c.name or c.callback.__name__ for c in app.registered_commands)
+    assert names == ["demo", "estimate", "inspect", "plan", "run"]
+
+
+def test_ci_runs_the_readme_test_command():
+    ci = (ROOT / ".ci" / "run").read_text().strip().splitlines()[-1]
+    assert "torch==2.13.0" in ci
+    assert ci in (ROOT / "README.md").read_text()
