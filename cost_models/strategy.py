@@ -6,6 +6,7 @@ from dataclasses import dataclass, field
 
 SCHEDULES = ("gpipe", "1f1b", "interleaved", "zero-bubble")
 RECOMPUTE = ("none", "selective", "full")
+PRECISIONS = ("auto", "megatron", "zero", "fp32")
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -28,6 +29,11 @@ class Strategy:
     stage_layers: tuple[int, ...] = ()
     """Transformer blocks per pipeline stage; empty means as even as possible."""
     dtype: str = "bf16"
+    precision: str = "auto"
+    """Bytes per parameter of the training state (see ``cost_models.memory.RECIPES``):
+    ``megatron`` 2 + 4 + 12 (16-bit weights, fp32 grads, fp32 master + Adam moments),
+    ``zero`` 2 + 2 + 12 (the ZeRO paper's fp16 gradients), ``fp32`` 4 + 4 + 8;
+    ``auto`` is ``fp32`` when ``dtype`` is fp32, else ``megatron``."""
 
     def __post_init__(self) -> None:
         for name in ("dp", "tp", "pp", "micro_batch", "num_microbatches", "virtual_stages"):
@@ -39,6 +45,8 @@ class Strategy:
             raise ValueError(f"unknown schedule {self.schedule!r}; use one of {', '.join(SCHEDULES)}")
         if self.recompute not in RECOMPUTE:
             raise ValueError(f"unknown recompute {self.recompute!r}; use one of {', '.join(RECOMPUTE)}")
+        if self.precision not in PRECISIONS:
+            raise ValueError(f"unknown precision {self.precision!r}; use one of {', '.join(PRECISIONS)}")
         if self.stage_layers and len(self.stage_layers) != self.pp:
             raise ValueError(f"stage_layers has {len(self.stage_layers)} entries for pp={self.pp}")
 

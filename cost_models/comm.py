@@ -1,0 +1,91 @@
+"""Collective and point-to-point times under the α-β law, and which tier each mesh axis uses.
+
+Every collective costs ``steps * α + traffic / (bw * efficiency)`` (calculon's one-line law):
+a ring all-reduce of ``n`` members moves ``2(n-1)/n`` of the buffer through each device in
+``2(n-1)`` steps; reduce-scatter and all-gather move ``(n-1)/n`` in ``n-1`` steps. ``nbytes`` is
+always the full (unsharded) buffer size. Times in seconds, sizes in bytes.
+
+Rank order is Megatron's: tp innermost (consecutive ranks), then dp, then pp. An axis group
+stays inside one node iff the product of its own degree and the inner degrees is at most
+``devices_per_node``; otherwise it crosses nodes. A group crossing nodes with ``k`` members on
+each node runs ``k`` rings side by side, one per NIC, so its bus bandwidth is
+``min(intra bw, k * inter bw)`` (8 HDR NICs x 24 GB/s ~ the 192 GB/s NCCL reports for DGX A100).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from cost_models.hardware import HardwareProfile
+from cost_models.strategy import Strategy
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class Group:
+    """One communicator as the α-β law sees it."""
+
+    size: int
+    bw_bytes_s: float
+    """Effective bus bandwidth of a ring collective (efficiency applied), bytes/s."""
+    p2p_bytes_s: float
+    """Effective point-to-point bandwidth to a neighbour, bytes/s."""
+    latency_s: float
+    """α per collective step, s."""
+    inter_node: bool
+
+
+def group(hw: HardwareProfile, size: int, inner: int = 1) -> Group:
+    """The communicator of an axis of degree ``size`` whose ranks are ``inner`` apart."""
+    intra, inter = hw.intra_node, hw.inter_node
+    intra_bw = intra.bw_gbps * 1e9 * intra.efficiency
+    intra_p2p = (intra.p2p_bw_gbps or intra.bw_gbps) * 1e9 * intra.efficiency
+    if size * inner <= hw.devices_per_node:
+        return Group(size=size, bw_bytes_s=intra_bw, p2p_bytes_s=intra_p2p,
+                     latency_s=intra.latency_us * 1e-6, inter_node=False)
+    per_node = max(1, min(size, hw.devices_per_node // inner))
+    inter_bw = inter.bw_gbps * 1e9 * inter.efficiency
+    inter_p2p = (inter.p2p_bw_gbps or inter.bw_gbps) * 1e9 * inter.efficiency
+    return Group(size=size, bw_bytes_s=min(intra_bw, per_node * inter_bw), p2p_bytes_s=inter_p2p,
+                 latency_s=inter.latency_us * 1e-6, inter_node=True)
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class AxisGroups:
+    """The tp, dp and pp communicators of a strategy (Megatron rank order)."""
+
+    tp: Group
+    dp: Group
+    pp: Group
+
+
+def axis_groups(hw: HardwareProfile, strat: Strategy) -> AxisGroups:
+    return AxisGroups(tp=group(hw, strat.tp, 1), dp=group(hw, strat.dp, strat.tp),
+                      pp=group(hw, strat.pp, strat.tp * strat.dp))
+
+
+def all_reduce_s(nbytes: float, g: Group) -> float:
+    """Ring all-reduce of an ``nbytes`` buffer: 2(n-1)/n · bytes / bw + 2(n-1) α."""
+    n = g.size
+    if n <= 1 or nbytes <= 0:
+        return 0.0
+    return 2 * (n - 1) / n * nbytes / g.bw_bytes_s + 2 * (n - 1) * g.latency_s
+
+
+def reduce_scatter_s(nbytes: float, g: Group) -> float:
+    """Ring reduce-scatter of an ``nbytes`` buffer: (n-1)/n · bytes / bw + (n-1) α."""
+    n = g.size
+    if n <= 1 or nbytes <= 0:
+        return 0.0
+    return (n - 1) / n * nbytes / g.bw_bytes_s + (n - 1) * g.latency_s
+
+
+def all_gather_s(nbytes: float, g: Group) -> float:
+    """Ring all-gather producing an ``nbytes`` buffer: same cost as reduce-scatter."""
+    return reduce_scatter_s(nbytes, g)
+
+
+def p2p_s(nbytes: float, g: Group) -> float:
+    """One send of ``nbytes`` to a neighbour: α + bytes / p2p bw."""
+    if g.size <= 1 or nbytes <= 0:
+        return 0.0
+    return g.latency_s + nbytes / g.p2p_bytes_s

@@ -1,0 +1,221 @@
+"""StageCosts for a strategy, and the Estimate that evaluates exactly them.
+
+Per micro-batch and stage, T_s = compute (forward + recompute + backward, ``compute``)
++ tensor-parallel collectives (``tp_comm``, on the critical path: Megatron does not overlap
+them) + pipeline sends (``p2p``) + ZeRO-2/3's per-micro-batch collectives (ZeRO-2 reduce-scatters
+the gradients in every backward since it keeps only a shard; ZeRO-3 also all-gathers the
+weights in the forward and again in the backward: 1.5x the all-reduce volume, ZeRO paper).
+Once per step, D_s = the data-parallel gradient reduction (ZeRO 0: all-reduce; ZeRO 1:
+reduce-scatter + all-gather of the updated weights; ZeRO 2: that all-gather), plus the
+optimizer step (memory-bound), plus, with a tied head on pp > 1, the all-reduce of the
+embedding gradient between the first and last stage.
+
+No data-parallel collective is taken as overlapped with compute, as in Megatron-LM 2021 (the
+published figures), which reduces gradients after the pipeline flush. DDP/FSDP overlap would
+hide part of them; modelling that is left to calibration. A consequence: for equal memory the
+ZeRO stages order by time 0 <= 1 <= 2 <= 3, which is what makes the solver pick ZeRO only to fit.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+
+from cost_models import comm, compute, memory, pipeline
+from cost_models.hardware import HardwareProfile
+from cost_models.model_profile import ModelProfile
+from cost_models.stages import StageCosts
+from cost_models.strategy import Estimate, MemoryBreakdown, Strategy, TimeBreakdown
+
+
+def even_stage_layers(layers: int, pp: int) -> tuple[int, ...]:
+    """Blocks per stage as even as possible, the earlier stages taking the remainder."""
+    if pp < 1 or layers < pp:
+        raise ValueError(f"cannot split {layers} layers over {pp} pipeline stages")
+    q, r = divmod(layers, pp)
+    return tuple(q + (1 if s < r else 0) for s in range(pp))
+
+
+def model_flops_per_step(model: ModelProfile, global_batch: int) -> float:
+    """Model FLOPs of one step (no recompute): 3x the forward GEMMs, attention included;
+    for a GPT profile this is Narayanan et al.'s 72 B s L h² (1 + s/(6h) + V/(12hL))."""
+    return model.model_flops_per_token() * model.seq * global_batch
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class _Piece:
+    """Costs of one block, the embedding, or the head on one device."""
+
+    compute_s: float
+    tp_s: float
+    dp_exposed_s: float
+    """Per micro-batch, in T_s."""
+    dp_tail_s: float
+    """Per step, in D_s."""
+    optimizer_s: float
+    state: memory.StateBytes
+    act_bytes: float
+
+    @property
+    def time_s(self) -> float:
+        return self.compute_s + self.tp_s + self.dp_exposed_s
+
+    @property
+    def tail_s(self) -> float:
+        return self.dp_tail_s + self.optimizer_s
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class _Parts:
+    layer: _Piece
+    first: _Piece
+    last: _Piece
+    p2p_s: float
+
+
+def _optimizer_bytes_per_param(rec: memory.Recipe) -> float:
+    """Adam reads and writes its states, reads the gradient, writes the weights (and reads
+    them too when they are the master weights)."""
+    return 2 * rec.optimizer + rec.grad + (1 if rec.master_copy else 2) * rec.weight
+
+
+def _piece(params: float, passes: compute.PassTimes, tp_units: float, act: float,
+           hw: HardwareProfile, strat: Strategy, groups: comm.AxisGroups) -> _Piece:
+    rec = memory.recipe(strat)
+    grads, weights = params * rec.grad, params * rec.weight
+    rs, ag = comm.reduce_scatter_s(grads, groups.dp), comm.all_gather_s(weights, groups.dp)
+    exposed, tail = 0.0, 0.0
+    if strat.zero == 0:
+        tail = comm.all_reduce_s(grads, groups.dp)
+    elif strat.zero == 1:
+        tail = rs + ag
+    elif strat.zero == 2:
+        exposed, tail = rs, ag
+    else:
+        exposed = 2 * ag + rs
+    sharded = params / (strat.dp if strat.zero >= 1 else 1)
+    opt = compute.memory_s(sharded * _optimizer_bytes_per_param(rec), hw)
+    return _Piece(compute_s=passes.total_s, tp_s=tp_units, dp_exposed_s=exposed, dp_tail_s=tail,
+                  optimizer_s=opt, state=memory.state_bytes(params, rec, strat.zero, strat.dp),
+                  act_bytes=act)
+
+
+
+def _tp_unit_s(model: ModelProfile, strat: Strategy, g: comm.Group) -> float:
+    """One tensor-parallel exchange of a micro-batch's hidden states (b s h elements): an
+    all-reduce, or with SP an all-gather plus a reduce-scatter (the same bus volume)."""
+    vol = strat.micro_batch * model.seq * model.hidden * (4 if strat.dtype == "fp32" else 2)
+    if strat.sequence_parallel:
+        return comm.all_gather_s(vol, g) + comm.reduce_scatter_s(vol, g)
+    return comm.all_reduce_s(vol, g)
+
+
+def _parts(model: ModelProfile, hw: HardwareProfile, strat: Strategy) -> _Parts:
+    groups = comm.axis_groups(hw, strat)
+    unit = _tp_unit_s(model, strat, groups.tp)
+    # Block: 2 exchanges forward (after attention, after the MLP), 2 backward, 2 more when
+    # full recompute repeats the forward. Embedding: 1 forward (vocab-parallel lookup);
+    # head: 1 backward (gradient of the projection's input).
+    block_units = (6 if strat.recompute == "full" else 4) * unit
+    layer = _piece(memory.layer_params(model, strat), compute.block_times(model, hw, strat),
+                   block_units, memory.block_act_bytes(model, strat), hw, strat, groups)
+    first = _piece(memory.first_params(model, strat), compute.first_times(model, hw, strat),
+                   unit, memory.first_act_bytes(model, strat), hw, strat, groups)
+    last = _piece(memory.last_params(model, strat), compute.last_times(model, hw, strat),
+                  unit, memory.last_act_bytes(model, strat), hw, strat, groups)
+    if strat.pp > 1 and model.tied:
+        # The tied embedding and its copy on the last stage sum their gradients.
+        pair = comm.Group(size=2, bw_bytes_s=groups.pp.bw_bytes_s, p2p_bytes_s=groups.pp.p2p_bytes_s,
+                          latency_s=groups.pp.latency_s, inter_node=groups.pp.inter_node)
+        sync = comm.all_reduce_s(model.vocab * model.hidden / strat.tp * memory.recipe(strat).grad,
+                                 pair)
+        first = replace(first, dp_tail_s=first.dp_tail_s + sync)
+        last = replace(last, dp_tail_s=last.dp_tail_s + sync)
+    # Scatter/gather (Narayanan et al.): each stage boundary carries b s h / tp per direction.
+    vol = strat.micro_batch * model.seq * model.hidden * (4 if strat.dtype == "fp32" else 2) / strat.tp
+    p2p = pipeline.chunks(strat) * 2 * comm.p2p_s(vol, groups.pp) if strat.pp > 1 else 0.0
+    return _Parts(layer=layer, first=first, last=last, p2p_s=p2p)
+
+
+def stage_costs(model: ModelProfile, hw: HardwareProfile, strat: Strategy) -> StageCosts:
+    """All coefficients of the fixed outer strategy (``strat.stage_layers`` is ignored)."""
+    parts = _parts(model, hw, strat)
+    passes = compute.block_times(model, hw, strat)
+    sum_w, max_w = pipeline.schedule_weights(strat, pipeline.zb_fill_fraction(
+        passes.forward_s, passes.recompute_s, passes.backward_s))
+    return StageCosts(
+        pp=strat.pp, layer_time_s=parts.layer.time_s, first_time_s=parts.first.time_s,
+        last_time_s=parts.last.time_s, p2p_time_s=parts.p2p_s,
+        layer_dp_time_s=parts.layer.tail_s, first_dp_time_s=parts.first.tail_s,
+        last_dp_time_s=parts.last.tail_s,
+        layer_static_bytes=parts.layer.state.total, layer_act_bytes=parts.layer.act_bytes,
+        first_static_bytes=parts.first.state.total, first_act_bytes=parts.first.act_bytes,
+        last_static_bytes=parts.last.state.total, last_act_bytes=parts.last.act_bytes,
+        inflight=pipeline.inflight(strat), buffer_bytes=memory.buffer_bytes(model, hw, strat),
+        sum_weight=sum_w, max_weight=max_w)
+
+
+def _stage_pieces(parts: _Parts, s: int, n: int, pp: int) -> list[tuple[float, _Piece]]:
+    """(count, piece) of what stage s holding n blocks runs."""
+    out = [(float(n), parts.layer)]
+    if s == 0:
+        out.append((1.0, parts.first))
+    if s == pp - 1:
+        out.append((1.0, parts.last))
+    return out
+
+
+def estimate(model: ModelProfile, hw: HardwareProfile, strat: Strategy, *,
+             global_batch: int) -> Estimate:
+    """Evaluate ``stage_costs`` on ``strat.stage_layers`` (even when empty).
+
+    The time breakdown adds up to ``step_time_s``: compute, tp, pp and the exposed part of
+    ZeRO-2/3's per-micro-batch collectives are the slowest stage's m micro-batches split by
+    kind; ``bubble_s`` is the rest of the pipeline term (fill and drain); the stage with the
+    longest D_s adds its data-parallel reduction (to ``dp_comm_s``) and ``optimizer_s``.
+    The memory breakdown is that of the stage with the highest peak.
+    """
+    tokens_per_rank = strat.micro_batch * strat.num_microbatches
+    if global_batch != strat.dp * tokens_per_rank:
+        raise ValueError(f"global batch {global_batch} is not dp x micro_batch x "
+                         f"num_microbatches = {strat.dp} x {strat.micro_batch} x "
+                         f"{strat.num_microbatches}; set num_microbatches = B / (dp x mbs)")
+    layers = strat.stage_layers or even_stage_layers(model.layers, strat.pp)
+    c = stage_costs(model, hw, strat)
+    parts = _parts(model, hw, strat)
+    step = c.step_time_s(layers)
+    m = strat.num_microbatches
+
+    times = [c.stage_time_s(s, n) for s, n in enumerate(layers)]
+    tails = [c.stage_dp_time_s(s, n) for s, n in enumerate(layers)]
+    st = max(range(strat.pp), key=times.__getitem__)
+    sd = max(range(strat.pp), key=tails.__getitem__)
+    crit = _stage_pieces(parts, st, layers[st], strat.pp)
+    tail = _stage_pieces(parts, sd, layers[sd], strat.pp)
+    compute_s = m * sum(k * p.compute_s for k, p in crit)
+    tp_s = m * sum(k * p.tp_s for k, p in crit)
+    pp_s = m * parts.p2p_s
+    dp_s = m * sum(k * p.dp_exposed_s for k, p in crit) + sum(k * p.dp_tail_s for k, p in tail)
+    opt_s = sum(k * p.optimizer_s for k, p in tail)
+    bubble_s = step - tails[sd] - m * times[st]
+
+    peaks = [c.stage_memory_bytes(s, n) for s, n in enumerate(layers)]
+    sm = max(range(strat.pp), key=peaks.__getitem__)
+    mem_pieces = _stage_pieces(parts, sm, layers[sm], strat.pp)
+    k = c.inflight[sm]
+    memory_bd = MemoryBreakdown(
+        peak_bytes=peaks[sm],
+        params_bytes=sum(n * p.state.params for n, p in mem_pieces),
+        grads_bytes=sum(n * p.state.grads for n, p in mem_pieces),
+        optimizer_bytes=sum(n * p.state.optimizer for n, p in mem_pieces),
+        activations_bytes=k * sum(n * p.act_bytes for n, p in mem_pieces),
+        buffers_bytes=c.buffer_bytes)
+
+    flops = model_flops_per_step(model, global_batch)
+    per_gpu = flops / (step * strat.devices)
+    return Estimate(
+        step_time_s=step, tokens_per_s=global_batch * model.seq / step,
+        tflops_per_gpu=per_gpu / 1e12, mfu=per_gpu / hw.peak_flops(strat.dtype),
+        fits=max(peaks) <= hw.memory_bytes, memory=memory_bd,
+        time=TimeBreakdown(compute_s=compute_s, tp_comm_s=tp_s, dp_comm_s=dp_s, pp_comm_s=pp_s,
+                           bubble_s=bubble_s, optimizer_s=opt_s),
+        stage_peak_bytes=tuple(peaks))

@@ -1,0 +1,65 @@
+"""Pipeline schedules: the StageCosts weights and the micro-batches in flight per stage.
+
+With m micro-batches and per-micro-batch stage times T_s the step is
+``sum_weight * Σ_s T_s + max_weight * max_s T_s`` (see ``cost_models.stages``). Write
+``sum_weight = f`` and ``max_weight = m - f``: for uniform stages the step is ``(m + (p-1) f) T``,
+a bubble fraction of ``(p-1) f / m``, where f is the fraction of a stage's per-micro-batch time
+spent once per stage in the fill and drain.
+
+- gpipe, 1f1b: f = 1, bubble (p-1)/m (Narayanan et al. 2021).
+- interleaved with v chunks per stage: f = 1/v, bubble (p-1)/(v m) (Narayanan et al. 2021);
+  the fill and drain pass each device once per chunk, i.e. T_s / v. Megatron needs m % p == 0.
+- zero-bubble: ZB-H1 of Qi et al. 2023 (same peak memory as 1F1B). The backward splits into B
+  (input gradients) and W (weight gradients); W fills the drain, leaving a bubble of
+  (p-1)(T_F + T_B - T_W). With B = W = half the backward and any recompute on the F side, f is
+  ``zb_fill_fraction`` = (F + R) / (F + R + backward) (1/3 without recompute). An approximation:
+  it ignores the communication inside T_s and the optimizer-step synchronisation ZB-V removes.
+"""
+
+from __future__ import annotations
+
+from cost_models.strategy import Strategy
+
+
+def chunks(strat: Strategy) -> int:
+    """Model chunks per device: ``virtual_stages`` under the interleaved schedule, else 1."""
+    return strat.virtual_stages if strat.schedule == "interleaved" else 1
+
+
+def zb_fill_fraction(forward_s: float, recompute_s: float, backward_s: float) -> float:
+    """f of the zero-bubble (ZB-H1) schedule from one block's pass times."""
+    total = forward_s + recompute_s + backward_s
+    return (forward_s + recompute_s) / total if total > 0 else 1.0
+
+
+def schedule_weights(strat: Strategy, zb_fill: float = 1 / 3) -> tuple[float, float]:
+    """(sum_weight, max_weight) of StageCosts for the strategy's schedule."""
+    m = strat.num_microbatches
+    if strat.pp == 1:
+        return 1.0, m - 1.0  # no pipeline: m micro-batches back to back, whatever f
+    if strat.schedule == "interleaved":
+        f = 1.0 / chunks(strat)
+    elif strat.schedule == "zero-bubble":
+        f = zb_fill
+    else:
+        f = 1.0
+    return f, m - f
+
+
+def inflight(strat: Strategy) -> tuple[float, ...]:
+    """Micro-batches (in units of a whole stage's activations) stage s holds at its peak.
+
+    gpipe: all m (pp > 1); 1f1b and zero-bubble: min(p - s, m). interleaved with v chunks:
+    Megatron's warm-up runs 2(p-s-1) + (v-1)p chunk forwards before the first backward, so
+    (2(p-s-1) + (v-1)p + 1) chunks of n/v blocks are live: stage 0 holds
+    p (1 + (p-1)/(p v)) micro-batches, Korthikanti et al.'s factor (their "m" is v).
+    Capped at m. Without a pipeline (pp = 1) one micro-batch is live at a time.
+    """
+    p, m, v = strat.pp, strat.num_microbatches, chunks(strat)
+    if p == 1:
+        return (1.0,)
+    if strat.schedule == "gpipe":
+        return tuple(float(m) for _ in range(p))
+    if v > 1:
+        return tuple(min(float(m), (2 * (p - s - 1) + (v - 1) * p + 1) / v) for s in range(p))
+    return tuple(float(min(p - s, m)) for s in range(p))

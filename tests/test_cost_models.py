@@ -1,0 +1,225 @@
+"""The cost model against its formulas and the papers' closed forms (pure Python, fast)."""
+
+import dataclasses
+import math
+
+import pytest
+
+from cost_models import (ModelProfile, Strategy, estimate, even_stage_layers, load_profile,
+                         model_flops_per_step, stage_costs)
+from cost_models import comm, compute, memory, pipeline
+from cost_models.memory import RECIPES, state_bytes
+
+
+def gpt(layers: int, hidden: int, heads: int, vocab: int = 51200, seq: int = 2048) -> ModelProfile:
+    """Narayanan's counts (Eq. 2, 3) and Korthikanti's activation decomposition 34 + 5as/h."""
+    h = hidden
+    return ModelProfile(
+        name=f"gpt-{layers}x{h}", layers=layers, hidden=h, heads=heads, kv_heads=heads,
+        ffn=4 * h, vocab=vocab, seq=seq, tied=True, block_params=12 * h * h + 13 * h,
+        embed_params=(vocab + seq) * h, head_params=2 * h + vocab * h,
+        block_matmul_flops_per_token=24.0 * h * h, block_attn_flops_per_token=4.0 * seq * h,
+        head_flops_per_token=2.0 * vocab * h, block_act_bytes_replicated_per_token=10.0 * h,
+        block_act_bytes_sharded_per_token=24.0 * h, block_act_bytes_attn_per_token=5.0 * heads * seq)
+
+
+A100 = load_profile("dgx-a100-80g")
+G22B = gpt(48, 6144, 64)  # Korthikanti et al. Table 3
+
+
+# --- communication -------------------------------------------------------------------------
+
+def test_alpha_beta_collectives():
+    g = comm.Group(size=4, bw_bytes_s=100e9, p2p_bytes_s=50e9, latency_s=1e-5, inter_node=False)
+    nbytes = 1e9
+    assert comm.all_reduce_s(nbytes, g) == pytest.approx(2 * 3 / 4 * nbytes / 100e9 + 6 * 1e-5)
+    assert comm.reduce_scatter_s(nbytes, g) == pytest.approx(3 / 4 * nbytes / 100e9 + 3 * 1e-5)
+    assert comm.all_gather_s(nbytes, g) == comm.reduce_scatter_s(nbytes, g)
+    assert comm.p2p_s(nbytes, g) == pytest.approx(1e-5 + nbytes / 50e9)
+    one = dataclasses.replace(g, size=1)
+    assert comm.all_reduce_s(nbytes, one) == comm.p2p_s(nbytes, one) == 0.0
+
+
+def test_tier_follows_megatron_rank_order():
+    groups = comm.axis_groups(A100, Strategy(tp=8, dp=2, pp=2))
+    assert not groups.tp.inter_node and groups.tp.bw_bytes_s == pytest.approx(230e9)
+    # dp ranks are 8 apart: one member per node, one 24 GB/s NIC per ring.
+    assert groups.dp.inter_node and groups.dp.bw_bytes_s == pytest.approx(24e9)
+    assert groups.pp.inter_node
+    groups = comm.axis_groups(A100, Strategy(tp=2, dp=4, pp=4))
+    assert not groups.tp.inter_node and not groups.dp.inter_node and groups.pp.inter_node
+    # tp = 1, dp = 16: 8 members per node run 8 rings over 8 NICs: 8 x 24 = 192 GB/s.
+    groups = comm.axis_groups(A100, Strategy(dp=16))
+    assert groups.dp.inter_node and groups.dp.bw_bytes_s == pytest.approx(192e9)
+
+
+# --- memory -------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("psi, dp, zero, published_gb", [
+    (7.5e9, 64, 1, 31.4), (7.5e9, 64, 2, 16.6), (7.5e9, 64, 3, 1.88),
+    (7.5e9, 16, 2, 21.6), (7.5e9, 4, 3, 30.0), (1e12, 1024, 3, 15.6),
+])
+def test_zero_table1_model_states(psi, dp, zero, published_gb):
+    """Rajbhandari et al. 2020, Table 1 (GB = 1e9 bytes), 16 bytes/parameter recipe."""
+    got = state_bytes(psi, RECIPES["zero"], zero, dp).total / 1e9
+    assert got == pytest.approx(published_gb, rel=0.005)
+
+
+def test_precision_recipes_bytes_per_parameter():
+    assert state_bytes(1, memory.recipe(Strategy()), 0, 1).total == 18
+    assert state_bytes(1, memory.recipe(Strategy(precision="zero")), 0, 1).total == 16
+    assert state_bytes(1, memory.recipe(Strategy(dtype="fp32")), 0, 1).total == 16
+    with pytest.raises(ValueError, match="precision"):
+        Strategy(precision="fp8")
+
+
+@pytest.mark.parametrize("tp, sp, rc, factor", [
+    (1, False, "none", lambda a, s, h, t: 34 + 5 * a * s / h),
+    (8, False, "none", lambda a, s, h, t: 10 + 24 / t + 5 * a * s / (h * t)),
+    (8, True, "none", lambda a, s, h, t: 34 / t + 5 * a * s / (h * t)),
+    (8, False, "selective", lambda a, s, h, t: 10 + 24 / t),
+    (8, True, "selective", lambda a, s, h, t: 34 / t),
+    (1, False, "full", lambda a, s, h, t: 2),
+    (8, True, "full", lambda a, s, h, t: 2 / t),
+])
+def test_korthikanti_table2_activations(tp, sp, rc, factor):
+    b, s, h, a = 2, 2048, 6144, 64
+    strat = Strategy(tp=tp, sequence_parallel=sp, recompute=rc, micro_batch=b)
+    expected = s * b * h * factor(a, s, h, tp)
+    assert memory.block_act_bytes(G22B, strat) == pytest.approx(expected, rel=1e-12)
+
+
+def test_korthikanti_figure1_params_and_optimizer_22b():
+    """45.56 GiB of parameters + optimizer state per GPU for 22B at TP 8 (18 bytes/param)."""
+    c = stage_costs(G22B, A100, Strategy(tp=8, micro_batch=4, num_microbatches=1))
+    static = G22B.layers * c.layer_static_bytes + c.first_static_bytes + c.last_static_bytes
+    assert static / 2**30 == pytest.approx(45.56, rel=0.02)
+
+
+def test_inflight_micro_batches_per_schedule():
+    assert pipeline.inflight(Strategy(pp=4, num_microbatches=8)) == (4, 3, 2, 1)
+    assert pipeline.inflight(Strategy(pp=4, num_microbatches=2)) == (2, 2, 2, 1)
+    assert pipeline.inflight(Strategy(pp=4, num_microbatches=8, schedule="gpipe")) == (8,) * 4
+    p, v = 4, 2
+    inter = pipeline.inflight(Strategy(pp=p, num_microbatches=16, schedule="interleaved",
+                                       virtual_stages=v))
+    assert inter[0] == pytest.approx(p * (1 + (p - 1) / (p * v)))  # Korthikanti's factor
+    assert pipeline.inflight(Strategy(num_microbatches=8)) == (1,)
+
+
+def test_zero3_shards_parameters_and_adds_gather_buffers():
+    model = gpt(24, 2048, 16)
+    z0 = stage_costs(model, A100, Strategy(dp=8, zero=0))
+    z3 = stage_costs(model, A100, Strategy(dp=8, zero=3))
+    assert z3.layer_static_bytes == pytest.approx(z0.layer_static_bytes / 8)
+    assert z3.buffer_bytes > z0.buffer_bytes
+
+
+# --- compute ------------------------------------------------------------------------------
+
+def test_block_time_roofline_and_recompute_order():
+    strat = Strategy(tp=8, micro_batch=4)
+    none = compute.block_times(G22B, A100, strat)
+    flops = 4 * 2048 * (24 * 6144**2 + 4 * 2048 * 6144) / 8
+    act = memory.block_act_bytes(G22B, strat)
+    expected = flops / (312e12 * A100.matmul_efficiency) + act / (2039e9 * A100.memory_efficiency)
+    assert none.forward_s == pytest.approx(expected)
+    assert none.backward_s == pytest.approx(2 * none.forward_s) and none.recompute_s == 0
+    sel = compute.block_times(G22B, A100, dataclasses.replace(strat, recompute="selective"))
+    full = compute.block_times(G22B, A100, dataclasses.replace(strat, recompute="full"))
+    assert 0 < sel.recompute_s < full.recompute_s == pytest.approx(none.forward_s)
+    sp = compute.block_times(G22B, A100, dataclasses.replace(strat, sequence_parallel=True))
+    assert sp.forward_s < none.forward_s  # SP splits the replicated element-wise work
+
+
+# --- pipeline weights and estimate ----------------------------------------------------------
+
+def _uniform(c):
+    """The same coefficients with no embedding/head and no tail: every stage costs the same."""
+    return dataclasses.replace(c, first_time_s=0.0, last_time_s=0.0, layer_dp_time_s=0.0,
+                               first_dp_time_s=0.0, last_dp_time_s=0.0)
+
+
+@pytest.mark.parametrize("schedule, v, bubble", [
+    ("1f1b", 1, lambda p, m, v: (p - 1) / m), ("gpipe", 1, lambda p, m, v: (p - 1) / m),
+    ("interleaved", 2, lambda p, m, v: (p - 1) / (v * m)),
+    ("zero-bubble", 1, lambda p, m, v: (p - 1) / (3 * m)),
+])
+def test_pipeline_bubble_fraction(schedule, v, bubble):
+    p, m = 4, 8
+    strat = Strategy(pp=p, num_microbatches=m, schedule=schedule, virtual_stages=v)
+    c = _uniform(stage_costs(gpt(16, 1024, 16), A100, strat))
+    t = c.stage_time_s(0, 4)
+    assert c.step_time_s((4, 4, 4, 4)) / (m * t) - 1 == pytest.approx(bubble(p, m, v))
+
+
+def test_estimate_evaluates_stage_costs_and_its_parts_add_up():
+    model = gpt(24, 4096, 32)
+    strat = Strategy(dp=4, tp=2, pp=4, micro_batch=2, num_microbatches=8, zero=1,
+                     sequence_parallel=True, recompute="selective", stage_layers=(5, 7, 7, 5))
+    est = estimate(model, A100, strat, global_batch=64)
+    c = stage_costs(model, A100, strat)
+    assert est.step_time_s == pytest.approx(c.step_time_s((5, 7, 7, 5)), rel=1e-12)
+    t = est.time
+    parts = t.compute_s + t.tp_comm_s + t.dp_comm_s + t.pp_comm_s + t.bubble_s + t.optimizer_s
+    assert parts == pytest.approx(est.step_time_s, rel=1e-9)
+    assert min(t.compute_s, t.tp_comm_s, t.dp_comm_s, t.pp_comm_s, t.bubble_s, t.optimizer_s) > 0
+    mem = est.memory
+    assert est.stage_peak_bytes == tuple(c.stage_memory_bytes(s, n) for s, n in enumerate((5, 7, 7, 5)))
+    assert mem.peak_bytes == max(est.stage_peak_bytes)
+    assert (mem.params_bytes + mem.grads_bytes + mem.optimizer_bytes + mem.activations_bytes
+            + mem.buffers_bytes) == pytest.approx(mem.peak_bytes, rel=1e-12)
+    flops = model_flops_per_step(model, 64)
+    assert est.tflops_per_gpu * 1e12 * est.step_time_s * 32 == pytest.approx(flops)
+    assert 0 < est.mfu < 1 and est.tokens_per_s == pytest.approx(64 * 2048 / est.step_time_s)
+    assert estimate(model, A100, dataclasses.replace(strat, stage_layers=()),
+                    global_batch=64).stage_peak_bytes != est.stage_peak_bytes  # (6,6,6,6)
+
+
+def test_model_flops_are_narayanans():
+    B, s, L, h, V = 8, 2048, 24, 2304, 51200
+    expected = 72 * B * s * L * h * h * (1 + s / (6 * h) + V / (12 * h * L))
+    assert model_flops_per_step(gpt(L, h, 24), B) == pytest.approx(expected, rel=1e-12)
+
+
+def test_fits_flips_as_memory_shrinks():
+    model, strat = gpt(16, 2048, 16), Strategy(dp=8, micro_batch=2, num_microbatches=4)
+    roomy = estimate(model, A100, strat, global_batch=64)
+    assert roomy.fits
+    tight = dataclasses.replace(A100, memory_gib=roomy.memory.peak_bytes / 2**30 * 0.99)
+    assert not estimate(model, tight, strat, global_batch=64).fits
+    assert estimate(model, tight, dataclasses.replace(strat, zero=3),
+                    global_batch=64).fits  # sharding gets it back under the cap
+
+
+def test_more_microbatches_shrink_the_bubble():
+    model = gpt(32, 4096, 32)
+    fractions = []
+    for m in (4, 16, 64):
+        est = estimate(model, A100, Strategy(pp=4, num_microbatches=m), global_batch=m)
+        fractions.append(est.time.bubble_s / est.step_time_s)
+    assert fractions[0] > fractions[1] > fractions[2] > 0
+    assert estimate(model, A100, Strategy(num_microbatches=4), global_batch=4).time.bubble_s == \
+        pytest.approx(0.0, abs=1e-12)
+
+
+def test_estimate_refuses_an_inconsistent_global_batch():
+    with pytest.raises(ValueError, match="num_microbatches"):
+        estimate(G22B, A100, Strategy(dp=2, num_microbatches=4), global_batch=10)
+
+
+def test_even_stage_layers():
+    assert even_stage_layers(10, 4) == (3, 3, 2, 2)
+    assert even_stage_layers(8, 1) == (8,)
+    with pytest.raises(ValueError):
+        even_stage_layers(2, 3)
+
+
+@pytest.mark.parametrize("name", ["dgx-a100-80g", "dgx-h100", "dgx-h200"])
+def test_shipped_profiles_name_their_sources(name):
+    hw = load_profile(name)
+    assert hw.devices_per_node == 8 and hw.launcher == "nccl"
+    for key in ("peak_tflops", "hbm_bw_gbps", "intra_node", "inter_node", "matmul_efficiency",
+                "memory_efficiency", "reserve_gib", "memory_gib"):
+        assert hw.notes.get(key), f"{name}: no note for {key}"
+    assert math.isclose(hw.peak_flops("bf16"), {"dgx-a100-80g": 312e12}.get(name, 989e12))
