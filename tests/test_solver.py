@@ -92,15 +92,16 @@ def test_same_inputs_give_the_same_plan():
 
 
 def test_choice_flips_as_memory_shrinks():
-    """Plenty of memory: no recompute and no sharding; squeeze it and the plan must give way."""
+    """Plenty of memory: no recompute and parameters not sharded; squeeze it and the plan must
+    shard parameters (ZeRO-3) or recompute."""
     model = gpt_profile(24, 4096, 32, 51200, 2048)
     hw = load_profile("dgx-a100-80g")
     roomy = search(model, dataclasses.replace(hw, memory_gib=1000.0), 8, 64, "bf16",
                    Pins(tp=1, pp=1)).strategy
     tight_hw = dataclasses.replace(hw, memory_gib=24.0)
     tight = search(model, tight_hw, 8, 64, "bf16", Pins(tp=1, pp=1))
-    assert roomy.zero == 0 and roomy.recompute == "none"
-    assert (tight.strategy.zero, tight.strategy.recompute) != (0, "none")
+    assert roomy.zero < 3 and roomy.recompute == "none"
+    assert tight.strategy.zero == 3 or tight.strategy.recompute != "none"
     assert tight.estimate.memory.peak_bytes <= tight_hw.memory_bytes
     # Under the roomy plan's choices the tight device would overflow: the flip was forced.
     forced = estimate(model, tight_hw, dataclasses.replace(roomy, stage_layers=(24,)), global_batch=64)
