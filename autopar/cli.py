@@ -208,8 +208,9 @@ def run(plan_file: Path = typer.Argument(..., help="A plan JSON from `autopar pl
         as_json: bool = JSON) -> None:
     """Run a plan locally under torchrun (gloo on CPU) on synthetic tokens."""
     def body() -> None:
+        the_plan = load_plan(plan_file)
         from autopar.runtime import run_plan
-        result = run_plan(load_plan(plan_file), steps)
+        result = run_plan(the_plan, steps)
         if as_json:
             typer.echo(json.dumps({"losses": result.losses, "step_times_s": result.step_times_s}))
             return
