@@ -3,8 +3,8 @@
 Search = an outer enumeration of the discrete strategy (``candidates``) and, for each outer
 candidate, an exact CP-SAT model of the pipeline placement (``place_layers``).
 
-Outer space (``candidates``): tp | gpus with tp ≤ devices per node and tp dividing the attention
-and kv heads; pp | gpus/tp with pp ≤ layers; dp = gpus/(tp·pp) dividing the global batch B;
+Outer space (``candidates``): tp | gpus with tp dividing the devices per node (a tp group never
+straddles nodes) and the attention and kv heads; pp | gpus/tp with pp ≤ layers; dp = gpus/(tp·pp) dividing the global batch B;
 micro-batch b | B/dp, m = B/(dp·b) micro-batches (m ≥ pp when pp > 1); ZeRO 0-3 (0 when dp = 1);
 schedule GPipe or 1F1B (when pp > 1); sequence parallelism (when tp > 1); recompute none,
 selective or full. Any dimension may be pinned.
@@ -84,7 +84,7 @@ def candidates(model: ModelProfile, hw: HardwareProfile, gpus: int, global_batch
                dtype: str, pins: Pins = Pins()) -> Iterator[Strategy]:
     """Every outer strategy the runtime can run, in a fixed order (stage_layers left empty)."""
     for tp in _choices(pins.tp, _divisors(gpus)):
-        if tp > hw.devices_per_node or model.heads % tp or model.kv_heads % tp or gpus % tp:
+        if hw.devices_per_node % tp or model.heads % tp or model.kv_heads % tp or gpus % tp:
             continue
         for pp in _choices(pins.pp, _divisors(gpus // tp)):
             if pp > model.layers or (gpus // tp) % pp:

@@ -1,0 +1,83 @@
+"""Planner search time on the issue's anchor jobs, and the plan against Megatron's published one.
+
+    python benchmarks/search_time.py [--repeats 3]
+
+Part 1 prints, per job, the median search time of ``repeats`` runs (tracing excluded: it is
+timed by benchmarks/trace_time.py), the candidates considered and the plan. Part 2 plans every
+row of Narayanan et al. 2021 Table 1 (same model, GPUs, batch) freely and pinned to the
+published TP and PP, and prints both predicted throughputs under the same cost model.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+
+from autopar.solve import Pins, search
+from autopar.trace import profile_spec
+from autopar.workflow import read_job
+
+# (label, model, cluster, gpus, global batch, seq len)
+JOBS = [
+    ("GPT-3 175B, 1024 A100", "gpt3-175b", "dgx-a100-80g", 1024, 1536, None),
+    ("Llama-3 405B, 16384 H100, 16M tokens", "llama3-405b", "dgx-h100", 16384, 2048, 8192),
+    ("GPT 1T, 3072 A100", "megatron-1t", "dgx-a100-80g", 3072, 3072, None),
+    ("96-layer Llama-2-7B-shaped GPT, 1024 A100", "gpt:layers=96,hidden=4096,heads=32,vocab=32000,seq=2048",
+     "dgx-a100-80g", 1024, 1024, None),
+]
+
+# Narayanan et al. SC'21 Table 1: (preset, TP, PP, GPUs, batch).
+TABLE1 = [("megatron-1.7b", 1, 1, 32, 512), ("megatron-3.6b", 2, 1, 64, 512),
+          ("megatron-7.5b", 4, 1, 128, 512), ("megatron-18.4b", 8, 1, 256, 1024),
+          ("megatron-39.1b", 8, 2, 512, 1536), ("megatron-76.1b", 8, 4, 1024, 1792),
+          ("megatron-145.6b", 8, 8, 1536, 2304), ("megatron-310.1b", 8, 16, 1920, 2160),
+          ("megatron-529.6b", 8, 35, 2520, 2520), ("megatron-1t", 8, 64, 3072, 3072)]
+
+
+def _describe(s) -> str:
+    return (f"dp={s.dp} tp={s.tp} pp={s.pp} zero={s.zero} mbs={s.micro_batch} m={s.num_microbatches} "
+            f"{s.schedule} sp={int(s.sequence_parallel)} rc={s.recompute}")
+
+
+def time_jobs(repeats: int) -> None:
+    print(f"{'job':45s} {'search s (median)':>17s} {'candidates':>10s} {'solved':>6s}  plan")
+    for label, model, cluster, gpus, batch, seq in JOBS:
+        job = read_job(model, cluster, gpus, batch, seq)
+        prof = profile_spec(job.spec)
+        times, sol = [], None
+        for _ in range(repeats):
+            t = time.perf_counter()
+            sol = search(prof, job.hw, gpus, batch, job.dtype)
+            times.append(time.perf_counter() - t)
+        print(f"{label:45s} {statistics.median(times):17.2f} {sol.candidates:10d} {sol.solved:6d}  "
+              f"{_describe(sol.strategy)}  {sol.estimate.tflops_per_gpu:.0f} TFLOP/s, MFU {sol.estimate.mfu:.1%}")
+
+
+def compare_table1() -> None:
+    print(f"\n{'Narayanan T1 row':18s} {'published (tp,pp)':>18s} {'tok/s published cfg':>20s} "
+          f"{'tok/s plan':>12s} {'ratio':>6s}  plan")
+    for preset, tp, pp, gpus, batch in TABLE1:
+        job = read_job(preset, "dgx-a100-80g", gpus, batch)
+        prof = profile_spec(job.spec)
+        free = search(prof, job.hw, gpus, batch, job.dtype)
+        try:
+            pinned = search(prof, job.hw, gpus, batch, job.dtype, Pins(tp=tp, pp=pp))
+            ref = f"{pinned.estimate.tokens_per_s:20,.0f}"
+            ratio = f"{free.estimate.tokens_per_s / pinned.estimate.tokens_per_s:6.3f}"
+        except ValueError as exc:  # the published split may not fit this cost model's memory
+            ref, ratio = f"{'(' + str(exc)[:17] + ')':>20s}", "   n/a"
+        print(f"{preset:18s} {f'({tp},{pp})':>18s} {ref} {free.estimate.tokens_per_s:12,.0f} {ratio}  "
+              f"{_describe(free.strategy)}")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--repeats", type=int, default=3)
+    args = parser.parse_args()
+    time_jobs(args.repeats)
+    compare_table1()
+
+
+if __name__ == "__main__":
+    main()
