@@ -221,8 +221,9 @@ def _no_candidate_reason(model: ModelProfile, hw: HardwareProfile, gpus: int,
                          global_batch: int, pins: Pins) -> str:
     if pins.tp and (model.heads % pins.tp or model.kv_heads % pins.tp):
         return f"--tp {pins.tp} does not divide the {model.heads} heads / {model.kv_heads} kv heads"
-    if pins.tp and pins.tp > hw.devices_per_node:
-        return f"--tp {pins.tp} exceeds the {hw.devices_per_node} devices per node of {hw.name}"
+    if pins.tp and hw.devices_per_node % pins.tp:
+        return (f"--tp {pins.tp} does not divide the {hw.devices_per_node} devices per node of "
+                f"{hw.name}; tensor parallelism stays inside a node")
     if any(v is not None for v in (pins.dp, pins.tp, pins.pp, pins.micro_batch)):
         return (f"no strategy with the pinned degrees splits {gpus} devices and global batch "
                 f"{global_batch}; check that dp x tp x pp = --gpus and that dp x mbs divides the batch")
