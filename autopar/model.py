@@ -12,6 +12,7 @@ The attention reshapes with ``-1`` heads, so the same code runs on tensor-parall
 from __future__ import annotations
 
 import math
+import zlib
 
 import torch
 import torch.nn.functional as F
@@ -54,6 +55,15 @@ def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch
     return torch.stack((x1 * cos - x2 * sin, x1 * sin + x2 * cos), dim=-1).flatten(-2)
 
 
+class CoreAttention(nn.Module):
+    """softmax(q kᵀ / √d) v with a causal mask: the part selective recompute re-runs
+    (Korthikanti et al. 2022, Sec. 5). No parameters."""
+
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        return F.scaled_dot_product_attention(q, k, v, is_causal=True,
+                                              enable_gqa=k.shape[1] != q.shape[1])
+
+
 class Attention(nn.Module):
     """Causal self-attention with separate q/k/v projections (column-parallel) and an output
     projection (row-parallel)."""
@@ -67,11 +77,20 @@ class Attention(nn.Module):
         self.k = nn.Linear(spec.hidden, kv, bias=bias)
         self.v = nn.Linear(spec.hidden, kv, bias=bias)
         self.o = nn.Linear(spec.hidden, spec.hidden, bias=bias)
+        self.core = CoreAttention()
         self.rotary = spec.arch == "llama"
         if self.rotary:
             cos, sin = rotary_tables(spec.seq, spec.head_dim)
             self.register_buffer("cos", cos, persistent=False)
             self.register_buffer("sin", sin, persistent=False)
+
+    @torch.no_grad()
+    def reset_buffers(self) -> None:
+        """Recompute the RoPE tables in place (after ``to_empty`` from meta)."""
+        if self.rotary and not self.cos.is_meta:
+            cos, sin = rotary_tables(self.cos.shape[0], 2 * self.cos.shape[1])
+            self.cos.copy_(cos)
+            self.sin.copy_(sin)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         b, s, _ = x.shape
@@ -81,8 +100,7 @@ class Attention(nn.Module):
         if self.rotary:
             q, k = apply_rotary(q, self.cos, self.sin), apply_rotary(k, self.cos, self.sin)
         q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
-        y = F.scaled_dot_product_attention(q, k, v, is_causal=True,
-                                           enable_gqa=k.shape[1] != q.shape[1])
+        y = self.core(q, k, v)
         return self.o(y.transpose(1, 2).reshape(b, s, -1))
 
 
@@ -124,7 +142,7 @@ class Block(nn.Module):
 class Transformer(nn.Module):
     """tokens [b, s] (int64) -> logits [b, s, vocab]; stages of a pipeline hold a subset."""
 
-    def __init__(self, spec: ModelSpec) -> None:
+    def __init__(self, spec: ModelSpec, seed: int = 0) -> None:
         super().__init__()
         self.spec = spec
         self.embed: Embedding | None = Embedding(spec)
@@ -133,12 +151,14 @@ class Transformer(nn.Module):
         self.output: nn.Linear | None = nn.Linear(spec.hidden, spec.vocab, bias=False)
         if spec.tied:
             self.output.weight = self.embed.tok.weight
-        self.reset_parameters()
+        self.reset_parameters(seed)
 
     @torch.no_grad()
-    def reset_parameters(self) -> None:
-        """GPT-2 style init: N(0, 0.02), output projections scaled by 1/sqrt(2 L), zero biases.
-        Parameters on ``meta`` hold no values and are left alone."""
+    def reset_parameters(self, seed: int = 0) -> None:
+        """GPT-2 style init: N(0, 0.02), output projections scaled by 1/sqrt(2 L), zero biases,
+        unit norm weights. Each parameter draws from its own generator seeded by ``seed`` and
+        its fully-qualified name, so a pipeline stage that holds a subset of the blocks gets
+        exactly the values of the whole model. Parameters on ``meta`` are left alone."""
         for name, p in self.named_parameters():
             if p.is_meta:
                 continue
@@ -149,7 +169,10 @@ class Transformer(nn.Module):
                     p.zero_()
             else:
                 std = INIT_STD / math.sqrt(2 * self.spec.layers) if name.endswith(("o.weight", "down.weight")) else INIT_STD
-                p.normal_(0.0, std)
+                gen = torch.Generator(device=p.device).manual_seed(seed * 1_000_003 + zlib.crc32(name.encode()))
+                p.normal_(0.0, std, generator=gen)
+        for layer in self.layers.values():
+            layer.attn.reset_buffers()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         h = self.embed(x) if self.embed is not None else x
@@ -168,5 +191,4 @@ def cross_entropy(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
 def build_model(spec: ModelSpec, device: str | torch.device = "cpu", seed: int = 0) -> Transformer:
     """The built-in model of ``spec`` on ``device`` (``meta`` allocates nothing)."""
     with torch.device(device):
-        torch.manual_seed(seed)
-        return Transformer(spec)
+        return Transformer(spec, seed)

@@ -1,0 +1,9 @@
+"""codegen + runtime: a Plan becomes a per-rank program on stock torch.distributed.
+
+Nothing here calls the solver: the Plan is the only input besides the model spec it names.
+"""
+
+from autopar.runtime.launch import run_plan, run_plans
+from autopar.runtime.train import RunResult, TrainConfig
+
+__all__ = ["RunResult", "TrainConfig", "run_plan", "run_plans"]

@@ -1,0 +1,81 @@
+"""The per-rank parallel context: one DeviceMesh for every axis, and this rank's coordinates.
+
+Vocabulary (as torchtitan's): an *axis* is a DeviceMesh dimension, a *dim* a tensor dimension.
+Rank order is Megatron's, the one the cost model prices (``cost_models.comm``): tp innermost
+(consecutive ranks share a node), then dp, then pp outermost — the mesh is
+``arange(world).view(pp, dp, tp)``.
+
+Nothing here is global: the context is built once per run and passed to every function that
+needs a process group.
+"""
+
+from __future__ import annotations
+
+import datetime
+import os
+from dataclasses import dataclass
+from enum import StrEnum
+
+import torch
+import torch.distributed as dist
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+
+from autopar.plan import Plan
+
+
+class Axis(StrEnum):
+    """Names of the DeviceMesh axes."""
+
+    PP = "pp"
+    DP = "dp"
+    TP = "tp"
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class ParallelContext:
+    """This rank's place in the plan's mesh; ``mesh`` is None for a single process."""
+
+    mesh: DeviceMesh | None
+    device: torch.device
+    pp_rank: int = 0
+    dp_rank: int = 0
+    tp_rank: int = 0
+
+    def group(self, axis: Axis) -> dist.ProcessGroup | None:
+        return None if self.mesh is None else self.mesh.get_group(axis.value)
+
+    def submesh(self, axis: Axis) -> DeviceMesh:
+        assert self.mesh is not None, "a single process has no mesh"
+        return self.mesh[axis.value]
+
+
+def init_distributed(timeout_s: float = 300.0) -> torch.device:
+    """Join the job torchrun started (gloo on CPU, NCCL on GPU); return this rank's device."""
+    if torch.cuda.is_available():
+        device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)))
+        torch.cuda.set_device(device)
+        backend = "nccl"
+    else:
+        device, backend = torch.device("cpu"), "gloo"
+    if not dist.is_initialized():
+        dist.init_process_group(backend, timeout=datetime.timedelta(seconds=timeout_s))
+    return device
+
+
+def build_context(plan: Plan, device: torch.device) -> ParallelContext:
+    """The mesh of ``plan`` over the running job (one process: no mesh, no process group)."""
+    m = plan.mesh
+    if m.cp != 1 or m.ep != 1:
+        raise ValueError(f"the runtime has no context or expert parallelism yet (plan has cp={m.cp}, "
+                         f"ep={m.ep}); re-plan with --cp 1")
+    world = dist.get_world_size() if dist.is_initialized() else 1
+    if world != m.size:
+        raise ValueError(f"plan needs {m.size} processes (dp={m.dp} x tp={m.tp} x pp={m.pp}) "
+                         f"but the job has {world}")
+    if world == 1:
+        return ParallelContext(mesh=None, device=device)
+    mesh = init_device_mesh(device.type, (m.pp, m.dp, m.tp),
+                            mesh_dim_names=(Axis.PP.value, Axis.DP.value, Axis.TP.value))
+    return ParallelContext(mesh=mesh, device=device, pp_rank=mesh.get_local_rank(Axis.PP.value),
+                           dp_rank=mesh.get_local_rank(Axis.DP.value),
+                           tp_rank=mesh.get_local_rank(Axis.TP.value))

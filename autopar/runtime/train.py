@@ -1,0 +1,184 @@
+"""Build this rank's program from a Plan and train it on synthetic tokens.
+
+``build_program`` is the codegen: spec → built-in model on ``meta`` → this rank's pipeline
+stages (pruned) → materialised and initialised (every parameter seeded by its name, so any
+layout holds the single-process values) → TP/SP → recompute → DP. ``train`` runs optimizer
+steps and returns one global-batch loss per step.
+
+The global batch is the same for every plan of a model (``synthetic_batch``); dp rank r takes
+rows ``[r B/dp, (r+1) B/dp)`` and cuts them into ``num_microbatches`` micro-batches. The loss
+is the mean next-token cross-entropy over the global batch, reduced over dp (and taken from
+the last pipeline stage), so any two plans of one model and batch print comparable losses.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import time
+from dataclasses import dataclass, field
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.fsdp import FSDPModule
+
+from autopar.model import Transformer, build_model, cross_entropy
+from autopar.plan import Plan
+from autopar.runtime import parallelize
+from autopar.runtime.context import ParallelContext
+from autopar.runtime.pipeline import build_schedule, prune_to_stage, stage_ids
+from autopar.spec import parse_model_spec, with_seq
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class TrainConfig:
+    """Optimizer and data settings shared by every plan of a comparison."""
+
+    lr: float = 1e-3
+    """AdamW learning rate (constant)."""
+    weight_decay: float = 0.0
+    seed: int = 0
+    """Seeds the weights (per parameter name) and the synthetic tokens (per step)."""
+
+
+@dataclass(kw_only=True, slots=True)
+class Program:
+    """This rank's share of the model and how to step it."""
+
+    plan: Plan
+    ctx: ParallelContext
+    modules: list[nn.Module]
+    """Local pipeline stages (one without pipelining), DP-wrapped."""
+    stage_ids: list[int]
+    optimizer: torch.optim.Optimizer
+    schedule: object | None = None
+    """The pipelining schedule when pp > 1."""
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class RunResult:
+    """One global-batch loss and one wall time (max over ranks) per optimizer step."""
+
+    losses: list[float] = field(default_factory=list)
+    step_times_s: list[float] = field(default_factory=list)
+
+
+def synthetic_batch(plan: Plan, step: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The global batch of ``step``: uniform random tokens, inputs and next-token targets,
+    each [global_batch, seq_len] int64, identical on every rank and for every plan."""
+    spec = parse_model_spec(plan.model)
+    gen = torch.Generator().manual_seed(seed * 1_000_003 + step)
+    tokens = torch.randint(0, spec.vocab, (plan.global_batch, plan.seq_len + 1), generator=gen)
+    return tokens[:, :-1], tokens[:, 1:]
+
+
+def _check_supported(plan: Plan) -> None:
+    spec = parse_model_spec(plan.model)
+    if plan.virtual_stages > 1 and plan.schedule not in ("interleaved", "zero-bubble"):
+        raise ValueError(f"virtual_stages={plan.virtual_stages} needs the interleaved or zero-bubble "
+                         f"schedule, not {plan.schedule}")
+    if spec.tied and plan.mesh.pp > 1:
+        raise ValueError("a tied embedding and head on different pipeline stages is not supported by the "
+                         "runtime yet; use an untied model (tied=0) or pp=1")
+    if spec.heads % plan.mesh.tp or spec.num_kv_heads % plan.mesh.tp:
+        raise ValueError(f"tp={plan.mesh.tp} does not divide the model's {spec.heads} heads and "
+                         f"{spec.num_kv_heads} kv heads")
+    if plan.dtype not in parallelize.DTYPES:
+        raise ValueError(f"dtype {plan.dtype!r} is not one of {', '.join(parallelize.DTYPES)}")
+
+
+def build_program(plan: Plan, ctx: ParallelContext, cfg: TrainConfig = TrainConfig()) -> Program:
+    """Codegen: the plan's per-rank program on ``ctx``."""
+    _check_supported(plan)
+    spec = with_seq(parse_model_spec(plan.model), plan.seq_len)
+    ids = stage_ids(plan, ctx.pp_rank) if plan.mesh.pp > 1 else [0]
+    modules: list[nn.Module] = []
+    for sid in ids:
+        model = build_model(spec, device="meta", seed=cfg.seed)
+        if plan.mesh.pp > 1:
+            prune_to_stage(model, plan, sid)
+        model.to_empty(device=ctx.device)
+        model.reset_parameters(cfg.seed)
+        if plan.mesh.tp > 1:
+            parallelize.apply_tensor_parallel(model, ctx, plan.sequence_parallel)
+        parallelize.apply_recompute(model, plan.recompute)
+        modules.append(parallelize.apply_data_parallel(model, plan, ctx))
+    params = nn.ModuleList(modules)
+    optimizer = parallelize.make_optimizer(params, plan, ctx, cfg.lr, cfg.weight_decay)
+    schedule = build_schedule(plan, ctx, modules, ids, cross_entropy) if plan.mesh.pp > 1 else None
+    return Program(plan=plan, ctx=ctx, modules=modules, stage_ids=ids, optimizer=optimizer,
+                   schedule=schedule)
+
+
+def _autocast(plan: Plan, ctx: ParallelContext):
+    """bf16/fp16 autocast for the non-FSDP paths (FSDP2 casts through its MixedPrecisionPolicy)."""
+    dtype = parallelize.DTYPES[plan.dtype]
+    enabled = dtype != torch.float32 and not (plan.zero_stage >= 2 and plan.mesh.dp > 1)
+    return torch.autocast(ctx.device.type, dtype=dtype, enabled=enabled)
+
+
+def _local_rows(plan: Plan, ctx: ParallelContext, t: torch.Tensor) -> torch.Tensor:
+    rows = plan.global_batch // plan.mesh.dp
+    return t[ctx.dp_rank * rows:(ctx.dp_rank + 1) * rows].to(ctx.device)
+
+
+def _step_no_pipeline(prog: Program, x: torch.Tensor, y: torch.Tensor) -> float:
+    """Gradient accumulation over the micro-batches; returns the sum of micro-batch losses."""
+    plan, (module,) = prog.plan, prog.modules
+    m = plan.num_microbatches
+    total = 0.0
+    ddp = isinstance(module, nn.parallel.DistributedDataParallel)
+    for i, (xb, yb) in enumerate(zip(x.chunk(m), y.chunk(m))):
+        sync = i == m - 1 or parallelize.sync_every_microbatch(plan)
+        if isinstance(module, FSDPModule):
+            module.set_requires_gradient_sync(sync)
+        with module.no_sync() if ddp and not sync else contextlib.nullcontext():
+            with _autocast(plan, prog.ctx):
+                loss = cross_entropy(module(xb), yb)
+            (loss / m).backward()
+        total += loss.item()
+    return total
+
+
+def _step_pipeline(prog: Program, x: torch.Tensor, y: torch.Tensor) -> float:
+    """One schedule step; the last stage returns the sum of its micro-batch losses."""
+    ctx, sched = prog.ctx, prog.schedule
+    has_first, has_last = 0 in prog.stage_ids, len(prog.plan.stage_layers) - 1 in prog.stage_ids
+    losses: list[torch.Tensor] = []
+    with _autocast(prog.plan, ctx):
+        sched.step(x if has_first else None, target=y if has_last else None,
+                   losses=losses if has_last else None)
+    return float(sum(loss.item() for loss in losses)) if has_last else 0.0
+
+
+def train_step(prog: Program, step: int, cfg: TrainConfig) -> float:
+    """One optimizer step; returns the global-batch mean loss (on every rank)."""
+    plan, ctx = prog.plan, prog.ctx
+    x, y = (_local_rows(plan, ctx, t) for t in synthetic_batch(plan, step, cfg.seed))
+    prog.optimizer.zero_grad(set_to_none=True)
+    local = _step_pipeline(prog, x, y) if prog.schedule is not None else _step_no_pipeline(prog, x, y)
+    prog.optimizer.step()
+    if ctx.mesh is None:
+        return local / plan.num_microbatches
+    # Count each (dp rank, micro-batch) loss once: last stage, tp rank 0.
+    counted = local if ctx.tp_rank == 0 else 0.0
+    total = torch.tensor([counted], dtype=torch.float64, device=ctx.device)
+    dist.all_reduce(total)
+    return total.item() / (plan.mesh.dp * plan.num_microbatches)
+
+
+def train(plan: Plan, steps: int, ctx: ParallelContext, cfg: TrainConfig = TrainConfig(),
+          program: Program | None = None) -> RunResult:
+    """Build the plan's program (unless given) and run ``steps`` optimizer steps."""
+    prog = program or build_program(plan, ctx, cfg)
+    losses, times = [], []
+    for step in range(steps):
+        if ctx.mesh is not None:
+            dist.barrier()
+        start = time.perf_counter()
+        losses.append(train_step(prog, step, cfg))
+        elapsed = torch.tensor([time.perf_counter() - start], dtype=torch.float64, device=ctx.device)
+        if ctx.mesh is not None:
+            dist.all_reduce(elapsed, op=dist.ReduceOp.MAX)
+        times.append(elapsed.item())
+    return RunResult(losses=losses, step_times_s=times)
