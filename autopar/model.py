@@ -149,9 +149,14 @@ class Transformer(nn.Module):
         self.layers = nn.ModuleDict({str(i): Block(spec) for i in range(spec.layers)})
         self.norm: nn.Module | None = _norm(spec)
         self.output: nn.Linear | None = nn.Linear(spec.hidden, spec.vocab, bias=False)
-        if spec.tied:
-            self.output.weight = self.embed.tok.weight
+        self.tie_weights()
         self.reset_parameters(seed)
+
+    def tie_weights(self) -> None:
+        """Share the embedding with the head when tied and both are here (again after
+        ``to_empty``, which gives every parameter a new tensor)."""
+        if self.spec.tied and self.embed is not None and self.output is not None:
+            self.output.weight = self.embed.tok.weight
 
     @torch.no_grad()
     def reset_parameters(self, seed: int = 0) -> None:
@@ -169,7 +174,9 @@ class Transformer(nn.Module):
                     p.zero_()
             else:
                 std = INIT_STD / math.sqrt(2 * self.spec.layers) if name.endswith(("o.weight", "down.weight")) else INIT_STD
-                gen = torch.Generator(device=p.device).manual_seed(seed * 1_000_003 + zlib.crc32(name.encode()))
+                # A pipeline's last stage holds its own copy of a tied head: seed it as the embedding.
+                key = "embed.tok.weight" if self.spec.tied and name == "output.weight" else name
+                gen = torch.Generator(device=p.device).manual_seed(seed * 1_000_003 + zlib.crc32(key.encode()))
                 p.normal_(0.0, std, generator=gen)
         for layer in self.layers.values():
             layer.attn.reset_buffers()

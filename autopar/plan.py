@@ -147,3 +147,19 @@ def load_plan(path: str | Path) -> Plan:
     except json.JSONDecodeError as exc:
         raise UserError(f"plan file {p} is not valid JSON: {exc}") from None
     return plan_from_dict(data)
+
+
+def runtime_unsupported(*, dp: int, pp: int, zero: int, schedule: str, virtual_stages: int,
+                        cp: int = 1, ep: int = 1) -> str | None:
+    """Why ``autopar.runtime`` cannot run this combination (torch 2.13), or None if it can.
+    Pure data, so the solver can skip what the runtime refuses without importing torch."""
+    if cp != 1 or ep != 1:
+        return f"the runtime has no context or expert parallelism yet (cp={cp}, ep={ep}); use cp = ep = 1"
+    if virtual_stages > 1 and schedule not in ("interleaved", "zero-bubble"):
+        return (f"virtual_stages={virtual_stages} needs the interleaved or zero-bubble schedule, "
+                f"not {schedule}")
+    if schedule == "zero-bubble" and zero == 3 and dp > 1 and pp > 1:
+        # FSDP2 re-shards between the input- and weight-gradient passes of the split backward,
+        # and the weight gradients of earlier micro-batches are lost (measured: loss off by 1e-2).
+        return "the zero-bubble schedule does not compose with ZeRO-3 in torch 2.13; use --zero 2 or another schedule"
+    return None

@@ -20,7 +20,11 @@ import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
-from autopar.plan import Plan
+from autopar.plan import Plan, runtime_unsupported
+from autopar.spec import parse_model_spec
+
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+"""Training dtypes by the plan's name."""
 
 
 class Axis(StrEnum):
@@ -62,12 +66,25 @@ def init_distributed(timeout_s: float = 300.0) -> torch.device:
     return device
 
 
+def check_plan(plan: Plan) -> None:
+    """Refuse, naming the fix, what this runtime cannot run."""
+    spec = parse_model_spec(plan.model)
+    m = plan.mesh
+    reason = runtime_unsupported(dp=m.dp, pp=m.pp, zero=plan.zero_stage, schedule=plan.schedule,
+                                 virtual_stages=plan.virtual_stages, cp=m.cp, ep=m.ep)
+    if reason:
+        raise ValueError(reason)
+    if spec.heads % plan.mesh.tp or spec.num_kv_heads % plan.mesh.tp:
+        raise ValueError(f"tp={plan.mesh.tp} does not divide the model's {spec.heads} heads and "
+                         f"{spec.num_kv_heads} kv heads")
+    if plan.dtype not in DTYPES:
+        raise ValueError(f"dtype {plan.dtype!r} is not one of {', '.join(DTYPES)}")
+
+
 def build_context(plan: Plan, device: torch.device) -> ParallelContext:
     """The mesh of ``plan`` over the running job (one process: no mesh, no process group)."""
+    check_plan(plan)
     m = plan.mesh
-    if m.cp != 1 or m.ep != 1:
-        raise ValueError(f"the runtime has no context or expert parallelism yet (plan has cp={m.cp}, "
-                         f"ep={m.ep}); re-plan with --cp 1")
     world = dist.get_world_size() if dist.is_initialized() else 1
     if world != m.size:
         raise ValueError(f"plan needs {m.size} processes (dp={m.dp} x tp={m.tp} x pp={m.pp}) "

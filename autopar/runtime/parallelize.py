@@ -41,9 +41,8 @@ from torch.nn.parallel import DistributedDataParallel
 
 from autopar.model import Attention, Block, Transformer
 from autopar.plan import Plan
-from autopar.runtime.context import Axis, ParallelContext
+from autopar.runtime.context import DTYPES, Axis, ParallelContext
 
-DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
 
 def _block_tp_plan(block: Block, sp: bool) -> dict:

@@ -5,6 +5,8 @@ from __future__ import annotations
 import torch
 from torch.distributed.tensor import DTensor
 
+from autopar.spec import parse_model_spec
+
 WRAPPER_PREFIXES = ("_checkpoint_wrapped_module.", "module.")
 """Name parts that checkpoint_wrapper and DDP insert; FSDP2 and TP keep names unchanged."""
 
@@ -19,9 +21,12 @@ def clean_name(name: str) -> str:
 def full_state(prog) -> dict[str, torch.Tensor] | None:
     """Full parameter values of this rank's stages, on CPU; ``None`` except on dp and tp rank 0.
     Collective over the tp and dp axes: every rank must call it."""
+    tied = parse_model_spec(prog.plan.model).tied
     out: dict[str, torch.Tensor] = {}
     for module in prog.modules:
         for name, p in module.named_parameters():
+            if tied and clean_name(name) == "output.weight":
+                continue  # the last stage's copy of the embedding, equal to it after every step
             full = p.full_tensor() if isinstance(p, DTensor) else p
             out[clean_name(name)] = full.detach().float().cpu().clone()
     return out if prog.ctx.dp_rank == 0 and prog.ctx.tp_rank == 0 else None

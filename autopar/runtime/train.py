@@ -21,11 +21,12 @@ import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed.fsdp import FSDPModule
+from torch.distributed.tensor import DTensor
 
 from autopar.model import Transformer, build_model, cross_entropy
 from autopar.plan import Plan
 from autopar.runtime import parallelize
-from autopar.runtime.context import ParallelContext
+from autopar.runtime.context import DTYPES, ParallelContext, check_plan
 from autopar.runtime.pipeline import build_schedule, prune_to_stage, stage_ids
 from autopar.spec import parse_model_spec, with_seq
 
@@ -53,6 +54,9 @@ class Program:
     optimizer: torch.optim.Optimizer
     schedule: object | None = None
     """The pipelining schedule when pp > 1."""
+    tied_group: dist.ProcessGroup | None = None
+    """First and last stage ranks of this (dp, tp) coordinate, when a tied embedding and head
+    live on different stages."""
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -72,24 +76,9 @@ def synthetic_batch(plan: Plan, step: int, seed: int) -> tuple[torch.Tensor, tor
     return tokens[:, :-1], tokens[:, 1:]
 
 
-def _check_supported(plan: Plan) -> None:
-    spec = parse_model_spec(plan.model)
-    if plan.virtual_stages > 1 and plan.schedule not in ("interleaved", "zero-bubble"):
-        raise ValueError(f"virtual_stages={plan.virtual_stages} needs the interleaved or zero-bubble "
-                         f"schedule, not {plan.schedule}")
-    if spec.tied and plan.mesh.pp > 1:
-        raise ValueError("a tied embedding and head on different pipeline stages is not supported by the "
-                         "runtime yet; use an untied model (tied=0) or pp=1")
-    if spec.heads % plan.mesh.tp or spec.num_kv_heads % plan.mesh.tp:
-        raise ValueError(f"tp={plan.mesh.tp} does not divide the model's {spec.heads} heads and "
-                         f"{spec.num_kv_heads} kv heads")
-    if plan.dtype not in parallelize.DTYPES:
-        raise ValueError(f"dtype {plan.dtype!r} is not one of {', '.join(parallelize.DTYPES)}")
-
-
 def build_program(plan: Plan, ctx: ParallelContext, cfg: TrainConfig = TrainConfig()) -> Program:
     """Codegen: the plan's per-rank program on ``ctx``."""
-    _check_supported(plan)
+    check_plan(plan)
     spec = with_seq(parse_model_spec(plan.model), plan.seq_len)
     ids = stage_ids(plan, ctx.pp_rank) if plan.mesh.pp > 1 else [0]
     modules: list[nn.Module] = []
@@ -98,6 +87,7 @@ def build_program(plan: Plan, ctx: ParallelContext, cfg: TrainConfig = TrainConf
         if plan.mesh.pp > 1:
             prune_to_stage(model, plan, sid)
         model.to_empty(device=ctx.device)
+        model.tie_weights()
         model.reset_parameters(cfg.seed)
         if plan.mesh.tp > 1:
             parallelize.apply_tensor_parallel(model, ctx, plan.sequence_parallel)
@@ -106,13 +96,39 @@ def build_program(plan: Plan, ctx: ParallelContext, cfg: TrainConfig = TrainConf
     params = nn.ModuleList(modules)
     optimizer = parallelize.make_optimizer(params, plan, ctx, cfg.lr, cfg.weight_decay)
     schedule = build_schedule(plan, ctx, modules, ids, cross_entropy) if plan.mesh.pp > 1 else None
+    tied = _tied_group(ctx, plan.mesh.pp) if spec.tied and plan.mesh.pp > 1 else None
     return Program(plan=plan, ctx=ctx, modules=modules, stage_ids=ids, optimizer=optimizer,
-                   schedule=schedule)
+                   schedule=schedule, tied_group=tied)
+
+
+def _tied_group(ctx: ParallelContext, pp: int) -> dist.ProcessGroup | None:
+    """Megatron's embedding group: with a tied head on another stage, the first and the last
+    stage keep a copy each and sum their gradients. Every rank creates every pair (new_group is
+    collective); this rank gets its own pair, or None off the first and last stage."""
+    ranks = ctx.mesh.mesh  # [pp, dp, tp] global ranks
+    mine = None
+    for d in range(ranks.shape[1]):
+        for t in range(ranks.shape[2]):
+            group = dist.new_group([int(ranks[0, d, t]), int(ranks[-1, d, t])])
+            if (d, t) == (ctx.dp_rank, ctx.tp_rank):
+                mine = group
+    return mine if ctx.pp_rank in (0, pp - 1) else None
+
+
+def _sync_tied_grads(prog: Program) -> None:
+    """Sum the embedding's and the head copy's gradients (both sharded alike over dp and tp)."""
+    for module in prog.modules:
+        weight = module.embed.tok.weight if module.embed is not None else (
+            module.output.weight if module.output is not None else None)
+        if weight is None or weight.grad is None:
+            continue
+        grad = weight.grad.to_local() if isinstance(weight.grad, DTensor) else weight.grad
+        dist.all_reduce(grad, group=prog.tied_group)
 
 
 def _autocast(plan: Plan, ctx: ParallelContext):
     """bf16/fp16 autocast for the non-FSDP paths (FSDP2 casts through its MixedPrecisionPolicy)."""
-    dtype = parallelize.DTYPES[plan.dtype]
+    dtype = DTYPES[plan.dtype]
     enabled = dtype != torch.float32 and not (plan.zero_stage >= 2 and plan.mesh.dp > 1)
     return torch.autocast(ctx.device.type, dtype=dtype, enabled=enabled)
 
@@ -157,6 +173,8 @@ def train_step(prog: Program, step: int, cfg: TrainConfig) -> float:
     x, y = (_local_rows(plan, ctx, t) for t in synthetic_batch(plan, step, cfg.seed))
     prog.optimizer.zero_grad(set_to_none=True)
     local = _step_pipeline(prog, x, y) if prog.schedule is not None else _step_no_pipeline(prog, x, y)
+    if prog.tied_group is not None:
+        _sync_tied_grads(prog)
     prog.optimizer.step()
     if ctx.mesh is None:
         return local / plan.num_microbatches
