@@ -13,6 +13,11 @@ from pathlib import Path
 from typing import Optional
 
 import typer
+
+try:  # typer >= 0.22 carries its own copy of click
+    from typer._click import exceptions as _click_errors
+except ImportError:  # pragma: no cover - older typer on stock click
+    from click import exceptions as _click_errors
 from rich.console import Console
 from rich.table import Table
 
@@ -245,8 +250,20 @@ def demo(steps: int = typer.Option(5, "--steps", min=2, help="Optimizer steps to
 
 
 def main() -> None:
-    """Console-script entry point."""
-    app(prog_name="autopar")
+    """Console-script entry point: usage errors (unknown option, bad value) become one line on
+    stderr and exit 2, like every other bad input."""
+    try:
+        code = app(prog_name="autopar", standalone_mode=False)
+    except _click_errors.UsageError as exc:
+        if isinstance(exc, getattr(_click_errors, "NoArgsIsHelpError", ())):
+            typer.echo(exc.ctx.get_help())
+            sys.exit(0)
+        hint = f" (see `autopar {exc.ctx.info_name} --help`)" if exc.ctx and exc.ctx.parent else ""
+        typer.echo(f"autopar: error: {exc.format_message()}{hint}", err=True)
+        sys.exit(2)
+    except typer.Abort:
+        sys.exit(130)
+    sys.exit(code if isinstance(code, int) else 0)
 
 
 if __name__ == "__main__":

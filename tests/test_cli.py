@@ -90,6 +90,46 @@ def test_console_script_exit_code_and_no_traceback():
     assert proc.stderr.startswith("autopar: error: unknown model") and "Traceback" not in proc.stderr
 
 
+@pytest.mark.parametrize("args, fragment", [
+    (["plan", "--bogus"], "No such option: --bogus"),
+    (["plan", "--model", "gpt2"], "Missing option '--cluster'"),
+    (["run", "plan.json", "--steps", "0"], "Invalid value for '--steps'"),
+])
+def test_usage_errors_are_one_line_and_exit_2(args, fragment):
+    proc = subprocess.run([sys.executable, "-m", "autopar.cli", *args], capture_output=True, text=True,
+                          timeout=120)
+    assert proc.returncode == 2
+    assert proc.stderr.startswith("autopar: error: ") and fragment in proc.stderr
+    assert len(proc.stderr.strip().splitlines()) == 1
+
+
+TINY = "gpt:layers=2,hidden=32,heads=2,vocab=64,seq=16,tied=0"
+
+
+@pytest.mark.slow
+def test_plan_then_run_prints_one_loss_per_step(tmp_path):
+    """design.md: `autopar run PLAN --json` prints one global-batch loss and one time per step."""
+    plan_file = tmp_path / "plan.json"
+    res = invoke("plan", "--model", TINY, "--cluster", "cpu-local", "--gpus", "2", "--global-batch", "4",
+                 "--dtype", "fp32", "--tp", "2", "--out", str(plan_file))
+    assert res.exit_code == 0, res.output
+    res = invoke("run", str(plan_file), "--steps", "2", "--json")
+    assert res.exit_code == 0, res.output
+    data = json.loads(res.stdout)
+    assert set(data) == {"losses", "step_times_s"}
+    assert len(data["losses"]) == len(data["step_times_s"]) == 2
+    # Uniform random tokens over 64 ids: the first loss is close to ln 64 = 4.16.
+    assert abs(data["losses"][0] - 4.16) < 0.1 and all(t > 0 for t in data["step_times_s"])
+
+
+@pytest.mark.slow
+def test_demo_plans_runs_and_compares():
+    res = invoke("demo", "--steps", "2", "--gpus", "2")
+    assert res.exit_code == 0, res.output
+    assert "predicted step time" in res.stdout and "measured" in res.stdout
+    assert "step 1: loss" in res.stdout
+
+
 def test_cli_surface_is_frozen():
     names = sorted(c.name or c.callback.__name__ for c in app.registered_commands)
     assert names == ["demo", "estimate", "inspect", "plan", "run"]
