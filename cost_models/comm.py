@@ -2,7 +2,10 @@
 
 Every collective costs ``steps * α + traffic / (bw * efficiency)`` (calculon's one-line law):
 a ring all-reduce of ``n`` members moves ``2(n-1)/n`` of the buffer through each device in
-``2(n-1)`` steps; reduce-scatter and all-gather move ``(n-1)/n`` in ``n-1`` steps. ``nbytes`` is
+``2(n-1)`` steps; reduce-scatter and all-gather move ``(n-1)/n`` in ``n-1`` steps; a
+(double binary) tree all-reduce moves ``2`` buffers in ``2 log2 n`` steps (NCCL's choice for
+small messages at scale); all-to-all sends ``(n-1)/n`` of the buffer in ``n-1`` steps
+(pairwise exchange). ``nbytes`` is
 always the full (unsharded) buffer size. Times in seconds, sizes in bytes.
 
 Rank order is Megatron's: tp innermost (consecutive ranks), then dp, then pp. An axis group
@@ -14,6 +17,7 @@ each node runs ``k`` rings side by side, one per NIC, so its bus bandwidth is
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 from cost_models.hardware import HardwareProfile
@@ -69,6 +73,29 @@ def all_reduce_s(nbytes: float, g: Group) -> float:
     if n <= 1 or nbytes <= 0:
         return 0.0
     return 2 * (n - 1) / n * nbytes / g.bw_bytes_s + 2 * (n - 1) * g.latency_s
+
+
+def tree_all_reduce_s(nbytes: float, g: Group) -> float:
+    """Double-binary-tree all-reduce: reduce up and broadcast down, 2 · bytes / bw
+    (pipelined) + 2 ⌈log2 n⌉ α."""
+    n = g.size
+    if n <= 1 or nbytes <= 0:
+        return 0.0
+    return 2 * nbytes / g.bw_bytes_s + 2 * math.ceil(math.log2(n)) * g.latency_s
+
+
+def best_all_reduce_s(nbytes: float, g: Group) -> float:
+    """The faster of ring and tree, as NCCL's tuner picks per message size."""
+    return min(all_reduce_s(nbytes, g), tree_all_reduce_s(nbytes, g))
+
+
+def all_to_all_s(nbytes: float, g: Group) -> float:
+    """Pairwise all-to-all of an ``nbytes`` buffer per device (expert dispatch or combine):
+    each device keeps 1/n and sends (n-1)/n, (n-1) α."""
+    n = g.size
+    if n <= 1 or nbytes <= 0:
+        return 0.0
+    return (n - 1) / n * nbytes / g.bw_bytes_s + (n - 1) * g.latency_s
 
 
 def reduce_scatter_s(nbytes: float, g: Group) -> float:

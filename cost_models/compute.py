@@ -1,25 +1,41 @@
 """Compute time of one micro-batch through a block, the embedding and the head (seconds).
 
-A pass costs ``FLOPs / (peak(dtype) · matmul_efficiency) + bytes / (hbm_bw · memory_efficiency)``:
-a roofline sum of the GEMMs and of the memory-bound element-wise kernels (norms, GeLU/SwiGLU,
-dropout, softmax, residual adds, bias adds). The element-wise traffic of a block's forward is
-taken equal to the bytes it saves for backward (``memory.block_act_bytes`` without
-recompute): each saved tensor is written once by the kernel that makes it. The part tensor
-parallelism leaves replicated is computed redundantly on every tp rank unless sequence
-parallelism splits it, which is why SP shortens the forward (Korthikanti et al. Table 4).
+Every kernel is a roofline: the larger of its FLOPs at the GEMM's efficiency and its bytes at
+``hbm_bw · memory_efficiency``. A block's GEMMs are rebuilt from the profile's shape (QKV,
+attention output, MLP up and down on one tp rank; QKᵀ and AV batched over heads): the
+efficiency of each depends on its smallest dimension n as the profile states,
+``matmul_efficiency · n / (n + matmul_half_dim)`` (a GEMM narrower than ``matmul_half_dim``
+cannot fill the tensor cores). The times are scaled to the profile's own FLOP counts, so an
+architecture with other GEMMs keeps the traced FLOPs at the efficiency of its shape.
 
-Backward costs twice the forward (input and weight gradients). Recompute adds, per block,
-one forward (full), or the attention core's FLOPs and element-wise bytes (selective).
+Element-wise kernels are memory-bound; their traffic is counted per byte the block saves for
+backward (``memory.block_act_bytes`` parts), from the fused kernels Megatron-LM runs
+(``FWD_TRAFFIC``/``BWD_TRAFFIC``). The part tensor parallelism leaves replicated is computed
+redundantly on every tp rank unless sequence parallelism splits it (Korthikanti et al. Table 4).
+
+Backward runs each GEMM twice (input and weight gradients) and the element-wise backward
+kernels. Recompute repeats, per block, the whole forward (full) or the attention core's
+QKᵀ, softmax, dropout and AV (selective).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
-from cost_models import memory
 from cost_models.hardware import HardwareProfile
 from cost_models.model_profile import ModelProfile
 from cost_models.strategy import Strategy
+
+FWD_TRAFFIC = (2.2, 2 / 3, 1.8)
+"""Element-wise forward bytes moved per saved byte: (replicated, tp-sharded, attention core).
+GPT block with Megatron's fused kernels, per token in units of h: two LayerNorms (read 2,
+write 2) and two bias-dropout-adds (read 2 + 2, write 2 + 1-byte mask) move 22 for 10 saved;
+bias-GeLU moves 16 (read 8, write 8) for 24 saved; scale-mask-softmax and dropout move
+9 bytes per score (read 2 write 2, read 2 write 2 + mask) for 5 saved."""
+BWD_TRAFFIC = (3.4, 1.0, 2.2)
+"""Element-wise backward bytes per saved byte: LayerNorm backward (6) and dropout backward
+(5) twice, plus the two residual-gradient adds (6 each): 34 for 10; GeLU backward (read 16,
+write 8): 24 for 24; dropout and softmax backward (5 + 6): 11 per score for 5."""
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -35,9 +51,43 @@ class PassTimes:
         return self.forward_s + self.recompute_s + self.backward_s
 
 
-def matmul_s(flops: float, hw: HardwareProfile, dtype: str) -> float:
-    """GEMM time of ``flops`` at the calibrated fraction of the dtype's dense peak."""
-    return flops / (hw.peak_flops(dtype) * hw.matmul_efficiency)
+@dataclass(frozen=True, kw_only=True, slots=True)
+class Gemm:
+    """A (batched) GEMM (batch × m × k) @ (k × n) on one device."""
+
+    batch: float
+    m: float
+    n: float
+    k: float
+
+    @property
+    def flops(self) -> float:
+        return 2.0 * self.batch * self.m * self.n * self.k
+
+    def nbytes(self, elem: float) -> float:
+        return elem * self.batch * (self.m * self.k + self.k * self.n + self.m * self.n)
+
+
+def elem_bytes(strat: Strategy) -> int:
+    """Bytes per activation element: 4 for fp32 training, else 2."""
+    return 4 if strat.dtype == "fp32" else 2
+
+
+def gemm_efficiency(n_min: float, hw: HardwareProfile) -> float:
+    """Fraction of dense peak a GEMM whose smallest dimension is ``n_min`` reaches."""
+    return hw.matmul_efficiency * n_min / (n_min + hw.matmul_half_dim)
+
+
+def gemm_s(g: Gemm, hw: HardwareProfile, dtype: str, elem: float) -> float:
+    """Roofline time of one GEMM: FLOPs at its shape's efficiency, or its operand bytes."""
+    eff = gemm_efficiency(min(g.m, g.n, g.k), hw)
+    return max(g.flops / (hw.peak_flops(dtype) * eff), memory_s(g.nbytes(elem), hw))
+
+
+def matmul_s(flops: float, hw: HardwareProfile, dtype: str, n_min: float = float("inf")) -> float:
+    """``flops`` of GEMMs with smallest dimension ``n_min`` (large by default)."""
+    eff = hw.matmul_efficiency if n_min == float("inf") else gemm_efficiency(n_min, hw)
+    return flops / (hw.peak_flops(dtype) * eff)
 
 
 def memory_s(nbytes: float, hw: HardwareProfile) -> float:
@@ -45,36 +95,88 @@ def memory_s(nbytes: float, hw: HardwareProfile) -> float:
     return nbytes / (hw.hbm_bw_gbps * 1e9 * hw.memory_efficiency)
 
 
-def block_times(model: ModelProfile, hw: HardwareProfile, strat: Strategy) -> PassTimes:
-    """One block, one micro-batch, on one tp rank."""
+def block_gemms(model: ModelProfile, strat: Strategy) -> tuple[list[Gemm], list[Gemm]]:
+    """(weight GEMMs, attention-core GEMMs) of one block's forward on one tp rank."""
+    t, h, f = strat.tp, model.hidden, model.ffn
+    d = h / model.heads
     tokens = strat.micro_batch * model.seq
-    mm = tokens * model.block_matmul_flops_per_token / strat.tp
-    attn = tokens * model.block_attn_flops_per_token / strat.tp
-    fwd = matmul_s(mm + attn, hw, strat.dtype) + memory_s(
-        memory.block_act_bytes(model, strat, "none"), hw)
+    qkv = (model.heads + 2 * model.kv_heads) * d
+    # GeLU MLP has one up projection, SwiGLU two (gate and up): read it off the FLOP count.
+    rest = model.block_matmul_flops_per_token / 2 - h * qkv - model.heads * d * h - f * h
+    ups = min(2, max(1, round(rest / (h * f))))
+    weights = [Gemm(batch=1, m=tokens, n=qkv / t, k=h), Gemm(batch=1, m=tokens, n=h, k=h / t),
+               Gemm(batch=1, m=tokens, n=ups * f / t, k=h), Gemm(batch=1, m=tokens, n=h, k=f / t)]
+    heads = strat.micro_batch * model.heads / t
+    core = [Gemm(batch=heads, m=model.seq, n=model.seq, k=d),   # scores = Q Kᵀ
+            Gemm(batch=heads, m=model.seq, n=d, k=model.seq)]   # probabilities @ V
+    return weights, core
+
+
+def _scaled_s(gemms: list[Gemm], flops: float, hw: HardwareProfile, strat: Strategy) -> float:
+    """Time of ``gemms`` rescaled to ``flops`` (the traced count) at their own efficiency."""
+    shape_flops = sum(g.flops for g in gemms)
+    if shape_flops <= 0 or flops <= 0:
+        return 0.0
+    return sum(gemm_s(g, hw, strat.dtype, elem_bytes(strat)) for g in gemms) * flops / shape_flops
+
+
+def block_gemm_s(model: ModelProfile, hw: HardwareProfile, strat: Strategy) -> tuple[float, float]:
+    """(weight GEMMs, attention core GEMMs) forward seconds of one block, one micro-batch."""
+    tokens = strat.micro_batch * model.seq
+    weights, core = block_gemms(model, strat)
+    return (_scaled_s(weights, tokens * model.block_matmul_flops_per_token / strat.tp, hw, strat),
+            _scaled_s(core, tokens * model.block_attn_flops_per_token / strat.tp, hw, strat))
+
+
+def block_elementwise_bytes(model: ModelProfile, strat: Strategy,
+                            traffic: tuple[float, float, float]) -> tuple[float, float]:
+    """(non-attention, attention-core) element-wise bytes of one block on one tp rank."""
+    scale = elem_bytes(strat) / 2 * strat.micro_batch * model.seq
+    sp = strat.tp if strat.sequence_parallel else 1
+    rest = (traffic[0] * model.block_act_bytes_replicated_per_token / sp
+            + traffic[1] * model.block_act_bytes_sharded_per_token / strat.tp)
+    return scale * rest, scale * traffic[2] * model.block_act_bytes_attn_per_token / strat.tp
+
+
+def block_times(model: ModelProfile, hw: HardwareProfile, strat: Strategy) -> PassTimes:
+    """One block, one micro-batch, on one tp rank (communication not included)."""
+    weights_s, core_s = block_gemm_s(model, hw, strat)
+    fwd_rest, fwd_core = block_elementwise_bytes(model, strat, FWD_TRAFFIC)
+    bwd_rest, bwd_core = block_elementwise_bytes(model, strat, BWD_TRAFFIC)
+    fwd = weights_s + core_s + memory_s(fwd_rest + fwd_core, hw)
+    bwd = 2 * (weights_s + core_s) + memory_s(bwd_rest + bwd_core, hw)
     if strat.recompute == "full":
         rc = fwd
     elif strat.recompute == "selective":
-        rc = matmul_s(attn, hw, strat.dtype) + memory_s(memory.block_attn_act_bytes(model, strat), hw)
+        rc = core_s + memory_s(fwd_core, hw)
     else:
         rc = 0.0
-    return PassTimes(forward_s=fwd, recompute_s=rc, backward_s=2 * fwd)
+    return PassTimes(forward_s=fwd, recompute_s=rc, backward_s=bwd)
+
+
+def wgrad_window_s(model: ModelProfile, hw: HardwareProfile, strat: Strategy) -> float:
+    """Weight-gradient GEMM time of a block's column-parallel layers (QKV and MLP up): what
+    hides the backward's tensor-parallel collectives when the runtime overlaps them."""
+    weights, _ = block_gemms(model, strat)
+    cols = [weights[0], weights[2]]
+    return sum(gemm_s(g, hw, strat.dtype, elem_bytes(strat)) for g in cols)
 
 
 def first_times(model: ModelProfile, hw: HardwareProfile, strat: Strategy) -> PassTimes:
     """Embedding lookup (a gather: memory-bound), its dropout, and the gradient scatter-add:
     forward traffic = embedding output (elem bytes) + mask, per micro-batch."""
     tokens = strat.micro_batch * model.seq
-    elem = 4 if strat.dtype == "fp32" else 2
-    fwd = memory_s(tokens * model.hidden * (elem + 1), hw)
+    fwd = memory_s(tokens * model.hidden * (elem_bytes(strat) + 1), hw)
     return PassTimes(forward_s=fwd, recompute_s=0.0, backward_s=2 * fwd)
 
 
 def last_times(model: ModelProfile, hw: HardwareProfile, strat: Strategy) -> PassTimes:
-    """Final norm, output projection and cross-entropy: projection FLOPs / tp plus the fp32
-    logits written, read by the softmax and written back as probabilities (3 x 4 s b V / tp)."""
+    """Final norm, output projection and cross-entropy: the projection GEMM at its shape's
+    efficiency plus the fp32 logits written, read by the softmax and written back as
+    probabilities (3 x 4 s b V / tp); backward runs the GEMM twice."""
     tokens = strat.micro_batch * model.seq
     flops = tokens * model.head_flops_per_token / strat.tp
-    logits = tokens * model.vocab / strat.tp * 4
-    fwd = matmul_s(flops, hw, strat.dtype) + memory_s(3 * logits, hw)
-    return PassTimes(forward_s=fwd, recompute_s=0.0, backward_s=2 * fwd)
+    g = Gemm(batch=1, m=tokens, n=model.vocab / strat.tp, k=model.hidden)
+    gemm = _scaled_s([g], flops, hw, strat)
+    logits = memory_s(3 * tokens * model.vocab / strat.tp * 4, hw)
+    return PassTimes(forward_s=gemm + logits, recompute_s=0.0, backward_s=2 * gemm + logits)

@@ -72,68 +72,136 @@ class _Parts:
     p2p_s: float
 
 
-def _optimizer_bytes_per_param(rec: memory.Recipe) -> float:
-    """Adam reads and writes its states, reads the gradient, writes the weights (and reads
-    them too when they are the master weights)."""
-    return 2 * rec.optimizer + rec.grad + (1 if rec.master_copy else 2) * rec.weight
+def optimizer_bytes_per_param(rec: memory.Recipe) -> float:
+    """Device-memory traffic of the optimizer step per (sharded) parameter: the gradient-norm
+    read and the clipping scale (read, write), Adam (read gradient, states and weights, write
+    states and weights), the copy of fp32 master weights into the 16-bit weights, and zeroing
+    the gradients. Megatron's bf16 recipe (2 + 4 + 12): 4 + 8 + (4 + 24) + 6 + 4 = 50 bytes."""
+    master = 4 + rec.weight if rec.master_copy else 0.0
+    states = 2 * rec.optimizer if rec.master_copy else 2 * (rec.optimizer + rec.weight)
+    return 5 * rec.grad + states + master
 
 
-def _piece(params: float, passes: compute.PassTimes, tp_units: float, act: float,
-           hw: HardwareProfile, strat: Strategy, groups: comm.AxisGroups) -> _Piece:
+def _piece(params: float, passes: compute.PassTimes, tp_s: float, act: float,
+           hw: HardwareProfile, strat: Strategy, groups: comm.AxisGroups, *,
+           reduced_last: bool = False) -> _Piece:
+    """Costs of one block (or the embedding/head) holding ``params`` parameters per device.
+
+    ZeRO 2/3 collectives run every micro-batch; with ``dp_overlap`` each hides behind the
+    pass it serves (prefetched all-gathers behind the forward, reduce-scatters behind the
+    backward), exposing only what is longer than that pass. The once-per-step reduction
+    (ZeRO 0 all-reduce, ZeRO 1 reduce-scatter) hides behind the last micro-batch's backward
+    of the same piece unless ``reduced_last`` (the embedding's gradient is the last to be
+    ready); the all-gather of updated weights (ZeRO 1/2) behind the next forward.
+    """
     rec = memory.recipe(strat)
     grads, weights = params * rec.grad, params * rec.weight
     rs, ag = comm.reduce_scatter_s(grads, groups.dp), comm.all_gather_s(weights, groups.dp)
+    fwd, bwd = passes.forward_s, passes.recompute_s + passes.backward_s
+    if not strat.dp_overlap:
+        fwd = bwd = 0.0
+    bwd_window = 0.0 if reduced_last else bwd
+    hide = lambda comm_s, window_s: max(0.0, comm_s - window_s)  # noqa: E731
     exposed, tail = 0.0, 0.0
     if strat.zero == 0:
-        tail = comm.all_reduce_s(grads, groups.dp)
+        tail = hide(comm.best_all_reduce_s(grads, groups.dp), bwd_window)
     elif strat.zero == 1:
-        tail = rs + ag
+        tail = hide(rs, bwd_window) + hide(ag, fwd)
     elif strat.zero == 2:
-        exposed, tail = rs, ag
+        exposed, tail = hide(rs, bwd), hide(ag, fwd)
     else:
-        exposed = 2 * ag + rs
+        exposed = hide(ag, fwd) + hide(ag + rs, bwd)
     sharded = params / (strat.dp if strat.zero >= 1 else 1)
-    opt = compute.memory_s(sharded * _optimizer_bytes_per_param(rec), hw)
-    return _Piece(compute_s=passes.total_s, tp_s=tp_units, dp_exposed_s=exposed, dp_tail_s=tail,
+    opt = compute.memory_s(sharded * optimizer_bytes_per_param(rec), hw)
+    return _Piece(compute_s=passes.total_s, tp_s=tp_s, dp_exposed_s=exposed, dp_tail_s=tail,
                   optimizer_s=opt, state=memory.state_bytes(params, rec, strat.zero, strat.dp),
                   act_bytes=act)
-
 
 
 def _tp_unit_s(model: ModelProfile, strat: Strategy, g: comm.Group) -> float:
     """One tensor-parallel exchange of a micro-batch's hidden states (b s h elements): an
     all-reduce, or with SP an all-gather plus a reduce-scatter (the same bus volume)."""
-    vol = strat.micro_batch * model.seq * model.hidden * (4 if strat.dtype == "fp32" else 2)
+    vol = strat.micro_batch * model.seq * model.hidden * compute.elem_bytes(strat)
     if strat.sequence_parallel:
         return comm.all_gather_s(vol, g) + comm.reduce_scatter_s(vol, g)
     return comm.all_reduce_s(vol, g)
 
 
+def block_tp_s(model: ModelProfile, hw: HardwareProfile, strat: Strategy,
+               g: comm.Group) -> compute.PassTimes:
+    """Exposed tensor-parallel communication of one block per micro-batch, by pass.
+
+    Forward: two exchanges (before the column-parallel and after the row-parallel layers of
+    attention and MLP); full recompute repeats them. Backward: their two conjugates. With
+    ``tp_overlap`` (Megatron's async communication) the column-parallel layers' all-reduce
+    of the input gradient (SP: its reduce-scatter) hides behind their weight-gradient GEMMs.
+    With SP two all-gathers per sublayer stay exposed: the conjugate of the forward
+    reduce-scatter, and the one that rebuilds the saved input shard for the weight gradient
+    (queued before the input-gradient GEMM on Megatron's single connection; Korthikanti et
+    al. Table 4 shows SP saving 0.1 of 11.9 ms of backward).
+    """
+    unit = _tp_unit_s(model, strat, g)
+    if strat.tp == 1:
+        return compute.PassTimes(forward_s=0.0, recompute_s=0.0, backward_s=0.0)
+    bwd = 2 * unit
+    if strat.tp_overlap:
+        window = compute.wgrad_window_s(model, hw, strat)
+        if strat.sequence_parallel:
+            vol = strat.micro_batch * model.seq * model.hidden * compute.elem_bytes(strat)
+            gather = comm.all_gather_s(vol, g)
+            bwd = 4 * gather + max(0.0, 2 * unit - 2 * gather - window)
+        else:
+            bwd = max(0.0, bwd - window)
+    return compute.PassTimes(forward_s=2 * unit, recompute_s=2 * unit if strat.recompute == "full"
+                             else 0.0, backward_s=bwd)
+
+
+def layer_pass_times(model: ModelProfile, hw: HardwareProfile, strat: Strategy) -> compute.PassTimes:
+    """One block's forward, recompute and backward per micro-batch with its exposed
+    tensor-parallel communication: what Korthikanti et al. Table 4 times per layer."""
+    passes = compute.block_times(model, hw, strat)
+    tp = block_tp_s(model, hw, strat, comm.axis_groups(hw, strat).tp)
+    return compute.PassTimes(forward_s=passes.forward_s + tp.forward_s,
+                             recompute_s=passes.recompute_s + tp.recompute_s,
+                             backward_s=passes.backward_s + tp.backward_s)
+
+
+def p2p_s(model: ModelProfile, strat: Strategy, groups: comm.AxisGroups) -> float:
+    """Pipeline sends per micro-batch on a stage's critical path: an activation forward and
+    a gradient backward per model chunk. With scatter/gather (Narayanan et al.) each of the
+    tp ranks sends b s h / tp over its own link, and the receiver all-gathers the pieces
+    inside its tp group."""
+    if strat.pp == 1:
+        return 0.0
+    vol = strat.micro_batch * model.seq * model.hidden * compute.elem_bytes(strat)
+    one = comm.p2p_s(vol / strat.tp, groups.pp) + comm.all_gather_s(vol, groups.tp)
+    return pipeline.chunks(strat) * 2 * one
+
+
 def _parts(model: ModelProfile, hw: HardwareProfile, strat: Strategy) -> _Parts:
     groups = comm.axis_groups(hw, strat)
-    unit = _tp_unit_s(model, strat, groups.tp)
-    # Block: 2 exchanges forward (after attention, after the MLP), 2 backward, 2 more when
-    # full recompute repeats the forward. Embedding: 1 forward (vocab-parallel lookup);
-    # head: 1 backward (gradient of the projection's input).
-    block_units = (6 if strat.recompute == "full" else 4) * unit
-    layer = _piece(memory.layer_params(model, strat), compute.block_times(model, hw, strat),
-                   block_units, memory.block_act_bytes(model, strat), hw, strat, groups)
+    unit = _tp_unit_s(model, strat, groups.tp) if strat.tp > 1 else 0.0
+    block_passes = compute.block_times(model, hw, strat)
+    layer = _piece(memory.layer_params(model, strat), block_passes,
+                   block_tp_s(model, hw, strat, groups.tp).total_s,
+                   memory.block_act_bytes(model, strat), hw, strat, groups)
+    # Embedding: 1 forward exchange (vocab-parallel lookup); head: 1 backward (gradient of
+    # the projection's input).
     first = _piece(memory.first_params(model, strat), compute.first_times(model, hw, strat),
-                   unit, memory.first_act_bytes(model, strat), hw, strat, groups)
+                   unit, memory.first_act_bytes(model, strat), hw, strat, groups,
+                   reduced_last=True)
     last = _piece(memory.last_params(model, strat), compute.last_times(model, hw, strat),
                   unit, memory.last_act_bytes(model, strat), hw, strat, groups)
     if strat.pp > 1 and model.tied:
-        # The tied embedding and its copy on the last stage sum their gradients.
+        # The tied embedding and its copy on the last stage sum their gradients after the
+        # flush (Megatron's embedding all-reduce), exposed on both stages.
         pair = comm.Group(size=2, bw_bytes_s=groups.pp.bw_bytes_s, p2p_bytes_s=groups.pp.p2p_bytes_s,
                           latency_s=groups.pp.latency_s, inter_node=groups.pp.inter_node)
         sync = comm.all_reduce_s(model.vocab * model.hidden / strat.tp * memory.recipe(strat).grad,
                                  pair)
         first = replace(first, dp_tail_s=first.dp_tail_s + sync)
         last = replace(last, dp_tail_s=last.dp_tail_s + sync)
-    # Scatter/gather (Narayanan et al.): each stage boundary carries b s h / tp per direction.
-    vol = strat.micro_batch * model.seq * model.hidden * (4 if strat.dtype == "fp32" else 2) / strat.tp
-    p2p = pipeline.chunks(strat) * 2 * comm.p2p_s(vol, groups.pp) if strat.pp > 1 else 0.0
-    return _Parts(layer=layer, first=first, last=last, p2p_s=p2p)
+    return _Parts(layer=layer, first=first, last=last, p2p_s=p2p_s(model, strat, groups))
 
 
 def stage_costs(model: ModelProfile, hw: HardwareProfile, strat: Strategy) -> StageCosts:

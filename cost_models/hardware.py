@@ -46,7 +46,10 @@ class HardwareProfile:
     intra_node: LinkTier
     inter_node: LinkTier
     matmul_efficiency: float = 1.0
-    """Calibrated fraction of peak reached by the transformer's large GEMMs."""
+    """Calibrated fraction of peak reached by large GEMMs (all dimensions >> matmul_half_dim)."""
+    matmul_half_dim: float = 0.0
+    """GEMM shape law: a GEMM whose smallest dimension is n reaches
+    ``matmul_efficiency · n / (n + matmul_half_dim)`` of peak (0: no shape dependence)."""
     memory_efficiency: float = 1.0
     """Calibrated fraction of ``hbm_bw_gbps`` reached by element-wise kernels."""
     reserve_gib: float = 0.0

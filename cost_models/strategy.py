@@ -28,6 +28,14 @@ class Strategy:
     recompute: str = "none"
     stage_layers: tuple[int, ...] = ()
     """Transformer blocks per pipeline stage; empty means as even as possible."""
+    dp_overlap: bool = True
+    """The runtime reduces gradients during the last micro-batch's backward (DDP buckets,
+    FSDP2 hooks) and prefetches ZeRO-3 weights during compute; False: after the pipeline
+    flush, exposed (Megatron-LM's local DDP of 2021)."""
+    tp_overlap: bool = False
+    """The runtime overlaps the backward's tensor-parallel collectives of column-parallel
+    layers with their weight-gradient GEMMs (Megatron-LM's async all-reduce, 2022); False:
+    every collective is on the critical path (DTensor TP, Megatron-LM 2021)."""
     dtype: str = "bf16"
     precision: str = "auto"
     """Bytes per parameter of the training state (see ``cost_models.memory.RECIPES``):
