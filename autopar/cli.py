@@ -162,9 +162,7 @@ def estimate(model: str = MODEL, cluster: str = CLUSTER, gpus: int = GPUS, globa
         job = read_job(model, cluster, gpus, global_batch, seq_len, dtype)
         strat = fixed_strategy(job, tp=tp, pp=pp, dp=dp, zero=zero, micro_batch=mbs,
                                schedule=schedule.value, sequence_parallel=sp,
-                               recompute=recompute.value)
-        if vpp != 1:
-            strat = dataclasses.replace(strat, virtual_stages=vpp)
+                               recompute=recompute.value, virtual_stages=vpp)
         est = estimate_strategy(job, strat)
         if as_json:
             typer.echo(json.dumps(_estimate_dict(est), indent=2, sort_keys=True))

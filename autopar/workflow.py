@@ -81,9 +81,10 @@ def make_plan(job: Job, pins: Pins = Pins(), time_limit_s: float = 60.0,
 
 
 def fixed_strategy(job: Job, *, tp: int, pp: int, dp: int | None, zero: int, micro_batch: int,
-                   schedule: str, sequence_parallel: bool, recompute: str) -> Strategy:
+                   schedule: str, sequence_parallel: bool, recompute: str,
+                   virtual_stages: int = 1) -> Strategy:
     """The one strategy ``estimate`` evaluates, checked against the job."""
-    for name, value in (("tp", tp), ("pp", pp), ("mbs", micro_batch)):
+    for name, value in (("tp", tp), ("pp", pp), ("mbs", micro_batch), ("vpp", virtual_stages)):
         if value <= 0:
             raise UserError(f"--{name} must be positive, got {value}")
     if job.gpus % (tp * pp):
@@ -99,10 +100,16 @@ def fixed_strategy(job: Job, *, tp: int, pp: int, dp: int | None, zero: int, mic
                         f"{job.spec.num_kv_heads} kv heads")
     if pp > job.spec.layers:
         raise UserError(f"--pp {pp} exceeds the model's {job.spec.layers} layers")
+    if virtual_stages > 1 and (schedule != "interleaved" or pp == 1):
+        raise UserError(f"--vpp {virtual_stages} needs --schedule interleaved and --pp > 1")
+    if job.spec.layers % (pp * virtual_stages) and virtual_stages > 1:
+        raise UserError(f"--vpp {virtual_stages} x --pp {pp} does not divide the model's "
+                        f"{job.spec.layers} layers into equal chunks")
     try:
         return Strategy(dp=dp, tp=tp, pp=pp, zero=zero, micro_batch=micro_batch,
                         num_microbatches=job.global_batch // (dp * micro_batch),
-                        schedule=schedule, sequence_parallel=sequence_parallel and tp > 1,
+                        schedule=schedule, virtual_stages=virtual_stages,
+                        sequence_parallel=sequence_parallel and tp > 1,
                         recompute=recompute, dtype=job.dtype)
     except ValueError as exc:
         raise UserError(str(exc)) from None
