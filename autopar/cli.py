@@ -176,32 +176,33 @@ def inspect(model: str = MODEL, seq_len: Optional[int] = SEQ, as_json: bool = JS
     """Show what the tracer sees: parameters, repeated blocks, FLOPs and activation bytes."""
     def body() -> None:
         from autopar.spec import parse_model_spec, with_seq
-        from autopar.trace import profile_from_graph, trace_spec
+        from autopar.trace import trace_spec
+        from autopar.trace.report import graph_summary
         spec = parse_model_spec(model)
         spec = with_seq(spec, seq_len) if seq_len else spec
-        graph = trace_spec(spec)
-        prof = profile_from_graph(graph, spec)
-        act = (prof.block_act_bytes_replicated_per_token + prof.block_act_bytes_sharded_per_token
-               + prof.block_act_bytes_attn_per_token)
-        info = {"model": spec.name, "params": graph.params, "seq_len": spec.seq,
-                "forward_flops_per_token": graph.flops / spec.seq,
-                "model_flops_per_token": prof.model_flops_per_token(),
-                "blocks": [{"kind": b.kind, "repeats": b.count, "params": b.params,
-                            "forward_flops_per_token": b.flops / spec.seq,
-                            "activation_bytes_per_token": act, "nodes": len(b.nodes)}
-                           for b in graph.blocks],
-                "embed_params": prof.embed_params, "head_params": prof.head_params}
+        info = graph_summary(trace_spec(spec), spec)
         if as_json:
             typer.echo(json.dumps(info, indent=2, sort_keys=True))
             return
-        console.print(f"{spec.name}: {graph.params:,} parameters, seq {spec.seq}, "
-                      f"{info['model_flops_per_token']:.4g} training FLOPs per token")
-        table = Table("block", "repeats", "params", "fwd FLOPs/token", "act bytes/token", "nodes")
+        console.print(f"{info['model']}: {info['params']:,} parameters ({_gib(info['param_bytes'])} in "
+                      f"{info['dtype']}), {info['capture']}, input {info['input_shape']}, "
+                      f"{info['forward_flops_per_token']:.4g} forward FLOPs/token, "
+                      f"{info['training_flops_per_token']:.4g} training FLOPs/token")
+        table = Table("block", "repeats", "params", "fwd FLOPs/token", "act B/token (fused)",
+                      "act B/token (Megatron)", "heads/kv", "experts", "nodes")
         for b in info["blocks"]:
-            table.add_row(b["kind"], str(b["repeats"]), f"{b['params']:,}",
-                          f"{b['forward_flops_per_token']:.4g}",
-                          f"{b['activation_bytes_per_token']:.4g}", str(b["nodes"]))
+            table.add_row(b["kind"], str(b["repeats"]), f"{b['params']:,}", f"{b['forward_flops_per_token']:.4g}",
+                          f"{b['activation_bytes_per_token']['total']:.4g}",
+                          f"{b['recipe_activation_bytes_per_token']['total']:.4g}",
+                          f"{b['heads']}/{b['kv_heads']}", str(b["experts"]), str(b["nodes"]))
         console.print(table)
+        for b in info["blocks"]:
+            console.print(f"{b['kind']} weights: " + ", ".join(
+                f"{lin['name']} {lin['in_features']}->{lin['out_features']} {lin['split']}"
+                + (f" x{lin['experts']}" if lin["experts"] else "") for lin in b["linears"]))
+        console.print(f"outside blocks: {info['outside_blocks']['params']:,} parameters, "
+                      f"{info['outside_blocks']['forward_flops_per_token']:.4g} FLOPs/token, "
+                      f"vocab-parallel: {', '.join(info['vocab_parallel']) or 'none'}")
     _guard(body)
 
 

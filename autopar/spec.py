@@ -1,25 +1,39 @@
-"""Model specs: presets and the ``gpt:``/``llama:`` spec strings of ``--model`` (design.md).
+"""Model specs: presets and the ``--model`` forms of design.md.
 
-A :class:`ModelSpec` is pure data (no torch): the built-in model (``autopar.model``) is built
-from it, the tracer traces that model, and the cost model reads what the tracer found.
+- a preset name (``gpt3-175b``, ``llama3-405b``, ``mixtral-8x7b``, ``megatron-1t`` ...);
+- ``gpt:layers=L,hidden=H,heads=A,vocab=V,seq=S[,tied=0|1]`` and
+  ``llama:layers=L,hidden=H,heads=A,kv_heads=K,ffn=F,vocab=V,seq=S``: the built-in model;
+- ``moe:<llama keys>,experts=E,topk=K`` (or the same keys after ``llama:``): a Mixtral-style
+  mixture of experts, traced through HF transformers' ``MixtralForCausalLM``;
+- ``hf:<transformers config class>:key=value,...``: any HF causal LM with random weights;
+- ``path/to/file.py:factory``: a user factory returning ``(nn.Module, example_inputs)``.
+
+A :class:`ModelSpec` is pure data (no torch, no transformers at import time). ``hf:`` specs read
+their shape from the config class (transformers imported lazily); file specs are opaque here and
+described by what the tracer finds.
 """
 
 from __future__ import annotations
 
+import ast
 import dataclasses
 from dataclasses import dataclass
+from pathlib import Path
 
 from autopar.errors import UserError
 
-ARCHS = ("gpt", "llama")
+ARCHS = ("gpt", "llama", "hf", "module")
+"""``gpt``/``llama``: the built-in model (or HF Mixtral when ``experts``); ``hf``: a transformers
+config class; ``module``: a user factory."""
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
 class ModelSpec:
-    """A decoder-only transformer's shape."""
+    """A model's shape and where it comes from. Shape fields are 0 where unknown (``module``)."""
 
     arch: str
-    """``gpt`` (LayerNorm, GELU MLP, learned positions) or ``llama`` (RMSNorm, SwiGLU, RoPE, GQA)."""
+    """``gpt`` (LayerNorm, GELU MLP, learned positions), ``llama`` (RMSNorm, SwiGLU, RoPE, GQA),
+    ``hf`` (a transformers config class) or ``module`` (a user factory)."""
     layers: int
     """Number of transformer blocks."""
     hidden: int
@@ -33,24 +47,41 @@ class ModelSpec:
     kv_heads: int = 0
     """Key/value heads (GQA); 0 means equal to ``heads``."""
     ffn: int = 0
-    """MLP inner size; 0 means 4h."""
+    """MLP inner size (per expert); 0 means 4h."""
     tied: bool = False
     """Whether the output head shares the embedding weight."""
     name: str = ""
     """Preset name or the spec string it was parsed from."""
+    experts: int = 0
+    """Experts per MoE layer (0: dense)."""
+    topk: int = 0
+    """Experts each token is routed to (MoE only)."""
+    source: str = ""
+    """``hf``: the transformers config class name; ``module``: ``path/to/file.py:factory``."""
+    options: tuple[tuple[str, str], ...] = ()
+    """``hf``: the config's ``key=value`` overrides, as written (values parsed as Python literals)."""
 
     def __post_init__(self) -> None:
         if self.arch not in ARCHS:
             raise UserError(f"unknown architecture {self.arch!r}; use one of {', '.join(ARCHS)}")
+        if self.arch == "module":
+            return
         for field in ("layers", "hidden", "heads", "vocab", "seq"):
             if getattr(self, field) <= 0:
                 raise UserError(f"model {field} must be a positive integer, got {getattr(self, field)}")
-        if self.hidden % self.heads:
+        if self.hidden % self.heads and self.arch != "hf":
             raise UserError(f"hidden={self.hidden} is not divisible by heads={self.heads}")
         if self.num_kv_heads <= 0 or self.heads % self.num_kv_heads:
             raise UserError(f"heads={self.heads} is not divisible by kv_heads={self.kv_heads}")
         if self.arch == "llama" and self.head_dim % 2:
             raise UserError(f"RoPE needs an even head size, got hidden/heads={self.head_dim}")
+        if self.experts < 0 or (self.experts > 0) != (self.topk > 0) or self.topk > self.experts:
+            raise UserError(f"a mixture of experts needs experts >= topk >= 1, got experts={self.experts} "
+                            f"topk={self.topk}")
+        if self.experts and self.arch == "gpt":
+            raise UserError("experts on the gpt architecture are not supported; use "
+                            "moe:layers=..,hidden=..,heads=..,kv_heads=..,ffn=..,vocab=..,seq=..,experts=E,topk=K "
+                            "(Mixtral-style: RMSNorm, SwiGLU experts, RoPE)")
 
     @property
     def num_kv_heads(self) -> int:
@@ -62,7 +93,12 @@ class ModelSpec:
 
     @property
     def head_dim(self) -> int:
-        return self.hidden // self.heads
+        return self.hidden // self.heads if self.heads else 0
+
+    @property
+    def builtin(self) -> bool:
+        """Built from ``autopar.model`` (dense gpt/llama), so the runtime can train it."""
+        return self.arch in ("gpt", "llama") and not self.experts
 
 
 def _gpt(name: str, layers: int, hidden: int, heads: int, vocab: int = 51200, seq: int = 2048,
@@ -72,9 +108,9 @@ def _gpt(name: str, layers: int, hidden: int, heads: int, vocab: int = 51200, se
 
 
 def _llama(name: str, layers: int, hidden: int, heads: int, kv_heads: int, ffn: int,
-           vocab: int = 128256, seq: int = 8192) -> ModelSpec:
+           vocab: int = 128256, seq: int = 8192, experts: int = 0, topk: int = 0) -> ModelSpec:
     return ModelSpec(arch="llama", layers=layers, hidden=hidden, heads=heads, kv_heads=kv_heads,
-                     ffn=ffn, vocab=vocab, seq=seq, tied=False, name=name)
+                     ffn=ffn, vocab=vocab, seq=seq, tied=False, name=name, experts=experts, topk=topk)
 
 
 # Megatron-LM weak-scaling models: Narayanan et al. SC'21 Table 1 (V = 51,200, s = 2048).
@@ -97,25 +133,28 @@ PRESETS: dict[str, ModelSpec] = {
     "llama3-8b": _llama("llama3-8b", 32, 4096, 32, 8, 14336),
     "llama3-70b": _llama("llama3-70b", 80, 8192, 64, 8, 28672),
     "llama3-405b": _llama("llama3-405b", 126, 16384, 128, 8, 53248),
+    # Mixtral 8x7B (Jiang et al. 2024, "Mixtral of Experts"): 46.7B parameters, 12.9B active;
+    # V = 32,000, trained at up to 32k tokens (seq 4096 here as a training default).
+    "mixtral-8x7b": _llama("mixtral-8x7b", 32, 4096, 32, 8, 14336, vocab=32000, seq=4096,
+                           experts=8, topk=2),
     # A small model for the local CPU demo and tests.
     "gpt-tiny": _gpt("gpt-tiny", 4, 64, 4, vocab=256, seq=32, tied=False),
     **{f"megatron-{n}": _gpt(f"megatron-{n}", l, h, a) for n, l, h, a in _MEGATRON},
 }
 
-_INT_KEYS = {"layers", "hidden", "heads", "vocab", "seq", "kv_heads", "ffn", "tied"}
+PUBLISHED_PARAMS: dict[str, float] = {
+    # GPT-2: the released checkpoints' counts (the paper rounds XL to "1.5B").
+    "gpt3-175b": 175e9, "gpt2": 124.44e6, "gpt2-medium": 354.82e6, "gpt2-large": 774.03e6, "gpt2-xl": 1.5576e9,
+    "llama3-8b": 8.03e9, "llama3-70b": 70.6e9, "llama3-405b": 405.9e9, "mixtral-8x7b": 46.7e9,
+    **{f"megatron-{n}": float(n[:-1]) * (1e12 if n.endswith("t") else 1e9) for n, *_ in _MEGATRON},
+}
+"""Published parameter counts of the presets (model cards and papers), for checks."""
+
+_INT_KEYS = {"layers", "hidden", "heads", "vocab", "seq", "kv_heads", "ffn", "tied", "experts", "topk"}
+_EXAMPLE = "gpt:layers=24,hidden=2048,heads=16,vocab=51200,seq=2048"
 
 
-def parse_model_spec(text: str) -> ModelSpec:
-    """Parse ``--model``: a preset name or ``arch:key=value,...`` (design.md)."""
-    text = text.strip()
-    if text in PRESETS:
-        return PRESETS[text]
-    arch, sep, rest = text.partition(":")
-    if not sep:
-        raise UserError(f"unknown model {text!r}; use a preset ({', '.join(sorted(PRESETS))}) "
-                        "or a spec like gpt:layers=24,hidden=2048,heads=16,vocab=51200,seq=2048")
-    if arch not in ARCHS:
-        raise UserError(f"unknown model architecture {arch!r} in {text!r}; use one of {', '.join(ARCHS)}")
+def _parse_items(text: str, rest: str) -> dict[str, int]:
     values: dict[str, int] = {}
     for item in filter(None, rest.split(",")):
         key, eq, value = item.partition("=")
@@ -129,6 +168,62 @@ def parse_model_spec(text: str) -> ModelSpec:
     missing = {"layers", "hidden", "heads", "vocab", "seq"} - values.keys()
     if missing:
         raise UserError(f"model spec {text!r} lacks {', '.join(sorted(missing))}")
+    return values
+
+
+def parse_hf_options(text: str, rest: str) -> tuple[tuple[str, str], ...]:
+    """``key=value,...`` of an ``hf:`` spec, kept as strings (see :func:`hf_option_values`)."""
+    items = []
+    for item in filter(None, rest.split(",")):
+        key, eq, value = item.partition("=")
+        if not eq or not key.strip().isidentifier():
+            raise UserError(f"malformed item {item!r} in {text!r}; write hf:ConfigClass:key=value,...")
+        items.append((key.strip(), value.strip()))
+    return tuple(items)
+
+
+def hf_option_values(options: tuple[tuple[str, str], ...]) -> dict[str, object]:
+    """``hf:`` overrides as Python values (``1e-5``, ``True``, ``'silu'``; bare words are strings)."""
+    values: dict[str, object] = {}
+    for key, value in options:
+        try:
+            values[key] = ast.literal_eval(value)
+        except (ValueError, SyntaxError):
+            values[key] = value
+    return values
+
+
+def parse_model_spec(text: str) -> ModelSpec:
+    """Parse ``--model``: a preset, ``gpt:``/``llama:``/``moe:``/``hf:`` spec or ``file.py:factory``."""
+    text = text.strip()
+    if text in PRESETS:
+        return PRESETS[text]
+    arch, sep, rest = text.partition(":")
+    if not sep:
+        raise UserError(f"unknown model {text!r}; use a preset ({', '.join(sorted(PRESETS))}) "
+                        f"or a spec like {_EXAMPLE}")
+    if arch == "hf":
+        from autopar.hf import spec_from_hf  # lazy: transformers is optional
+        cls, _, items = rest.partition(":")
+        return spec_from_hf(text, cls.strip(), parse_hf_options(text, items))
+    if arch.endswith(".py") or ".py:" in text:
+        path, _, factory = text.rpartition(":")
+        if not Path(path).is_file():
+            raise UserError(f"model file {path!r} does not exist; write path/to/file.py:factory")
+        if not factory.isidentifier():
+            raise UserError(f"{factory!r} in {text!r} is not a function name; write path/to/file.py:factory")
+        return ModelSpec(arch="module", layers=0, hidden=0, heads=0, vocab=0, seq=0, name=text,
+                         source=text)
+    if arch == "moe":
+        arch = "llama"
+        values = _parse_items(text, rest)
+        if "experts" not in values or "topk" not in values:
+            raise UserError(f"moe spec {text!r} needs experts=E and topk=K")
+    elif arch in ("gpt", "llama"):
+        values = _parse_items(text, rest)
+    else:
+        raise UserError(f"unknown model architecture {arch!r} in {text!r}; use gpt, llama, moe, hf "
+                        "or path/to/file.py:factory")
     if arch == "gpt":
         values.setdefault("tied", 1)
     return ModelSpec(arch=arch, name=text, **{k: (bool(v) if k == "tied" else v) for k, v in values.items()})

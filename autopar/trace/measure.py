@@ -1,0 +1,361 @@
+"""Run a captured graph on meta tensors and measure each node: FLOPs, bytes, parameters, what
+autograd keeps for backward, and how its weight can be split.
+
+One :class:`Recorder` per run holds the measurements; :class:`MeasureRun` (an
+``fx.Interpreter``) executes nodes under ``FlopCounterMode`` (FLOPs) and
+``torch.autograd.graph.saved_tensors_hooks`` (every tensor autograd saves, deduplicated by
+storage; parameters and buffers are not activations). Nothing is computed: all tensors are meta.
+
+Where the meta/CPU implementation of an op keeps different tensors than the GPU kernel training
+uses, the op runs as that kernel would, and only there:
+
+- ``scaled_dot_product_attention``, ``attention="fused"``: FlashAttention-2 keeps Q, K, V, the
+  output (stored [b, s, heads, d], so the output projection's input is a view of it) and a
+  float32 logsumexp [b, heads, s]; its dropout is regenerated from a seed, no mask.
+  ``attention="unfused"``: Megatron-LM's core attention, op by op: scaled Q, K (KV heads
+  repeated for GQA), the softmax output, a 1-byte dropout mask, the dropped probabilities, V.
+- dropout keeps a 1-byte mask (CUDA ``native_dropout``), not a 16-bit one;
+- ``rms_norm`` keeps its input and a float32 rstd (the fused CUDA kernel), not float32 copies.
+
+Tensor-parallel roles follow Megatron-LM: a weight GEMM whose input is replicated is
+column-parallel (its output is sharded), one whose input is sharded is row-parallel (its output
+is all-reduced, replicated); other ops are sharded when an input is.
+"""
+
+from __future__ import annotations
+
+import math
+import operator
+from collections import defaultdict
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+import torch
+import torch.nn.functional as F
+from torch import fx, nn
+from torch.utils._pytree import tree_flatten
+from torch.utils.flop_counter import FlopCounterMode, flop_registry, sdpa_flop_count
+
+from autopar.trace.graph import ActivationBytes, LinearInfo, NodeInfo
+
+REP, SHARD = "rep", "shard"
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class Recipe:
+    """How a run treats attention and dropout."""
+
+    attention: str = "fused"
+    """``fused`` (FlashAttention) or ``unfused`` (Megatron-LM core attention)."""
+    dropout: float = 0.0
+    """Extra dropout probability: attention dropout and hidden dropout after every row-parallel
+    GEMM not already followed by one (0: dropout only where the model has it)."""
+
+
+def _key(t: torch.Tensor) -> int:
+    return t.untyped_storage()._cdata
+
+
+def _nbytes(t: torch.Tensor) -> int:
+    return t.untyped_storage().nbytes()
+
+
+def _tensors(tree: Any) -> list[torch.Tensor]:
+    return [t for t in tree_flatten(tree)[0] if isinstance(t, torch.Tensor)]
+
+
+_SDPA = {F.scaled_dot_product_attention, torch.ops.aten.scaled_dot_product_attention.default}
+_SDPA_ARGS = ("q", "k", "v", "attn_mask", "dropout_p", "is_causal", "scale", "enable_gqa")
+_DROPOUT = {F.dropout, torch.ops.aten.dropout.default, torch.ops.aten.native_dropout.default}
+_RMS_NORM = {F.rms_norm, torch.ops.aten.rms_norm.default}
+
+
+def _grouped_mm_flops(a_shape, b_shape, *args, out_shape=None, **kwargs) -> int:
+    """[S, in] x [E, in, out] grouped by expert: each routed row meets one expert."""
+    return 2 * a_shape[0] * a_shape[-1] * b_shape[-1]
+
+
+def flop_mapping() -> dict:
+    """FLOP formulas beyond torch's registry: grouped expert GEMMs (torch and transformers)."""
+    mapping = {}
+    ops = [getattr(torch.ops.aten, "_grouped_mm", None)]
+    try:
+        ops.append(torch.ops.transformers.grouped_mm_fallback)
+    except (AttributeError, RuntimeError):
+        pass
+    for op in ops:
+        if op is not None and op not in flop_registry:
+            mapping[op] = _grouped_mm_flops
+    return mapping
+
+
+class _Saves(torch.autograd.Function):
+    """An op whose forward already ran (on meta) and keeps ``saved`` for backward, as a GPU
+    kernel does. Never differentiated: the tracer only counts."""
+
+    @staticmethod
+    def forward(ctx, out: torch.Tensor, *inputs_and_saved: Any) -> torch.Tensor:
+        n = inputs_and_saved[0]
+        ctx.save_for_backward(*inputs_and_saved[1 + n:])
+        return out.view_as(out)
+
+    @staticmethod
+    def backward(ctx, *grads):  # pragma: no cover - the tracer never runs backward
+        raise RuntimeError("autopar's measuring ops have no backward")
+
+
+def _kernel(out: torch.Tensor, inputs: list[torch.Tensor], saved: list[torch.Tensor]) -> torch.Tensor:
+    """``out`` (computed without autograd) attached to ``inputs`` in the autograd graph."""
+    grad_inputs = [t for t in inputs if isinstance(t, torch.Tensor) and t.requires_grad]
+    if not grad_inputs:
+        return out
+    return _Saves.apply(out, len(grad_inputs), *grad_inputs, *saved)
+
+
+def dropout(x: torch.Tensor, p: float) -> torch.Tensor:
+    """Dropout keeping a 1-byte mask (values are irrelevant on meta)."""
+    if p <= 0:
+        return x
+    mask = torch.empty(x.shape, dtype=torch.bool, device=x.device)
+    return x * mask * (1.0 / (1.0 - p))
+
+
+def rms_norm(x: torch.Tensor, shape: list[int], weight: torch.Tensor | None, eps: float | None) -> torch.Tensor:
+    """RMSNorm keeping its input and a float32 rstd, as the fused CUDA kernel does."""
+    with torch.no_grad():
+        out = torch.empty_like(x)
+        rstd = torch.empty(*x.shape[: x.dim() - len(shape)], *([1] * len(shape)), dtype=torch.float32,
+                           device=x.device)
+    return _kernel(out, [x, weight], [x, rstd])
+
+
+def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, attn_mask: torch.Tensor | None = None,
+              dropout_p: float = 0.0, is_causal: bool = False, scale: float | None = None,
+              enable_gqa: bool = False, *, mode: str = "fused") -> tuple[torch.Tensor, float]:
+    """Attention as ``mode`` keeps it; returns (output, FLOPs not seen by FlopCounterMode)."""
+    b, heads, s_q, d = q.shape
+    s_k = k.shape[-2]
+    if mode == "fused":
+        with torch.no_grad():
+            out = torch.empty(b, s_q, heads, v.shape[-1], dtype=q.dtype, device=q.device).transpose(1, 2)
+            lse = torch.empty(b, heads, s_q, dtype=torch.float32, device=q.device)
+        saved = [q, k, v, out, lse] + ([attn_mask] if attn_mask is not None else [])
+        flops = sdpa_flop_count((b, heads, s_q, d), (b, heads, s_k, d), (b, heads, s_k, v.shape[-1]))
+        return _kernel(out, [q, k, v], saved), float(flops)
+    if k.shape[1] != heads:
+        k = k.repeat_interleave(heads // k.shape[1], dim=1)
+        v = v.repeat_interleave(heads // v.shape[1], dim=1)
+    scores = (q * (scale or 1.0 / math.sqrt(d))) @ k.transpose(-2, -1)
+    if is_causal:  # a constant additive mask: nothing to save, as in Megatron's fused softmax
+        scores = scores + torch.empty(s_q, s_k, dtype=scores.dtype, device=scores.device)
+    elif attn_mask is not None:
+        bias = attn_mask if attn_mask.dtype != torch.bool else torch.empty(
+            attn_mask.shape, dtype=scores.dtype, device=scores.device)
+        scores = scores + bias
+    probs = dropout(torch.softmax(scores, dim=-1), dropout_p)
+    return probs @ v, 0.0
+
+
+@dataclass(kw_only=True, slots=True)
+class Saved:
+    """A storage autograd keeps, attributed to the segment and node that saved it first."""
+
+    segment: str
+    node: str
+    role: str
+    """``replicated``, ``sharded`` or ``attn``."""
+    nbytes: int
+    shape: tuple[int, ...] = ()
+    dtype: str = ""
+
+
+@dataclass(kw_only=True, slots=True)
+class Recorder:
+    """Measurements of one run (mutable while it runs; summarised by the tracer)."""
+
+    recipe: Recipe
+    params: dict[int, tuple[str, torch.Tensor]]
+    """Storage key -> (qualified name, parameter) of every parameter and buffer."""
+    nodes: dict[str, list[NodeInfo]] = field(default_factory=lambda: defaultdict(list))
+    saved: dict[int, Saved] = field(default_factory=dict)
+    state: dict[int, str] = field(default_factory=dict)
+    producer: dict[int, str] = field(default_factory=dict)
+    linears: dict[str, list[LinearInfo]] = field(default_factory=lambda: defaultdict(list))
+    attention: dict[str, tuple[int, int, int, int]] = field(default_factory=dict)
+    """Segment -> (heads, kv heads seen by the kernel, head dim, GEMMs before it) of its attention."""
+    expert_counts: frozenset[int] = frozenset()
+    """Leading sizes of stacked expert weights: a GEMM with that many outputs is a router."""
+    segment: str = ""
+    node: str = ""
+    node_state: str = REP
+    in_attention: bool = False
+    attention_shape: tuple[int, int, int] = (0, 0, 0)
+    """(query length, key length, logsumexp elements) of the attention running now."""
+    pre_nodes: int = 0
+    """Top-level nodes recorded before the first block ran (the embedding side)."""
+    blocks_started: bool = False
+
+    @classmethod
+    def for_module(cls, module: nn.Module, recipe: Recipe) -> "Recorder":
+        params = {_key(p): (n, p) for n, p in module.named_parameters(remove_duplicate=False)}
+        params.update({_key(b): (n, b) for n, b in module.named_buffers(remove_duplicate=False)})
+        experts = frozenset(p.shape[0] for p in module.parameters() if p.dim() == 3)
+        return cls(recipe=recipe, params=params, expert_counts=experts)
+
+    def pack(self, t: torch.Tensor) -> torch.Tensor:
+        try:
+            key = _key(t)
+        except (RuntimeError, NotImplementedError):
+            return t
+        if key in self.params or key in self.saved:
+            return t
+        if key in self.producer:
+            role = "sharded" if self.state.get(key, REP) == SHARD else "replicated"
+        elif self.in_attention:  # scores-shaped, or the logsumexp: the core; else Q/K/V/output copies
+            s_q, s_k, lse = self.attention_shape
+            core = (t.dim() >= 2 and tuple(t.shape[-2:]) == (s_q, s_k)) or t.numel() == lse
+            role = "attn" if core else "sharded"
+        else:
+            role = "sharded" if self.node_state == SHARD else "replicated"
+        self.saved[key] = Saved(segment=self.segment, node=self.node, role=role, nbytes=_nbytes(t),
+                                shape=tuple(t.shape), dtype=str(t.dtype).removeprefix("torch."))
+        return t
+
+    def activations(self, segment: str) -> ActivationBytes:
+        totals = defaultdict(int)
+        for s in self.saved.values():
+            if s.segment == segment:
+                totals[s.role] += s.nbytes
+        return ActivationBytes(replicated=totals["replicated"], sharded=totals["sharded"], attn=totals["attn"])
+
+    def saved_by(self, segment: str, node: str) -> int:
+        return sum(s.nbytes for s in self.saved.values() if s.segment == segment and s.node == node)
+
+
+class MeasureRun(fx.Interpreter):
+    """Executes a GraphModule on meta tensors, recording each node into a :class:`Recorder`.
+
+    ``segment_of`` names the segment (a block representative or "" for the top) of a node;
+    ``leaves`` maps ``call_module`` targets to callables that run them instead (repeated blocks
+    of an fx capture); ``prefix`` is the qualified name of the traced module inside the model.
+    """
+
+    def __init__(self, gm: fx.GraphModule, rec: Recorder, counter: FlopCounterMode,
+                 segment_of: Callable[[fx.Node], str], prefix: str = "",
+                 leaves: dict[str, Callable[..., Any]] | None = None) -> None:
+        super().__init__(gm, garbage_collect_values=False)  # storages stay unique while we look
+        self.rec, self.counter, self.segment_of = rec, counter, segment_of
+        self.prefix, self.leaves = prefix, leaves or {}
+
+    def _module(self, n: fx.Node) -> nn.Module | None:
+        return self.module.get_submodule(n.target) if n.op == "call_module" else None
+
+    def _call(self, n: fx.Node, args: tuple, kwargs: dict) -> tuple[Any, float]:
+        """Run one node; returns (result, FLOPs FlopCounterMode does not see)."""
+        rec, mod, target = self.rec, self._module(n), n.target
+        if target in _SDPA:
+            q, k = args[0], args[1]
+            rec.in_attention = True
+            rec.attention_shape = (q.shape[-2], k.shape[-2], q.shape[0] * q.shape[1] * q.shape[-2])
+            rec.attention.setdefault(rec.segment, (q.shape[1], k.shape[1], q.shape[-1],
+                                                   len(rec.linears[rec.segment])))
+            call = dict(zip(_SDPA_ARGS, args), **kwargs)
+            if rec.recipe.attention == "unfused":
+                call["dropout_p"] = max(call.get("dropout_p", 0.0), rec.recipe.dropout)
+            try:
+                return attention(**call, mode=rec.recipe.attention)
+            finally:
+                rec.in_attention = False
+        if target in _DROPOUT or isinstance(mod, nn.Dropout):
+            p = mod.p if mod is not None else (kwargs.get("p", args[1] if len(args) > 1 else 0.5))
+            train = mod.training if mod is not None else kwargs.get("train", kwargs.get("training", args[2] if len(args) > 2 else True))
+            out = dropout(args[0], p if train else 0.0)
+            return ((out, None) if target is torch.ops.aten.native_dropout.default else out), 0.0
+        if target in _RMS_NORM or isinstance(mod, nn.RMSNorm):
+            if mod is not None:
+                return rms_norm(args[0], list(mod.normalized_shape), mod.weight, mod.eps), 0.0
+            return rms_norm(*args, **kwargs), 0.0
+        return getattr(self, n.op)(target, args, kwargs), 0.0
+
+    def run_node(self, n: fx.Node) -> Any:
+        if n.op in ("placeholder", "output", "get_attr"):
+            return super().run_node(n)
+        rec = self.rec
+        rec.segment, rec.node = self.segment_of(n), n.name
+        args, kwargs = self.fetch_args_kwargs_from_env(n)
+        if n.op == "call_module" and n.target in self.leaves:  # a repeated block: counted apart
+            rec.blocks_started = True
+            result = self.leaves[n.target](*args, **kwargs)
+            for t in _tensors(result):
+                rec.state.setdefault(_key(t), REP)
+            return result
+        if rec.segment:
+            rec.blocks_started = True
+        elif not rec.blocks_started:
+            rec.pre_nodes += 1
+        inputs = _tensors((args, kwargs))
+        mod = self._module(n)
+        weights = [t for t in inputs if _key(t) in rec.params]
+        if mod is not None:
+            weights += list(mod.parameters())
+        acts = [t for t in inputs if _key(t) not in rec.params and t.is_floating_point()]
+        in_state = [rec.state.get(_key(t), REP) for t in acts]
+        rec.node_state = SHARD if SHARD in in_state else REP
+        before = self.counter.get_total_flops()
+        result, extra = self._call(n, args, kwargs)
+        flops = self.counter.get_total_flops() - before + extra
+        outputs = _tensors(result)
+        split, out_state = "", rec.node_state
+        gemm_weights = [w for w in weights if w.dim() >= 2 and w.is_floating_point()]
+        if flops > 0 and gemm_weights:
+            w = max(gemm_weights, key=lambda t: t.numel())
+            first = in_state[0] if in_state else REP
+            split = "column" if first == REP else "row"
+            out_state = SHARD if split == "column" else REP
+            out_f = outputs[0].shape[-1] if outputs else w.shape[0]
+            if w.dim() == 3:
+                split = "expert-" + split
+            elif out_f in rec.expert_counts:  # the MoE router: replicated, not split
+                split, out_state = "router", REP
+            if rec.recipe.dropout > 0 and split == "row" and rec.segment and not any(
+                    u.target in _DROPOUT for u in n.users):
+                rec.node_state = out_state  # the mask is of the replicated output
+                result = dropout(result, rec.recipe.dropout)
+                outputs = _tensors(result)
+            name = rec.params[_key(w)][0] if _key(w) in rec.params else ""
+            in_f = acts[0].shape[-1] if acts else w.shape[-1]
+            rec.linears[rec.segment].append(LinearInfo(
+                name=name, in_features=int(in_f), out_features=int(out_f), split=split,
+                experts=int(w.shape[0]) if w.dim() == 3 else 0))
+        elif n.target in (F.embedding, torch.ops.aten.embedding.default) or isinstance(mod, nn.Embedding):
+            split = "vocab"
+        for t in outputs:
+            key = _key(t)
+            rec.producer.setdefault(key, n.name)
+            rec.state.setdefault(key, out_state)
+        shape = tuple(outputs[0].shape) if outputs else ()
+        rec.nodes[rec.segment].append(NodeInfo(
+            name=n.name, op=n.op, target=_target_name(n.target), module=_module_of(n, self.prefix),
+            shape=shape, out_bytes=sum(t.numel() * t.element_size() for t in outputs),
+            in_bytes=sum(t.numel() * t.element_size() for t in inputs) + sum(
+                p.numel() * p.element_size() for p in weights if all(p is not t for t in inputs)),
+            flops=float(flops), params=sum(p.numel() for p in weights if isinstance(p, nn.Parameter)),
+            saved_bytes=rec.saved_by(rec.segment, n.name), split=split))
+        return result
+
+
+def _target_name(target: Any) -> str:
+    if isinstance(target, str):
+        return target
+    if target is operator.getitem:
+        return "getitem"
+    return str(target) if isinstance(target, torch._ops.OpOverload) else getattr(target, "__name__", str(target))
+
+
+def _module_of(n: fx.Node, prefix: str) -> str:
+    stack = n.meta.get("nn_module_stack")
+    if stack:
+        return list(stack.values())[-1][0]
+    if n.op == "call_module":
+        return f"{prefix}.{n.target}" if prefix else str(n.target)
+    return prefix

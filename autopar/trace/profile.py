@@ -1,0 +1,59 @@
+"""The cost model's view of a traced model (``cost_models.ModelProfile``), and the published
+activation formula it is checked against.
+
+Activation bytes in the profile are the *Megatron-recipe* measurement of one block
+(``BlockInfo.recipe_activations``): unfused core attention with its softmax, dropout mask and
+dropped probabilities kept, hidden dropout after each row-parallel GEMM (gpt models: p = 0.1).
+That is the accounting of Korthikanti et al. 2022, which the cost model's memory terms and
+calibration follow, so the profile's fields keep their meaning; for the built-in GPT it equals
+Table 2's ``sbh(34 + 5as/h)`` up to the LayerNorm statistics (16 bytes per token). What the
+model keeps when run with FlashAttention and no dropout is ``BlockInfo.activations`` (shown by
+``autopar inspect``): ``32 sbh`` plus a float32 logsumexp per head instead of ``5as`` per token.
+"""
+
+from __future__ import annotations
+
+from autopar.errors import UserError
+from autopar.spec import ModelSpec
+from autopar.trace.graph import ModelGraph
+from autopar.trace.tracer import trace_spec
+from cost_models.model_profile import ModelProfile
+
+
+def korthikanti_bytes_per_token(spec: ModelSpec) -> float:
+    """Korthikanti et al. 2022, Table 2, no parallelism: ``sbh(34 + 5as/h)`` bytes per layer for
+    16-bit activations and 1-byte dropout masks, divided by the s·b tokens: ``34h + 5as``."""
+    return 34.0 * spec.hidden + 5.0 * spec.heads * spec.seq
+
+
+def profile_from_graph(graph: ModelGraph, spec: ModelSpec) -> ModelProfile:
+    """Summarise a traced decoder-only transformer for the cost model (per block, per token)."""
+    if spec.arch == "module":
+        raise UserError(f"the cost model cannot price user modules yet ({spec.name}); "
+                        "`autopar inspect` shows what the tracer sees")
+    if len(graph.blocks) != 1:
+        raise UserError(f"the cost model needs one kind of repeated transformer block; {graph.name} has "
+                        f"{len(graph.blocks)} ({', '.join(b.kind for b in graph.blocks) or 'none'})")
+    block = graph.blocks[0]
+    if block.experts:
+        raise UserError(f"the cost model cannot price mixture-of-experts blocks yet ({graph.name}: "
+                        f"{block.experts} experts per {block.kind}); `autopar inspect` works")
+    tokens = graph.tokens
+    matmul = sum(n.flops for n in block.nodes if n.split)
+    act = block.recipe_activations
+    return ModelProfile(
+        name=graph.name, layers=block.count, hidden=spec.hidden, heads=spec.heads,
+        kv_heads=spec.num_kv_heads, ffn=spec.ffn_hidden, vocab=spec.vocab, seq=spec.seq,
+        tied=spec.tied, block_params=block.params,
+        embed_params=sum(n.params for n in graph.pre), head_params=sum(n.params for n in graph.post),
+        block_matmul_flops_per_token=matmul / tokens,
+        block_attn_flops_per_token=(block.flops - matmul) / tokens,
+        head_flops_per_token=sum(n.flops for n in graph.post) / tokens,
+        block_act_bytes_replicated_per_token=act.replicated / tokens,
+        block_act_bytes_sharded_per_token=act.sharded / tokens,
+        block_act_bytes_attn_per_token=act.attn / tokens)
+
+
+def profile_spec(spec: ModelSpec) -> ModelProfile:
+    """Trace the model of ``spec`` and summarise it for the cost model."""
+    return profile_from_graph(trace_spec(spec), spec)

@@ -1,0 +1,157 @@
+"""Trace a module on meta into a :class:`ModelGraph`: capture, run each distinct block once,
+count. See ``capture`` (how graphs are captured) and ``measure`` (what each node is counted as).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import fx, nn
+from torch.utils._pytree import tree_map
+from torch.utils.flop_counter import FlopCounterMode
+
+from autopar.errors import UserError
+from autopar.spec import ModelSpec
+from autopar.trace.capture import (Capture, _culprit, _first_line, export_capture, find_repeated_blocks,
+                                   fx_capture, outer_groups)
+from autopar.trace.graph import BlockInfo, ModelGraph
+from autopar.trace.measure import MeasureRun, Recipe, Recorder, flop_mapping
+
+MEGATRON_GPT_DROPOUT = 0.1
+"""Attention and hidden dropout of Megatron-LM's GPT recipe (Shoeybi et al. 2019; Korthikanti et
+al. 2022 count its masks), used for the recipe activations of the built-in ``gpt`` models."""
+
+
+def _fresh(t: Any) -> Any:
+    if isinstance(t, torch.Tensor):
+        return torch.empty(t.shape, dtype=t.dtype, device="meta", requires_grad=t.requires_grad)
+    return t
+
+
+def _segment_finder(cap: Capture):
+    members = {n: names[0] for names in cap.blocks for n in names}
+
+    def segment_of(node: fx.Node) -> str:
+        for path, _ in (node.meta.get("nn_module_stack") or {}).values():
+            if path in members:
+                return path
+        return ""
+    return segment_of
+
+
+def _run(model: nn.Module, cap: Capture, inputs: tuple, recipe: Recipe) -> Recorder:
+    """One measured run of the capture on meta; every block kind runs once."""
+    rec = Recorder.for_module(model, recipe)
+    with torch.autograd.graph.saved_tensors_hooks(rec.pack, lambda t: t), \
+            FlopCounterMode(display=False, custom_mapping=flop_mapping()) as counter:
+        if cap.how == "torch.fx":
+            outputs: dict[str, Any] = {}
+
+            def leaf(rep: str, name: str):
+                def call(*args, **kwargs):
+                    if rep not in outputs:
+                        run = MeasureRun(cap.block_gms[rep], rec, counter, lambda n: rep, prefix=rep)
+                        outputs[rep] = run.run(*args, **kwargs) if not kwargs else run.run(*args, *kwargs.values())
+                        return outputs[rep]
+                    return tree_map(_fresh, outputs[rep])
+                return call
+            leaves = {n: leaf(names[0], n) for names in cap.blocks for n in names}
+            top = MeasureRun(cap.gm, rec, counter, lambda n: "", leaves=leaves)
+        else:
+            top = MeasureRun(cap.gm, rec, counter, _segment_finder(cap))
+        try:
+            top.run(*inputs)
+        except UserError:
+            raise
+        except Exception as exc:  # an op without a meta kernel, a shape the model rejects
+            node = rec.node
+            raise UserError(f"running {_culprit(exc, model)} on meta failed at node {node!r}: "
+                            f"{_first_line(exc)}") from None
+    return rec
+
+
+def trace_module(model: nn.Module, example: torch.Tensor | tuple[torch.Tensor, ...], name: str = "",
+                 *, recipe_dropout: float = 0.0, dtype: torch.dtype | None = torch.bfloat16,
+                 capture: str = "auto") -> ModelGraph:
+    """Trace ``model`` (on meta) called on ``example`` (meta tensors).
+
+    ``dtype``: floating parameters and inputs are cast to it (16-bit activations, as trained);
+    None keeps them. ``recipe_dropout``: dropout of the Megatron-recipe activations.
+    ``capture``: ``fx``, ``export`` or ``auto`` (fx, then export if fx fails).
+    """
+    inputs = example if isinstance(example, tuple) else (example,)
+    if dtype is not None:
+        model = model.to(dtype)
+        inputs = tuple(t.to(dtype) if t.is_floating_point() else t for t in inputs)
+    groups = outer_groups(find_repeated_blocks(model))
+    if capture == "export":
+        cap = export_capture(model, inputs, groups)
+    else:
+        try:
+            cap = fx_capture(model, groups)
+        except UserError as fx_error:
+            if capture == "fx":
+                raise
+            try:
+                cap = export_capture(model, inputs, groups)
+            except UserError as exc:
+                raise UserError(f"{exc} (and {fx_error})") from None
+    measured = _run(model, cap, inputs, Recipe(attention="fused"))
+    recipe = _run(model, cap, inputs, Recipe(attention="unfused", dropout=recipe_dropout))
+    blocks = []
+    for names in cap.blocks:
+        rep = names[0]
+        if rep not in measured.nodes:
+            continue
+        block = model.get_submodule(rep)
+        heads, kv_heads, head_dim, before = measured.attention.get(rep, (0, 0, 0, 0))
+        linears = tuple(measured.linears[rep])
+        # KV heads as projected (HF repeats them before SDPA): the narrowest projection before it.
+        widths = [lin.out_features for lin in linears[:before] if head_dim and lin.out_features % head_dim == 0]
+        kv_heads = min([kv_heads] + [w // head_dim for w in widths])
+        nested = [len(g) for g in find_repeated_blocks(block)]
+        blocks.append(BlockInfo(
+            kind=type(block).__name__, names=names,
+            params=sum(p.numel() for p in block.parameters()),
+            param_bytes=sum(p.numel() * p.element_size() for p in block.parameters()),
+            nodes=tuple(measured.nodes[rep]), activations=measured.activations(rep),
+            recipe_activations=recipe.activations(rep), linears=linears,
+            heads=heads, kv_heads=kv_heads, head_dim=head_dim,
+            experts=max([lin.experts for lin in linears] + nested + [0])))
+    top = tuple(measured.nodes[""])
+    vocab = max([m.num_embeddings for m in model.modules() if isinstance(m, nn.Embedding)] + [0])
+    vocab_mods = {n.module for n in top if n.split == "vocab"
+                  and getattr(model.get_submodule(n.module), "num_embeddings", 0) == vocab}
+    vocab_mods |= {n.module for n in top if n.split == "column" and n.shape and n.shape[-1] == vocab}
+    return ModelGraph(
+        name=name or type(model).__name__, capture=cap.how, input_shape=tuple(inputs[0].shape),
+        nodes=top, pre_nodes=measured.pre_nodes, blocks=tuple(blocks),
+        params=sum(p.numel() for p in model.parameters()),
+        param_bytes=sum(p.numel() * p.element_size() for p in model.parameters()),
+        top_activations=measured.activations(""),
+        vocab_parallel=tuple(sorted(vocab_mods)))
+
+
+def build_spec_model(spec: ModelSpec, micro_batch: int = 1) -> tuple[nn.Module, tuple[torch.Tensor, ...]]:
+    """The model of ``spec`` on meta and its example inputs (tokens [micro_batch, seq])."""
+    tokens = torch.zeros(micro_batch, spec.seq, dtype=torch.long, device="meta")
+    if spec.builtin:
+        from autopar.model import build_model
+        return build_model(spec, device="meta"), (tokens,)
+    if spec.arch == "module":
+        from autopar.usermodel import load_user_model
+        return load_user_model(spec)
+    from autopar.hf import build_hf
+    return build_hf(spec, torch.bfloat16), (tokens,)
+
+
+def trace_spec(spec: ModelSpec, micro_batch: int = 1) -> ModelGraph:
+    """Trace the model of ``spec`` at its sequence length, on meta."""
+    model, inputs = build_spec_model(spec, micro_batch)
+    if spec.arch == "module":
+        inputs = inputs if micro_batch == 1 else tuple(t.expand(micro_batch * t.shape[0], *t.shape[1:])
+                                                       for t in inputs)
+    return trace_module(model, inputs, spec.name,
+                        recipe_dropout=MEGATRON_GPT_DROPOUT if spec.arch == "gpt" else 0.0,
+                        capture="auto" if spec.arch == "module" else ("fx" if spec.builtin else "export"))

@@ -1,0 +1,55 @@
+"""User models: ``path/to/file.py:factory``.
+
+The factory is called with no arguments inside ``torch.device("meta")`` and returns
+``(module, example_inputs)``: an ``nn.Module`` and a tensor or tuple of tensors it is called on
+(built on meta too, or they are moved there). Nothing real is allocated.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import sys
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from autopar.errors import UserError
+from autopar.spec import ModelSpec
+
+
+def _one_line(exc: BaseException) -> str:
+    text = str(exc).strip().splitlines()
+    return f"{type(exc).__name__}: {text[0]}" if text else type(exc).__name__
+
+
+def load_user_model(spec: ModelSpec) -> tuple[nn.Module, tuple[torch.Tensor, ...]]:
+    """Import the file of ``spec.source``, call its factory on meta, check what it returns."""
+    path, _, factory = spec.source.rpartition(":")
+    file = Path(path)
+    name = f"autopar_user_{abs(hash(str(file.resolve())))}"
+    module_spec = importlib.util.spec_from_file_location(name, file)
+    if module_spec is None or module_spec.loader is None:
+        raise UserError(f"cannot import {path!r} as Python; write path/to/file.py:factory")
+    module = importlib.util.module_from_spec(module_spec)
+    sys.modules[name] = module  # dataclasses and pickling look modules up here
+    try:
+        module_spec.loader.exec_module(module)
+    except Exception as exc:  # the user's file: report its error on one line
+        raise UserError(f"importing {path} failed: {_one_line(exc)}") from None
+    fn = getattr(module, factory, None)
+    if not callable(fn):
+        raise UserError(f"{path} has no function {factory!r}")
+    try:
+        with torch.device("meta"):
+            result = fn()
+    except Exception as exc:
+        raise UserError(f"{path}:{factory}() failed: {_one_line(exc)}") from None
+    if not (isinstance(result, tuple) and len(result) == 2 and isinstance(result[0], nn.Module)):
+        raise UserError(f"{path}:{factory}() must return (nn.Module, example_inputs), "
+                        f"got {type(result).__name__}")
+    model, inputs = result
+    inputs = inputs if isinstance(inputs, (tuple, list)) else (inputs,)
+    if not inputs or not all(isinstance(t, torch.Tensor) for t in inputs):
+        raise UserError(f"{path}:{factory}() must return example inputs as a tensor or tuple of tensors")
+    return model.to("meta"), tuple(t.to("meta") for t in inputs)

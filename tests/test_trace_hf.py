@@ -1,0 +1,192 @@
+"""The tracer on HF transformers models (torch.export on meta), MoE and user modules."""
+
+import json
+import textwrap
+
+import pytest
+
+pytest.importorskip("transformers")
+
+from typer.testing import CliRunner  # noqa: E402
+
+from autopar.cli import app  # noqa: E402
+from autopar.errors import UserError  # noqa: E402
+from autopar.spec import PRESETS, PUBLISHED_PARAMS, parse_model_spec  # noqa: E402
+from autopar.trace import profile_from_graph, profile_spec, trace_spec  # noqa: E402
+
+LLAMA = ("hf:LlamaConfig:num_hidden_layers=3,hidden_size=64,num_attention_heads=4,num_key_value_heads=2,"
+         "intermediate_size=96,vocab_size=128,max_position_embeddings=32,rms_norm_eps=1e-5")
+SAME_BUILTIN = "llama:layers=3,hidden=64,heads=4,kv_heads=2,ffn=96,vocab=128,seq=32"
+GPT2 = "hf:GPT2Config:n_layer=3,n_embd=64,n_head=4,vocab_size=128,n_positions=32"
+MOE = "moe:layers=3,hidden=64,heads=4,kv_heads=2,ffn=96,vocab=128,seq=32,experts=4,topk=2"
+
+
+@pytest.fixture(scope="module")
+def llama():
+    return trace_spec(parse_model_spec(LLAMA))
+
+
+def test_hf_llama_is_captured_with_export_and_blocks_once(llama):
+    (block,) = llama.blocks
+    assert llama.capture == "torch.export"
+    assert block.kind == "LlamaDecoderLayer" and block.count == 3
+    assert (block.heads, block.kv_heads, block.head_dim, block.experts) == (4, 2, 16, 0)
+    assert [lin.split for lin in block.linears] == ["column"] * 3 + ["row"] + ["column"] * 2 + ["row"]
+    assert llama.vocab_parallel == ("lm_head", "model.embed_tokens")
+
+
+def test_hf_llama_counts_equal_the_builtin_llama(llama):
+    """Same architecture, same numbers: parameters, FLOPs (FlopCounterMode on both) and the
+    cost-model profile's FLOP and parameter fields."""
+    builtin = trace_spec(parse_model_spec(SAME_BUILTIN))
+    assert llama.params == builtin.params
+    assert llama.flops == builtin.flops
+    hf_prof = profile_from_graph(llama, parse_model_spec(LLAMA))
+    ref = profile_from_graph(builtin, parse_model_spec(SAME_BUILTIN))
+    for field in ("block_params", "embed_params", "head_params", "block_matmul_flops_per_token",
+                  "block_attn_flops_per_token", "head_flops_per_token"):
+        assert getattr(hf_prof, field) == getattr(ref, field), field
+
+
+def test_hf_llama_activation_bytes_are_explained(llama):
+    """What autograd keeps for one HF LlamaDecoderLayer, per token (bf16, FlashAttention):
+    - replicated, 16h + 8 + 4d + s: LlamaRMSNorm upcasts, so each of its two norms keeps the
+      float32 input of ``pow`` (4h), the float32 rsqrt (4) and the bf16 normalised tensor the
+      weight multiplies (2h); the q/k/v and gate/up projections keep their bf16 inputs (2h each);
+      RoPE keeps cos and sin (2d each, computed outside the layer); and the causal mask that
+      HF's masking utilities materialise while exported (s x s bool: s per token);
+    - sharded, 8h + 8f: Q, K and V as SDPA sees them (HF repeats KV heads first: 2h each) and
+      the output (2h); SwiGLU's gate, SiLU, up and product (2f each);
+    - attention core, 4a: FlashAttention's float32 logsumexp.
+    The built-in Llama keeps 8h + 8 replicated (fused RMSNorm, no mask, no cos/sin) and
+    4h + 4kv + 8f sharded (KV heads not repeated)."""
+    spec = parse_model_spec(LLAMA)
+    (block,) = llama.blocks
+    h, d, s, f, a = spec.hidden, spec.head_dim, spec.seq, spec.ffn_hidden, spec.heads
+    tokens = llama.tokens
+    act = block.activations
+    assert act.replicated == (16 * h + 8 + 4 * d + s) * tokens
+    assert act.sharded == (8 * h + 8 * f) * tokens
+    assert act.attn == 4 * a * tokens
+
+
+def test_hf_gpt2_and_its_dropout():
+    spec = parse_model_spec(GPT2)
+    graph = trace_spec(spec)
+    (block,) = graph.blocks
+    assert block.kind == "GPT2Block" and graph.capture == "torch.export" and spec.tied
+    # Conv1D weights (addmm): fused QKV is column-parallel, the projections row-parallel.
+    assert [lin.split for lin in block.linears] == ["column", "row", "column", "row"]
+    assert [lin.out_features for lin in block.linears] == [3 * 64, 64, 4 * 64, 64]
+    # GPT-2 trains with attention dropout 0.1: the recipe keeps 5as in the core, as Korthikanti.
+    assert block.recipe_activations.attn == 5 * spec.heads * spec.seq * graph.tokens
+    # Narayanan Eq. 2 (plus the final LayerNorm), with GPT-2's tied head.
+    L, h, V, s = spec.layers, spec.hidden, spec.vocab, spec.seq
+    assert graph.params == 12 * L * h * h + 13 * L * h + (V + s) * h + 2 * h
+
+
+def test_moe_traces_through_mixtral_and_is_not_priced():
+    spec = parse_model_spec(MOE)
+    graph = trace_spec(spec)
+    (block,) = graph.blocks
+    assert block.kind == "MixtralDecoderLayer" and block.experts == 4
+    splits = {lin.name.rsplit(".", 2)[-2] + "." + lin.name.rsplit(".", 1)[-1]: lin.split for lin in block.linears}
+    assert splits["gate.weight"] == "router"
+    assert splits["experts.gate_up_proj"] == "expert-column" and splits["experts.down_proj"] == "expert-row"
+    # Forward FLOPs per token: attention GEMMs, router, top-2 of 4 SwiGLU experts, QK^T and AV.
+    h, kv, f, s = 64, 32, 96, 32
+    expected = 2 * (2 * h * h + 2 * h * kv) + 2 * h * 4 + 2 * (2 * h * 2 * f + 2 * f * h) + 4 * s * h
+    assert block.flops / graph.tokens == expected
+    with pytest.raises(UserError, match="mixture-of-experts"):
+        profile_from_graph(graph, spec)
+
+
+@pytest.mark.parametrize("name", ["mixtral-8x7b", "llama3-405b"])
+def test_big_presets_via_hf_match_published_sizes(name):
+    if name == "mixtral-8x7b":
+        graph = trace_spec(PRESETS[name])
+    else:  # the same 405B through HF's LlamaForCausalLM
+        graph = trace_spec(parse_model_spec(
+            "hf:LlamaConfig:num_hidden_layers=126,hidden_size=16384,num_attention_heads=128,"
+            "num_key_value_heads=8,intermediate_size=53248,vocab_size=128256,seq=512"))
+        assert graph.blocks[0].count == 126
+    assert graph.params == pytest.approx(PUBLISHED_PARAMS[name], rel=0.005)
+
+
+def test_hf_profile_plans(llama):
+    prof = profile_spec(parse_model_spec(LLAMA))
+    assert prof.layers == 3 and prof.kv_heads == 2 and prof.params == llama.params
+
+
+def test_user_module_file(tmp_path):
+    path = tmp_path / "mine.py"
+    path.write_text(textwrap.dedent("""
+        import torch
+        from torch import nn
+
+        class Layer(nn.Module):
+            def __init__(self):
+                super().__init__()
+                self.up, self.down = nn.Linear(32, 128), nn.Linear(128, 32)
+            def forward(self, x):
+                return x + self.down(torch.relu(self.up(x)))
+
+        class Net(nn.Module):
+            def __init__(self):
+                super().__init__()
+                self.layers = nn.ModuleList(Layer() for _ in range(5))
+            def forward(self, x):
+                for layer in self.layers:
+                    x = layer(x)
+                return x
+
+        def make():
+            return Net(), torch.zeros(2, 16, 32)
+
+        def no_inputs():
+            return Net()
+    """))
+    graph = trace_spec(parse_model_spec(f"{path}:make"))
+    (block,) = graph.blocks
+    assert block.count == 5 and block.kind == "Layer" and graph.capture == "torch.fx"
+    assert [lin.split for lin in block.linears] == ["column", "row"]
+    assert graph.flops == 5 * 2 * 2 * 16 * (32 * 128 * 2)
+    with pytest.raises(UserError, match="cannot price user modules"):
+        profile_spec(parse_model_spec(f"{path}:make"))
+    with pytest.raises(UserError, match=r"must return \(nn.Module, example_inputs\)"):
+        trace_spec(parse_model_spec(f"{path}:no_inputs"))
+
+
+@pytest.mark.parametrize("text, fragment", [
+    ("hf:NoSuchConfig:x=1", "not a transformers config class"),
+    ("hf:LlamaConfig:hidden_size", "malformed item"),
+    ("nowhere/model.py:make", "does not exist"),
+    ("moe:layers=2,hidden=64,heads=4,vocab=128,seq=16", "experts=E and topk=K"),
+])
+def test_bad_model_specs_are_one_line(text, fragment):
+    with pytest.raises(UserError, match=fragment) as err:
+        parse_model_spec(text)
+    assert "\n" not in str(err.value)
+
+
+def test_missing_transformers_names_the_install(monkeypatch):
+    import importlib
+
+    real = importlib.import_module
+    monkeypatch.setattr(importlib, "import_module",
+                        lambda name, *a: (_ for _ in ()).throw(ImportError(name)) if name == "transformers"
+                        else real(name, *a))
+    with pytest.raises(UserError, match=r"pip install 'autopar\[hf\]'"):
+        parse_model_spec(LLAMA)
+
+
+def test_inspect_cli_json_and_errors():
+    runner = CliRunner()
+    result = runner.invoke(app, ["inspect", "--model", MOE, "--json"])
+    assert result.exit_code == 0, result.output
+    info = json.loads(result.stdout)
+    (block,) = info["blocks"]
+    assert block["experts"] == 4 and block["repeats"] == 3 and block["kv_heads"] == 2
+    assert info["params"] > 0 and block["activation_bytes_per_token"]["total"] > 0
+    bad = runner.invoke(app, ["inspect", "--model", "hf:NoSuchConfig:x=1"])
+    assert bad.exit_code == 2 and "Traceback" not in bad.output
