@@ -16,13 +16,14 @@ Plans of one world size share one torchrun job (start-up is paid once): 4 proces
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import pytest
 import torch
 
 from autopar.plan import Mesh, Plan
-from autopar.runtime import RunResult, TrainConfig, run_plans
+from autopar.runtime import RunResult, RunSpec, TrainConfig, run_job
 from autopar.runtime.context import ParallelContext
 from autopar.runtime.train import build_program, train, train_step
 from autopar.runtime.state import full_state
@@ -75,12 +76,12 @@ PLANS_8 = {
 }
 
 
-def reference(model: str) -> tuple[RunResult, dict[str, torch.Tensor]]:
+def reference(model: str, steps: int = STEPS) -> tuple[RunResult, dict[str, torch.Tensor]]:
     """One process, whole model, the global batch of 8 in one micro-batch."""
     plan = make_plan(model, mbs=8, m=1)
     ctx = ParallelContext(mesh=None, device=torch.device("cpu"))
     prog = build_program(plan, ctx)
-    result = train(plan, STEPS, ctx, program=prog)
+    result = train(plan, steps, ctx, program=prog)
     return result, full_state(prog)
 
 
@@ -89,15 +90,18 @@ def references():
     return {m: reference(m) for m in (GPT, GPT_TIED, LLAMA)}
 
 
+def dumped(tmp: Path, name: str) -> dict[str, torch.Tensor]:
+    """The full weights a run dumped, merged over the ranks that wrote a share."""
+    state: dict[str, torch.Tensor] = {}
+    for f in sorted(tmp.glob(f"{name}.rank*.pt")):
+        state.update(torch.load(f))
+    return state
+
+
 def _run(plans: dict[str, Plan], tmp: Path) -> dict[str, tuple[RunResult, dict[str, torch.Tensor]]]:
-    results = run_plans(list(plans.values()), STEPS, workdir=tmp, dump_params=True, timeout_s=900)
-    out = {}
-    for i, (name, result) in enumerate(zip(plans, results)):
-        state: dict[str, torch.Tensor] = {}
-        for f in sorted(tmp.glob(f"result.json.params{i}.rank*.pt")):
-            state.update(torch.load(f))
-        out[name] = (result, state)
-    return out
+    results = run_job([RunSpec(plan=p, steps=STEPS, dump=True) for p in plans.values()], workdir=tmp,
+                      timeout_s=900)
+    return {name: (result, dumped(tmp, f"run{i}.final")) for i, (name, result) in enumerate(zip(plans, results))}
 
 
 @pytest.fixture(scope="module")
@@ -149,5 +153,30 @@ def test_failure_on_a_rank_is_one_line(tmp_path):
     from autopar.errors import UserError
     bad = make_plan(GPT, pp=2, dp=2, zero=3, mbs=1, m=2, schedule="zero-bubble")
     with pytest.raises(UserError, match="zero-bubble schedule does not compose with ZeRO-3") as err:
-        run_plans([bad], 1, workdir=tmp_path, timeout_s=300)
+        run_job([RunSpec(plan=bad, steps=1)], workdir=tmp_path, timeout_s=300)
     assert "\n" not in str(err.value)
+
+
+@pytest.mark.slow
+def test_resume_on_other_plans(tmp_path, references):
+    """Train 4 steps on dp2 x tp2, save; resume on pp2 x dp2 and on one process: the weights
+    after load equal the saved ones bit for bit, and step 5's loss is the uninterrupted run's."""
+    ckpt = tmp_path / "ckpt"
+    saver = make_plan(GPT_TIED, dp=2, tp=2, mbs=2, m=2)
+    [saved] = run_job([RunSpec(plan=saver, steps=4, save=ckpt, dump=True),
+                       RunSpec(plan=make_plan(GPT_TIED, pp=2, dp=2, zero=3, mbs=2, m=2, layers=(3, 1)),
+                               steps=1, resume=ckpt, dump=True)], workdir=tmp_path, timeout_s=900)[:1]
+    [single] = run_job([RunSpec(plan=make_plan(GPT_TIED, mbs=8, m=1), steps=1, resume=ckpt, dump=True)],
+                       workdir=tmp_path / "one", timeout_s=300)
+    uninterrupted = reference(GPT_TIED, steps=5)[0].losses
+    assert saved.losses == pytest.approx(uninterrupted[:4], abs=LOSS_TOL)
+    before = dumped(tmp_path, "run0.final")
+    for where, name in ((tmp_path, "run1.loaded"), (tmp_path / "one", "run0.loaded")):
+        after = dumped(where, name)
+        assert after.keys() == before.keys()
+        for key, value in before.items():
+            assert torch.equal(after[key], value), f"{name}: {key} changed in save/load"
+    resumed = json.loads((tmp_path / "result.json").read_text())["runs"][1]
+    assert resumed["start_step"] == 4 and single.start_step == 4
+    assert abs(resumed["losses"][0] - uninterrupted[4]) <= LOSS_TOL
+    assert abs(single.losses[0] - uninterrupted[4]) <= LOSS_TOL

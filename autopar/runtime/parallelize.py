@@ -10,14 +10,16 @@ wrapper — each with stock torch.distributed:
   whose logits are gathered; with SP the norms run on sequence shards (``SequenceParallel``).
 - Recompute: non-reentrant ``checkpoint_wrapper`` around a whole block (full) or its attention
   core (selective, Korthikanti et al. 2022); reentrant checkpointing breaks pipelining.
-- DP by ZeRO stage over the mesh's dp axis. Pure data parallelism (tp = pp = 1): ZeRO 0 = DDP,
-  1 = DDP + ``ZeroRedundancyOptimizer``. With tp or pp > 1 everything runs on FSDP2, because
-  DDP's reducer in torch 2.13 takes neither DTensor parameters nor pipelining's split backward:
-  ZeRO 0 = FSDP2's ``replicate`` (DDP's all-reduce on FSDP2's machinery), 1 = ``fully_shard(
-  reshard_after_forward=False)`` reducing once per step (gradients whole until the last
-  micro-batch, optimizer states and master weights sharded), 2 = the same reducing every
-  micro-batch, 3 = ``fully_shard(reshard_after_forward=True)``. Under pipelining the schedule
-  itself defers FSDP2's reduction to the last micro-batch, so ZeRO 1 and 2 coincide there.
+- DP by ZeRO stage over the mesh's dp axis. ZeRO 0 with pure data parallelism (tp = pp = 1)
+  is DDP; with tp or pp > 1 it is FSDP2's ``replicate`` (DDP's all-reduce on FSDP2's
+  machinery: DDP's reducer in torch 2.13 takes neither DTensor parameters nor pipelining's split
+  backward). ZeRO 1-3 are FSDP2 ``fully_shard``: 1 = ``reshard_after_forward=False`` reducing
+  once per step (gradients whole until the last micro-batch, then reduce-scattered; optimizer
+  states and master weights sharded), 2 = the same reducing every micro-batch, 3 =
+  ``reshard_after_forward=True``. Under pipelining the schedule itself defers the reduction to
+  the last micro-batch, so ZeRO 1 and 2 coincide there. (``ZeroRedundancyOptimizer`` is not
+  used for ZeRO-1: its state is keyed by position and unsharded per rank, so
+  ``torch.distributed.checkpoint`` cannot save it or reshard it onto another plan.)
 """
 
 from __future__ import annotations
@@ -26,7 +28,6 @@ import torch
 from torch import nn
 from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import CheckpointImpl, checkpoint_wrapper
 from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
-from torch.distributed.optim import ZeroRedundancyOptimizer
 from torch.distributed._composable.replicate_with_fsdp import replicate
 from torch.distributed.tensor import Replicate, Shard
 from torch.distributed.tensor.parallel import (
@@ -92,8 +93,8 @@ def apply_recompute(model: Transformer, recompute: tuple[str, ...]) -> None:
 
 
 def uses_ddp(plan: Plan) -> bool:
-    """Pure data parallelism over whole models runs on DDP; everything else on FSDP2."""
-    return plan.mesh.dp > 1 and plan.mesh.tp == 1 and plan.mesh.pp == 1 and plan.zero_stage <= 1
+    """ZeRO-0 over whole, unsharded models runs on DDP; everything else on FSDP2."""
+    return plan.mesh.dp > 1 and plan.mesh.tp == 1 and plan.mesh.pp == 1 and plan.zero_stage == 0
 
 
 def apply_data_parallel(model: Transformer, plan: Plan, ctx: ParallelContext) -> nn.Module:
@@ -126,12 +127,7 @@ def sync_every_microbatch(plan: Plan) -> bool:
     return plan.zero_stage >= 2
 
 
-def make_optimizer(module: nn.Module, plan: Plan, ctx: ParallelContext, lr: float,
-                   weight_decay: float) -> torch.optim.Optimizer:
-    """AdamW; under ZeRO-1 its states are sharded over the dp axis."""
-    params = [p for p in module.parameters() if p.requires_grad]
-    if plan.zero_stage == 1 and uses_ddp(plan):
-        return ZeroRedundancyOptimizer(params, optimizer_class=torch.optim.AdamW,
-                                       process_group=ctx.group(Axis.DP), lr=lr,
-                                       weight_decay=weight_decay)
-    return torch.optim.AdamW(params, lr=lr, weight_decay=weight_decay)
+def make_optimizer(module: nn.Module, lr: float, weight_decay: float) -> torch.optim.Optimizer:
+    """AdamW over one stage module's parameters (sharded alike when FSDP2 shards them)."""
+    return torch.optim.AdamW([p for p in module.parameters() if p.requires_grad], lr=lr,
+                             weight_decay=weight_decay)

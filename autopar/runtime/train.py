@@ -51,7 +51,8 @@ class Program:
     modules: list[nn.Module]
     """Local pipeline stages (one without pipelining), DP-wrapped."""
     stage_ids: list[int]
-    optimizer: torch.optim.Optimizer
+    optimizers: list[torch.optim.Optimizer]
+    """One AdamW per local stage module (so its state is keyed by that stage's names)."""
     schedule: object | None = None
     """The pipelining schedule when pp > 1."""
     tied_group: dist.ProcessGroup | None = None
@@ -65,6 +66,8 @@ class RunResult:
 
     losses: list[float] = field(default_factory=list)
     step_times_s: list[float] = field(default_factory=list)
+    start_step: int = 0
+    """Optimizer steps already taken when this run began (from a checkpoint)."""
 
 
 def synthetic_batch(plan: Plan, step: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -93,11 +96,10 @@ def build_program(plan: Plan, ctx: ParallelContext, cfg: TrainConfig = TrainConf
             parallelize.apply_tensor_parallel(model, ctx, plan.sequence_parallel)
         parallelize.apply_recompute(model, plan.recompute)
         modules.append(parallelize.apply_data_parallel(model, plan, ctx))
-    params = nn.ModuleList(modules)
-    optimizer = parallelize.make_optimizer(params, plan, ctx, cfg.lr, cfg.weight_decay)
+    optimizers = [parallelize.make_optimizer(mod, cfg.lr, cfg.weight_decay) for mod in modules]
     schedule = build_schedule(plan, ctx, modules, ids, cross_entropy) if plan.mesh.pp > 1 else None
     tied = _tied_group(ctx, plan.mesh.pp) if spec.tied and plan.mesh.pp > 1 else None
-    return Program(plan=plan, ctx=ctx, modules=modules, stage_ids=ids, optimizer=optimizer,
+    return Program(plan=plan, ctx=ctx, modules=modules, stage_ids=ids, optimizers=optimizers,
                    schedule=schedule, tied_group=tied)
 
 
@@ -171,11 +173,13 @@ def train_step(prog: Program, step: int, cfg: TrainConfig) -> float:
     """One optimizer step; returns the global-batch mean loss (on every rank)."""
     plan, ctx = prog.plan, prog.ctx
     x, y = (_local_rows(plan, ctx, t) for t in synthetic_batch(plan, step, cfg.seed))
-    prog.optimizer.zero_grad(set_to_none=True)
+    for opt in prog.optimizers:
+        opt.zero_grad(set_to_none=True)
     local = _step_pipeline(prog, x, y) if prog.schedule is not None else _step_no_pipeline(prog, x, y)
     if prog.tied_group is not None:
         _sync_tied_grads(prog)
-    prog.optimizer.step()
+    for opt in prog.optimizers:
+        opt.step()
     if ctx.mesh is None:
         return local / plan.num_microbatches
     # Count each (dp rank, micro-batch) loss once: last stage, tp rank 0.
@@ -186,11 +190,12 @@ def train_step(prog: Program, step: int, cfg: TrainConfig) -> float:
 
 
 def train(plan: Plan, steps: int, ctx: ParallelContext, cfg: TrainConfig = TrainConfig(),
-          program: Program | None = None) -> RunResult:
-    """Build the plan's program (unless given) and run ``steps`` optimizer steps."""
+          program: Program | None = None, start_step: int = 0) -> RunResult:
+    """Build the plan's program (unless given) and run optimizer steps ``start_step`` ..
+    ``start_step + steps - 1`` (the step number picks the synthetic batch)."""
     prog = program or build_program(plan, ctx, cfg)
     losses, times = [], []
-    for step in range(steps):
+    for step in range(start_step, start_step + steps):
         if ctx.mesh is not None:
             dist.barrier()
         start = time.perf_counter()
@@ -199,4 +204,4 @@ def train(plan: Plan, steps: int, ctx: ParallelContext, cfg: TrainConfig = Train
         if ctx.mesh is not None:
             dist.all_reduce(elapsed, op=dist.ReduceOp.MAX)
         times.append(elapsed.item())
-    return RunResult(losses=losses, step_times_s=times)
+    return RunResult(losses=losses, step_times_s=times, start_step=start_step)
