@@ -13,10 +13,12 @@ When no capture works the error is one line naming the module, the source line a
 
 from __future__ import annotations
 
+import io
 import linecache
+import logging
 import traceback
 from collections import defaultdict
-from contextlib import contextmanager
+from contextlib import contextmanager, redirect_stderr
 from dataclasses import dataclass
 from typing import Iterator
 
@@ -97,7 +99,7 @@ def _culprit(exc: BaseException, model: nn.Module) -> str:
         if isinstance(owner, nn.Module) and id(owner) in names:
             src = linecache.getline(frame.f_code.co_filename, line).strip()
             name = names[id(owner)] or "the model"
-            found = f"{name} ({type(owner).__name__}) at `{src}`"
+            found = f"{name} ({type(owner).__name__})" + (f" at `{src}`" if src else "")
     return found or f"the model ({type(model).__name__})"
 
 
@@ -154,8 +156,26 @@ def _shrunk(model: nn.Module, groups: list[list[str]]) -> Iterator[None]:
             setattr(parent, attr, container)
 
 
+@contextmanager
+def _quiet_torch() -> Iterator[None]:
+    """Keep torch's own warnings (graph dumps on a failed export) off the user's terminal; the
+    failure is reported as one UserError line instead."""
+    loggers = [logging.getLogger(n) for n in ("torch", "torch.fx.experimental.symbolic_shapes",
+                                               "torch._dynamo", "torch.export")]
+    levels = [lg.level for lg in loggers]
+    for lg in loggers:
+        lg.setLevel(logging.ERROR)
+    try:
+        with redirect_stderr(io.StringIO()):  # export prints its partial graph on failure
+            yield
+    finally:
+        for lg, level in zip(loggers, levels):
+            lg.setLevel(level)
+
+
 def _export(model: nn.Module, inputs: tuple) -> fx.GraphModule:
-    return torch.export.export(model, inputs, strict=False).module()
+    with _quiet_torch():
+        return torch.export.export(model, inputs, strict=False).module()
 
 
 def export_capture(model: nn.Module, inputs: tuple, groups: list[list[str]]) -> Capture:
