@@ -3,11 +3,11 @@
 Applied in torchtitan's order — TP, then activation checkpointing, then the data-parallel
 wrapper — each with stock torch.distributed:
 
-- TP/SP: ``parallelize_module`` with ``ColwiseParallel``/``RowwiseParallel`` on the projections
-  (Megatron's split: q, k, v and the MLP's up/gate by output columns, o and down by input rows,
-  so each sub-layer needs one all-reduce, or with SP one all-gather + one reduce-scatter),
-  a vocab-parallel embedding (``RowwiseParallel`` over the vocabulary) and a column-parallel head
-  whose logits are gathered; with SP the norms run on sequence shards (``SequenceParallel``).
+- TP/SP: ``parallelize_module`` with ``ColwiseParallel``/``RowwiseParallel`` on the GEMMs the
+  tracer labelled column/row (``runtime.anatomy``: Megatron's split, so each sub-layer needs one
+  all-reduce, or with SP one all-gather + one reduce-scatter), a vocab-parallel embedding
+  (``RowwiseParallel`` over the vocabulary) and a column-parallel head whose logits are
+  gathered; with SP the norms run on sequence shards (``SequenceParallel``).
 - Recompute: non-reentrant ``checkpoint_wrapper`` around a whole block (full) or its attention
   core (selective, Korthikanti et al. 2022); reentrant checkpointing breaks pipelining.
 - DP by ZeRO stage over the mesh's dp axis. ZeRO 0 with pure data parallelism (tp = pp = 1)
@@ -40,56 +40,84 @@ from torch.distributed.tensor.parallel import (
 )
 from torch.nn.parallel import DistributedDataParallel
 
-from autopar.model import Attention, Block, Transformer
+from autopar.model import CoreAttention
 from autopar.plan import Plan
+from autopar.runtime.anatomy import Anatomy
 from autopar.runtime.context import DTYPES, Axis, ParallelContext
 
 
 
-def _block_tp_plan(block: Block, sp: bool) -> dict:
-    """Column-parallel projections into each sub-layer, row-parallel out of it."""
-    plan: dict = {"attn.o": RowwiseParallel(output_layouts=Shard(1) if sp else Replicate()),
-                  "mlp.down": RowwiseParallel(output_layouts=Shard(1) if sp else Replicate())}
-    for name in ("attn.q", "attn.k", "attn.v", "mlp.up") + (("mlp.gate",) if block.mlp.gate is not None else ()):
-        plan[name] = ColwiseParallel()
+def _block_tp_plan(anat: Anatomy, sp: bool) -> dict:
+    """Column-parallel GEMMs into each sub-layer, row-parallel out of it (with SP the row
+    GEMMs reduce-scatter onto sequence shards, the norms run on them, and each sub-layer
+    all-gathers its input)."""
+    plan: dict = {name: ColwiseParallel() for name in anat.column}
+    plan.update({name: RowwiseParallel(output_layouts=Shard(1) if sp else Replicate()) for name in anat.row})
     if sp:
-        gather = PrepareModuleInput(input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),))
-        plan.update({"attn_norm": SequenceParallel(), "mlp_norm": SequenceParallel(),
-                     "attn": gather, "mlp": gather})
+        plan.update({name: SequenceParallel() for name in anat.norms})
+        plan.update({name: PrepareModuleInput(input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),))
+                     for name in anat.sublayers})
     return plan
 
 
-def apply_tensor_parallel(model: Transformer, ctx: ParallelContext, sp: bool) -> None:
-    """Shard ``model`` (one pipeline stage of it) over the tp axis, in place."""
+def apply_tensor_parallel(model: nn.Module, ctx: ParallelContext, sp: bool, anat: Anatomy) -> None:
+    """Shard one pipeline stage of ``model`` over the tp axis, in place: a vocab-parallel
+    embedding, the blocks' GEMMs as the tracer labelled them, a column-parallel head whose
+    logits are gathered. With SP the first block of the first stage scatters the sequence and
+    the stages pass sequence shards (Megatron's scatter/gather: b·s·h/tp per boundary)."""
+    for name in anat.column + anat.row:
+        kind = type(model.get_submodule(f"{_first_local_block(model, anat)}.{name}"))
+        if kind is not nn.Linear:
+            raise ValueError(f"tensor parallelism needs nn.Linear projections; {name} is a {kind.__name__} "
+                             "(e.g. GPT-2's fused Conv1D q/k/v); use tp=1 for this model")
     mesh = ctx.submesh(Axis.TP)
     top: dict = {}
-    if model.embed is not None:
-        top["embed.tok"] = RowwiseParallel(input_layouts=Replicate(), output_layouts=Replicate())
-        if sp:  # positions are added on whole sequences; the blocks then see sequence shards
-            top["embed"] = PrepareModuleOutput(output_layouts=Replicate(), desired_output_layouts=Shard(1),
-                                               use_local_output=True)
-    if model.norm is not None and sp:
-        top["norm"] = SequenceParallel()
-    if model.output is not None:
-        top["output"] = ColwiseParallel(input_layouts=Shard(1) if sp else Replicate(),
-                                        output_layouts=Replicate())
-    if top:
-        parallelize_module(model, mesh, top)
-    for block in model.layers.values():
-        parallelize_module(block, mesh, _block_tp_plan(block, sp))
-    if model.spec.tied and model.embed is not None and model.output is not None:
-        model.output.weight = model.embed.tok.weight  # both Shard(0) over the vocabulary
+    here = {n for n, _ in model.named_modules()}
+    blocks = [b for b in anat.blocks if b in here]
+    if anat.embed in here:
+        top[anat.embed] = RowwiseParallel(input_layouts=Replicate(), output_layouts=Replicate())
+        if sp:
+            top[blocks[0]] = PrepareModuleInput(input_layouts=(Replicate(),), desired_input_layouts=(Shard(1),),
+                                                use_local_output=True)
+    if anat.head in here:
+        if sp and anat.final_norm:
+            top[anat.final_norm] = SequenceParallel()
+        top[anat.head] = ColwiseParallel(input_layouts=Shard(1) if sp else Replicate(), output_layouts=Replicate())
+    tied = anat.embed in here and anat.head in here and \
+        model.get_submodule(anat.head).weight is model.get_submodule(anat.embed).weight
+    parallelize_module(model, mesh, top)
+    if tied:  # both sharded Shard(0) over the vocabulary: share the one DTensor again
+        model.get_submodule(anat.head).weight = model.get_submodule(anat.embed).weight
+    for name in blocks:
+        parallelize_module(model.get_submodule(name), mesh, _block_tp_plan(anat, sp))
 
 
-def apply_recompute(model: Transformer, recompute: tuple[str, ...]) -> None:
-    """Wrap each block by its mode (``recompute`` is indexed by global block number)."""
-    for key in list(model.layers.keys()):
-        mode = recompute[int(key)]
+def _first_local_block(model: nn.Module, anat: Anatomy) -> str:
+    here = {n for n, _ in model.named_modules()}
+    return next(b for b in anat.blocks if b in here)
+
+
+def apply_recompute(model: nn.Module, recompute: tuple[str, ...], anat: Anatomy) -> None:
+    """Wrap each local block by its mode (``recompute`` is indexed by global block number):
+    full = the whole block; selective = its attention core, where the model has one as a module
+    (the built-in ``CoreAttention``); HF attention computes its core in a function."""
+    container = model.get_submodule(anat.container)
+    for index, name in enumerate(anat.blocks):
+        key = name.rpartition(".")[2]
+        if key not in container._modules:
+            continue
+        mode = recompute[index]
         if mode == "full":
-            model.layers[key] = checkpoint_wrapper(model.layers[key], checkpoint_impl=CheckpointImpl.NO_REENTRANT)
+            container._modules[key] = checkpoint_wrapper(container._modules[key],
+                                                         checkpoint_impl=CheckpointImpl.NO_REENTRANT)
         elif mode == "selective":
-            attn: Attention = model.layers[key].attn
-            attn.core = checkpoint_wrapper(attn.core, checkpoint_impl=CheckpointImpl.NO_REENTRANT)
+            cores = [n for n, m in container._modules[key].named_modules() if isinstance(m, CoreAttention)]
+            if not cores:
+                raise ValueError("selective recompute needs the attention core as a module (the built-in "
+                                 "models have one); use recompute none or full for this model")
+            parent, _, attr = cores[0].rpartition(".")
+            owner = container._modules[key].get_submodule(parent)
+            setattr(owner, attr, checkpoint_wrapper(getattr(owner, attr), checkpoint_impl=CheckpointImpl.NO_REENTRANT))
 
 
 def uses_ddp(plan: Plan) -> bool:
@@ -97,7 +125,7 @@ def uses_ddp(plan: Plan) -> bool:
     return plan.mesh.dp > 1 and plan.mesh.tp == 1 and plan.mesh.pp == 1 and plan.zero_stage == 0
 
 
-def apply_data_parallel(model: Transformer, plan: Plan, ctx: ParallelContext) -> nn.Module:
+def apply_data_parallel(model: nn.Module, plan: Plan, ctx: ParallelContext, anat: Anatomy) -> nn.Module:
     """Wrap ``model`` for the plan's ZeRO stage over the dp axis; returns the module to run."""
     if plan.mesh.dp == 1:
         return model
@@ -115,7 +143,7 @@ def apply_data_parallel(model: Transformer, plan: Plan, ctx: ParallelContext) ->
         kw.update(reshard_after_forward=plan.zero_stage == 3,
                   offload_policy=CPUOffloadPolicy(pin_memory=ctx.device.type == "cuda") if plan.offload
                   else OffloadPolicy())
-    for block in model.layers.values():
+    for block in model.get_submodule(anat.container).children():
         wrap(block, **kw)
     wrap(model, **kw)
     return model

@@ -27,7 +27,6 @@ from torch.distributed.pipelining import (
 )
 from torch.distributed.pipelining.schedules import _PipelineSchedule
 
-from autopar.model import Transformer
 from autopar.plan import Plan
 from autopar.runtime.context import Axis, ParallelContext
 
@@ -35,26 +34,6 @@ from autopar.runtime.context import Axis, ParallelContext
 def stage_ids(plan: Plan, pp_rank: int) -> list[int]:
     """Global stage indices this pipeline rank runs, first to last (looped placement)."""
     return [pp_rank + c * plan.mesh.pp for c in range(plan.virtual_stages)]
-
-
-def stage_block_range(plan: Plan, stage: int) -> range:
-    """Global block indices of ``stage``."""
-    start = sum(plan.stage_layers[:stage])
-    return range(start, start + plan.stage_layers[stage])
-
-
-def prune_to_stage(model: Transformer, plan: Plan, stage: int) -> Transformer:
-    """Keep only ``stage``'s blocks (and the embedding on the first, the head on the last)."""
-    keep = {str(i) for i in stage_block_range(plan, stage)}
-    for key in list(model.layers.keys()):
-        if key not in keep:
-            del model.layers[key]
-    if stage != 0:
-        model.embed = None
-    if stage != len(plan.stage_layers) - 1:
-        model.norm = None
-        model.output = None
-    return model
 
 
 def build_schedule(plan: Plan, ctx: ParallelContext, modules: list[nn.Module], ids: list[int],

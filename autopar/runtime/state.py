@@ -22,10 +22,11 @@ def full_state(prog) -> dict[str, torch.Tensor] | None:
     """Full parameter values of this rank's stages, on CPU; ``None`` except on dp and tp rank 0.
     Collective over the tp and dp axes: every rank must call it."""
     tied = parse_model_spec(prog.plan.model).tied
+    copy = f"{prog.anatomy.head}.weight"
     out: dict[str, torch.Tensor] = {}
     for module in prog.modules:
         for name, p in module.named_parameters():
-            if tied and clean_name(name) == "output.weight":
+            if tied and clean_name(name) == copy:
                 continue  # the last stage's copy of the embedding, equal to it after every step
             full = p.full_tensor() if isinstance(p, DTensor) else p
             out[clean_name(name)] = full.detach().float().cpu().clone()

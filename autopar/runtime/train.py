@@ -23,11 +23,14 @@ from torch import nn
 from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor
 
-from autopar.model import Transformer, build_model, cross_entropy
+from autopar.model import cross_entropy
 from autopar.plan import Plan
 from autopar.runtime import parallelize
 from autopar.runtime.context import DTYPES, ParallelContext, check_plan
-from autopar.runtime.pipeline import build_schedule, prune_to_stage, stage_ids
+from autopar.runtime.anatomy import Anatomy, anatomy
+from autopar.runtime.models import build_stage
+from autopar.runtime.pipeline import build_schedule, stage_ids
+from autopar.trace import build_spec_model, trace_module
 from autopar.spec import parse_model_spec, with_seq
 
 
@@ -48,6 +51,7 @@ class Program:
 
     plan: Plan
     ctx: ParallelContext
+    anatomy: Anatomy
     modules: list[nn.Module]
     """Local pipeline stages (one without pipelining), DP-wrapped."""
     stage_ids: list[int]
@@ -83,23 +87,23 @@ def build_program(plan: Plan, ctx: ParallelContext, cfg: TrainConfig = TrainConf
     """Codegen: the plan's per-rank program on ``ctx``."""
     check_plan(plan)
     spec = with_seq(parse_model_spec(plan.model), plan.seq_len)
+    if not spec.builtin and plan.sequence_parallel:
+        raise ValueError("sequence parallelism runs on the built-in models only; re-plan with --no-sp")
+    whole, example = build_spec_model(spec)
+    anat = anatomy(trace_module(whole, example, spec.name, capture="fx" if spec.builtin else "export"),
+                   whole, spec.vocab)
     ids = stage_ids(plan, ctx.pp_rank) if plan.mesh.pp > 1 else [0]
     modules: list[nn.Module] = []
     for sid in ids:
-        model = build_model(spec, device="meta", seed=cfg.seed)
-        if plan.mesh.pp > 1:
-            prune_to_stage(model, plan, sid)
-        model.to_empty(device=ctx.device)
-        model.tie_weights()
-        model.reset_parameters(cfg.seed)
+        model = build_stage(spec, anat, plan, sid, ctx.device, cfg.seed)
         if plan.mesh.tp > 1:
-            parallelize.apply_tensor_parallel(model, ctx, plan.sequence_parallel)
-        parallelize.apply_recompute(model, plan.recompute)
-        modules.append(parallelize.apply_data_parallel(model, plan, ctx))
+            parallelize.apply_tensor_parallel(model, ctx, plan.sequence_parallel, anat)
+        parallelize.apply_recompute(model, plan.recompute, anat)
+        modules.append(parallelize.apply_data_parallel(model, plan, ctx, anat))
     optimizers = [parallelize.make_optimizer(mod, cfg.lr, cfg.weight_decay) for mod in modules]
     schedule = build_schedule(plan, ctx, modules, ids, cross_entropy) if plan.mesh.pp > 1 else None
     tied = _tied_group(ctx, plan.mesh.pp) if spec.tied and plan.mesh.pp > 1 else None
-    return Program(plan=plan, ctx=ctx, modules=modules, stage_ids=ids, optimizers=optimizers,
+    return Program(plan=plan, ctx=ctx, anatomy=anat, modules=modules, stage_ids=ids, optimizers=optimizers,
                    schedule=schedule, tied_group=tied)
 
 
@@ -117,11 +121,20 @@ def _tied_group(ctx: ParallelContext, pp: int) -> dist.ProcessGroup | None:
     return mine if ctx.pp_rank in (0, pp - 1) else None
 
 
+def tied_weight(module: nn.Module, anat: Anatomy) -> nn.Parameter | None:
+    """This stage's embedding weight, or its copy in the head, or None."""
+    for name in (anat.embed, anat.head):
+        try:
+            return module.get_submodule(name).weight
+        except AttributeError:
+            continue
+    return None
+
+
 def _sync_tied_grads(prog: Program) -> None:
     """Sum the embedding's and the head copy's gradients (both sharded alike over dp and tp)."""
     for module in prog.modules:
-        weight = module.embed.tok.weight if module.embed is not None else (
-            module.output.weight if module.output is not None else None)
+        weight = tied_weight(module, prog.anatomy)
         if weight is None or weight.grad is None:
             continue
         grad = weight.grad.to_local() if isinstance(weight.grad, DTensor) else weight.grad

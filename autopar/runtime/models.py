@@ -1,0 +1,137 @@
+"""Build one pipeline stage of a model, materialised and initialised, for the built-in models and
+HF transformers causal LMs, from the model's anatomy (``runtime.anatomy``).
+
+Both are built on ``meta``, cut to the stage's blocks (the block container keeps the original
+keys, so every parameter keeps its single-process name), moved to the device with
+``to_empty`` and initialised per parameter from a generator seeded by the parameter's name:
+any layout holds exactly the single-process values.
+
+HF models run through their own base-model forward: the first stage embeds ``input_ids``,
+later stages pass hidden states as ``inputs_embeds`` (learned positions are added once, on the
+first stage), and only the last stage applies the final norm and the head. HF weights get
+autopar's init (normal(0, ``initializer_range``), norms 1, biases 0), not HF's ``_init_weights``,
+whose draws depend on the order of the whole model.
+"""
+
+from __future__ import annotations
+
+import types
+import zlib
+from collections import OrderedDict
+
+import torch
+from torch import nn
+
+from autopar.hf import build_hf
+from autopar.model import build_model
+from autopar.plan import Plan
+from autopar.runtime.anatomy import Anatomy
+from autopar.spec import ModelSpec
+
+
+def stage_blocks(plan: Plan, stage: int) -> range:
+    """Global block indices of ``stage`` (all blocks without pipelining)."""
+    if plan.mesh.pp == 1:
+        return range(plan.num_layers)
+    start = sum(plan.stage_layers[:stage])
+    return range(start, start + plan.stage_layers[stage])
+
+
+def _keep_blocks(model: nn.Module, anat: Anatomy, blocks: range) -> None:
+    keep = {anat.blocks[i].rpartition(".")[2] for i in blocks}
+    container = model.get_submodule(anat.container)
+    container._modules = OrderedDict((k, m) for k, m in container._modules.items() if k in keep)
+
+
+def _set(model: nn.Module, name: str, value: nn.Module | None) -> None:
+    parent, _, attr = name.rpartition(".")
+    setattr(model.get_submodule(parent) if parent else model, attr, value)
+
+
+class _NoPositions(nn.Module):
+    """Stands in for learned positions after the first stage (they were added there)."""
+
+    def forward(self, position_ids: torch.Tensor) -> torch.Tensor:
+        return torch.zeros((), device=position_ids.device)
+
+
+def _seeded_normal_(p: torch.Tensor, name: str, seed: int, std: float) -> None:
+    gen = torch.Generator(device=p.device).manual_seed(seed * 1_000_003 + zlib.crc32(name.encode()))
+    p.normal_(0.0, std, generator=gen)
+
+
+@torch.no_grad()
+def _init_hf(model: nn.Module, seed: int, std: float, aliases: dict[str, str]) -> None:
+    for name, p in model.named_parameters():
+        if p.dim() >= 2:
+            _seeded_normal_(p, aliases.get(name, name), seed, std)
+        elif name.endswith("bias"):
+            p.zero_()
+        else:
+            p.fill_(1.0)
+
+
+@torch.no_grad()
+def _rebuild_buffers(model: nn.Module, device: torch.device) -> None:
+    """Recompute buffers ``to_empty`` left uninitialised (RoPE frequencies): each parameterless
+    module that owns buffers is constructed afresh from the model's config on the device."""
+    for name, mod in model.named_modules():
+        if not dict(mod.named_buffers(recurse=False)) or list(mod.parameters(recurse=False)):
+            continue
+        try:
+            with torch.device(device):
+                fresh = type(mod)(model.config)
+        except TypeError as exc:
+            raise ValueError(f"cannot rebuild the buffers of {name} ({type(mod).__name__}): {exc}") from None
+        for key, buf in fresh.named_buffers(recurse=False):
+            getattr(mod, key).copy_(buf)
+
+
+def _hf_forward(self: nn.Module, x: torch.Tensor) -> torch.Tensor:
+    """tokens or hidden states [b, s(, h)] -> hidden states or logits, for one stage."""
+    base = getattr(self, self.base_model_prefix)
+    kw = {"input_ids": x} if not torch.is_floating_point(x) else {"inputs_embeds": x}
+    hidden = base(**kw, use_cache=False).last_hidden_state
+    head = self.get_output_embeddings()
+    return head(hidden) if head is not None else hidden
+
+
+def build_stage(spec: ModelSpec, anat: Anatomy, plan: Plan, stage: int, device: torch.device,
+                seed: int) -> nn.Module:
+    """Stage ``stage`` of the plan (the whole model without pipelining), initialised on ``device``."""
+    first, last = stage == 0, plan.mesh.pp == 1 or stage == len(plan.stage_layers) - 1
+    if spec.builtin:
+        model = build_model(spec, device="meta", seed=seed)
+        _keep_blocks(model, anat, stage_blocks(plan, stage))
+        if not first:
+            model.embed = None
+        if not last:
+            model.norm = model.output = None
+        model.to_empty(device=device)
+        model.tie_weights()
+        model.reset_parameters(seed)
+        return model
+    if spec.arch != "hf":
+        raise ValueError(f"the runtime trains the built-in gpt/llama models and HF causal LMs, not {spec.arch!r} "
+                         "models; use gpt:, llama: or hf: specs")
+    model = build_hf(spec, torch.float32)
+    if spec.tied and plan.mesh.pp > 1 and not first:
+        # The last stage's head is its own copy of the embedding: untie before removing it.
+        head = model.get_output_embeddings()
+        head.weight = nn.Parameter(torch.empty_like(head.weight))
+    _keep_blocks(model, anat, stage_blocks(plan, stage))
+    if not first:
+        _set(model, anat.embed, None)
+        for name in anat.first_extra:
+            _set(model, name, _NoPositions())
+    if not last:
+        _set(model, anat.final_norm, nn.Identity())
+        _set(model, anat.head, None)
+    model.to_empty(device=device)
+    if spec.tied and first and last:
+        model.tie_weights()
+    aliases = {f"{anat.head}.weight": f"{anat.embed}.weight"} if spec.tied else {}
+    _init_hf(model, seed, float(getattr(model.config, "initializer_range", 0.02)), aliases)
+    _rebuild_buffers(model, device)
+    model.forward = types.MethodType(_hf_forward, model)
+    return model
