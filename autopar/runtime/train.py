@@ -183,9 +183,19 @@ def _step_pipeline(prog: Program, x: torch.Tensor, y: torch.Tensor) -> float:
 
 
 def train_step(prog: Program, step: int, cfg: TrainConfig) -> float:
-    """One optimizer step; returns the global-batch mean loss (on every rank)."""
+    """One optimizer step on the synthetic batch of ``step``; the global-batch mean loss."""
+    return step_on_batch(prog, *synthetic_batch(prog.plan, step, cfg.seed))
+
+
+def step_on_batch(prog: Program, tokens: torch.Tensor, targets: torch.Tensor) -> float:
+    """One optimizer step on a global batch (the same [global_batch, seq_len] tokens and
+    targets on every rank; each dp rank trains on its rows); returns the global-batch mean
+    loss on every rank."""
     plan, ctx = prog.plan, prog.ctx
-    x, y = (_local_rows(plan, ctx, t) for t in synthetic_batch(plan, step, cfg.seed))
+    if tuple(tokens.shape) != (plan.global_batch, plan.seq_len) or tokens.shape != targets.shape:
+        raise ValueError(f"a step takes tokens and targets of shape [{plan.global_batch}, {plan.seq_len}] "
+                         f"(global batch, sequence), got {tuple(tokens.shape)} and {tuple(targets.shape)}")
+    x, y = _local_rows(plan, ctx, tokens), _local_rows(plan, ctx, targets)
     for opt in prog.optimizers:
         opt.zero_grad(set_to_none=True)
     local = _step_pipeline(prog, x, y) if prog.schedule is not None else _step_no_pipeline(prog, x, y)
