@@ -14,7 +14,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from autopar.errors import UserError
-from cost_models.strategy import Estimate, Strategy
+from cost_models.strategy import RECOMPUTE, Estimate, Strategy
 
 PLAN_VERSION = 1
 
@@ -86,14 +86,25 @@ class Plan:
         return sum(self.stage_layers)
 
     def strategy(self) -> Strategy:
-        """The cost model's view of this plan (uniform recompute: the most common mode)."""
-        modes = sorted(set(self.recompute), key=self.recompute.count, reverse=True)
-        return Strategy(dp=self.mesh.dp, tp=self.mesh.tp, pp=self.mesh.pp, zero=self.zero_stage,
+        """The cost model's view of this plan: per pipeline rank, its blocks (over its
+        virtual stages r, r + pp, ...) counted per recompute mode; ``recompute`` is the most
+        common mode (what zero-bubble's fill fraction reads)."""
+        pp, starts = self.mesh.pp, [0]
+        for n in self.stage_layers:
+            starts.append(starts[-1] + n)
+        per_rank = []
+        for r in range(pp):
+            modes = [m for vs in range(r, len(self.stage_layers), pp)
+                     for m in self.recompute[starts[vs]:starts[vs + 1]]]
+            per_rank.append(tuple(modes.count(m) for m in RECOMPUTE))
+        totals = [self.recompute.count(m) for m in RECOMPUTE]
+        nominal = RECOMPUTE[max(range(len(RECOMPUTE)), key=lambda i: (totals[i], -i))]
+        return Strategy(dp=self.mesh.dp, tp=self.mesh.tp, pp=pp, zero=self.zero_stage,
                         micro_batch=self.micro_batch_size, num_microbatches=self.num_microbatches,
                         schedule=self.schedule, virtual_stages=self.virtual_stages,
-                        sequence_parallel=self.sequence_parallel,
-                        recompute=modes[0] if modes else "none",
-                        stage_layers=self.stage_layers, dtype=self.dtype)
+                        sequence_parallel=self.sequence_parallel, recompute=nominal,
+                        stage_layers=tuple(map(sum, per_rank)), stage_recompute=tuple(per_rank),
+                        dtype=self.dtype)
 
     def to_json(self) -> str:
         """Canonical JSON: sorted keys, so identical plans are identical bytes."""

@@ -13,7 +13,8 @@ from autopar.solve import Pins, Solution, search
 from autopar.spec import ModelSpec, parse_model_spec, with_seq
 from autopar.trace import profile_spec
 from cost_models import HardwareProfile, ModelProfile, ProfileError, Strategy, estimate, load_profile
-from cost_models.strategy import Estimate
+from cost_models.estimate import even_stage_layers
+from cost_models.strategy import RECOMPUTE, Estimate
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -59,15 +60,44 @@ def read_job(model: str, cluster: str, gpus: int, global_batch: int,
     return Job(spec=spec, hw=hw, cluster=cluster, gpus=gpus, global_batch=global_batch, dtype=dtype)
 
 
+def layer_layout(strat: Strategy, layers: int) -> tuple[tuple[int, ...], tuple[str, ...]]:
+    """(blocks per virtual stage, recompute per block) of a strategy's placement.
+
+    Pipeline rank r runs virtual stages r, r + pp, … (looped, as Megatron's interleaved
+    schedule wants); its blocks split over its v chunks as evenly as possible (earlier chunks
+    take the remainder), its recompute modes in ``RECOMPUTE`` order along them.
+    """
+    loads = strat.stage_recompute or tuple(
+        tuple(n if m == strat.recompute else 0 for m in RECOMPUTE) for n in
+        (strat.stage_layers or even_stage_layers(layers, strat.pp)))
+    v, pp = strat.virtual_stages, strat.pp
+    chunks: dict[int, list[str]] = {}
+    for r, counts in enumerate(loads):
+        modes = [m for m, k in zip(RECOMPUTE, counts) for _ in range(k)]
+        q, rem = divmod(len(modes), v)
+        if q < 1:
+            raise UserError(f"pipeline rank {r} holds {len(modes)} blocks, fewer than its "
+                            f"{v} virtual stages; use a smaller --vpp")
+        at = 0
+        for c in range(v):
+            size = q + (1 if c < rem else 0)
+            chunks[c * pp + r] = modes[at:at + size]
+            at += size
+    order = sorted(chunks)
+    return (tuple(len(chunks[vs]) for vs in order),
+            tuple(m for vs in order for m in chunks[vs]))
+
+
 def plan_from_strategy(job: Job, strat: Strategy, est: Estimate | None) -> Plan:
     """The Plan that records ``strat`` (with its placement) for ``job``."""
+    stage_layers, recompute = layer_layout(strat, job.spec.layers)
     return Plan(model=job.spec.name, cluster=job.cluster, gpus=job.gpus,
                 global_batch=job.global_batch, seq_len=job.seq_len, dtype=job.dtype,
                 mesh=Mesh(dp=strat.dp, tp=strat.tp, pp=strat.pp), zero_stage=strat.zero,
                 micro_batch_size=strat.micro_batch, num_microbatches=strat.num_microbatches,
                 schedule=strat.schedule, virtual_stages=strat.virtual_stages,
-                sequence_parallel=strat.sequence_parallel, stage_layers=strat.stage_layers,
-                recompute=(strat.recompute,) * job.spec.layers, estimate=est)
+                sequence_parallel=strat.sequence_parallel, stage_layers=stage_layers,
+                recompute=recompute, estimate=est)
 
 
 def make_plan(job: Job, pins: Pins = Pins(), time_limit_s: float = 60.0,

@@ -24,7 +24,7 @@ from cost_models import comm, compute, memory, pipeline
 from cost_models.hardware import HardwareProfile
 from cost_models.model_profile import ModelProfile
 from cost_models.stages import StageCosts
-from cost_models.strategy import Estimate, MemoryBreakdown, Strategy, TimeBreakdown
+from cost_models.strategy import RECOMPUTE, Estimate, MemoryBreakdown, Strategy, TimeBreakdown
 
 
 def even_stage_layers(layers: int, pp: int) -> tuple[int, ...]:
@@ -66,7 +66,10 @@ class _Piece:
 
 @dataclass(frozen=True, kw_only=True, slots=True)
 class _Parts:
-    layer: _Piece
+    layers: tuple[_Piece, ...]
+    """One block in each recompute mode (``RECOMPUTE`` order)."""
+    passes: tuple[compute.PassTimes, ...]
+    """One block's compute per mode (no communication)."""
     first: _Piece
     last: _Piece
     p2p_s: float
@@ -181,10 +184,13 @@ def p2p_s(model: ModelProfile, strat: Strategy, groups: comm.AxisGroups) -> floa
 def _parts(model: ModelProfile, hw: HardwareProfile, strat: Strategy) -> _Parts:
     groups = comm.axis_groups(hw, strat)
     unit = _tp_unit_s(model, strat, groups.tp) if strat.tp > 1 else 0.0
-    block_passes = compute.block_times(model, hw, strat)
-    layer = _piece(memory.layer_params(model, strat), block_passes,
-                   block_tp_s(model, hw, strat, groups.tp).total_s,
-                   memory.block_act_bytes(model, strat), hw, strat, groups)
+    layers, passes = [], []
+    for mode in RECOMPUTE:
+        s = replace(strat, recompute=mode)
+        passes.append(compute.block_times(model, hw, s))
+        layers.append(_piece(memory.layer_params(model, s), passes[-1],
+                             block_tp_s(model, hw, s, groups.tp).total_s,
+                             memory.block_act_bytes(model, s), hw, s, groups))
     # Embedding: 1 forward exchange (vocab-parallel lookup); head: 1 backward (gradient of
     # the projection's input).
     first = _piece(memory.first_params(model, strat), compute.first_times(model, hw, strat),
@@ -201,30 +207,55 @@ def _parts(model: ModelProfile, hw: HardwareProfile, strat: Strategy) -> _Parts:
                                  pair)
         first = replace(first, dp_tail_s=first.dp_tail_s + sync)
         last = replace(last, dp_tail_s=last.dp_tail_s + sync)
-    return _Parts(layer=layer, first=first, last=last, p2p_s=p2p_s(model, strat, groups))
+    return _Parts(layers=tuple(layers), passes=tuple(passes), first=first, last=last,
+                  p2p_s=p2p_s(model, strat, groups))
 
 
-def stage_costs(model: ModelProfile, hw: HardwareProfile, strat: Strategy) -> StageCosts:
-    """All coefficients of the fixed outer strategy (``strat.stage_layers`` is ignored)."""
-    parts = _parts(model, hw, strat)
-    passes = compute.block_times(model, hw, strat)
+def parts_key(strat: Strategy) -> tuple:
+    """What ``_parts`` depends on: strategies with equal keys share their per-piece costs
+    (schedule, chunks and the nominal recompute mode enter only ``stage_costs``)."""
+    return (strat.dp, strat.tp, strat.pp, strat.zero, strat.micro_batch, strat.sequence_parallel,
+            strat.dp_overlap, strat.tp_overlap, strat.dtype, strat.precision)
+
+
+def stage_costs(model: ModelProfile, hw: HardwareProfile, strat: Strategy,
+                cache: dict | None = None) -> StageCosts:
+    """All coefficients of the fixed outer strategy (the placement in ``strat`` is ignored).
+
+    Block coefficients come per recompute mode; the zero-bubble fill fraction uses the
+    strategy's own ``recompute`` (the solver plans zero-bubble with one mode on every block).
+    ``cache`` (a dict the caller owns) shares the per-piece costs between strategies that
+    differ only in schedule, chunks or nominal recompute (``parts_key``).
+    """
+    key = parts_key(strat)
+    parts = cache.get(key) if cache is not None else None
+    if parts is None:
+        parts = _parts(model, hw, replace(strat, schedule="1f1b", virtual_stages=1))
+        if cache is not None:
+            cache[key] = parts
+    if pipeline.chunks(strat) > 1:
+        parts = replace(parts, p2p_s=parts.p2p_s * pipeline.chunks(strat))
+    passes = parts.passes[RECOMPUTE.index(strat.recompute)]
     sum_w, max_w = pipeline.schedule_weights(strat, pipeline.zb_fill_fraction(
         passes.forward_s, passes.recompute_s, passes.backward_s))
     return StageCosts(
-        pp=strat.pp, layer_time_s=parts.layer.time_s, first_time_s=parts.first.time_s,
+        pp=strat.pp, nominal=RECOMPUTE.index(strat.recompute),
+        mode_time_s=tuple(p.time_s for p in parts.layers), first_time_s=parts.first.time_s,
         last_time_s=parts.last.time_s, p2p_time_s=parts.p2p_s,
-        layer_dp_time_s=parts.layer.tail_s, first_dp_time_s=parts.first.tail_s,
+        mode_dp_time_s=tuple(p.tail_s for p in parts.layers), first_dp_time_s=parts.first.tail_s,
         last_dp_time_s=parts.last.tail_s,
-        layer_static_bytes=parts.layer.state.total, layer_act_bytes=parts.layer.act_bytes,
+        layer_static_bytes=parts.layers[0].state.total,
+        mode_act_bytes=tuple(p.act_bytes for p in parts.layers),
+        mode_workspace_bytes=tuple(memory.workspace_bytes(model, strat, r) for r in RECOMPUTE),
         first_static_bytes=parts.first.state.total, first_act_bytes=parts.first.act_bytes,
         last_static_bytes=parts.last.state.total, last_act_bytes=parts.last.act_bytes,
-        inflight=pipeline.inflight(strat), buffer_bytes=memory.buffer_bytes(model, hw, strat),
+        inflight=pipeline.inflight(strat), buffer_bytes=memory.base_buffer_bytes(model, hw, strat),
         sum_weight=sum_w, max_weight=max_w)
 
 
-def _stage_pieces(parts: _Parts, s: int, n: int, pp: int) -> list[tuple[float, _Piece]]:
-    """(count, piece) of what stage s holding n blocks runs."""
-    out = [(float(n), parts.layer)]
+def _stage_pieces(parts: _Parts, s: int, counts: tuple[int, ...], pp: int) -> list[tuple[float, _Piece]]:
+    """(count, piece) of what stage s holding ``counts`` blocks per recompute mode runs."""
+    out = [(float(n), piece) for n, piece in zip(counts, parts.layers) if n]
     if s == 0:
         out.append((1.0, parts.first))
     if s == pp - 1:
@@ -247,8 +278,8 @@ def estimate(model: ModelProfile, hw: HardwareProfile, strat: Strategy, *,
         raise ValueError(f"global batch {global_batch} is not dp x micro_batch x "
                          f"num_microbatches = {strat.dp} x {strat.micro_batch} x "
                          f"{strat.num_microbatches}; set num_microbatches = B / (dp x mbs)")
-    layers = strat.stage_layers or even_stage_layers(model.layers, strat.pp)
     c = stage_costs(model, hw, strat)
+    layers = tuple(c.counts(x) for x in strat.stage_loads(model.layers))
     parts = _parts(model, hw, strat)
     step = c.step_time_s(layers)
     m = strat.num_microbatches
@@ -261,7 +292,7 @@ def estimate(model: ModelProfile, hw: HardwareProfile, strat: Strategy, *,
     tail = _stage_pieces(parts, sd, layers[sd], strat.pp)
     compute_s = m * sum(k * p.compute_s for k, p in crit)
     tp_s = m * sum(k * p.tp_s for k, p in crit)
-    pp_s = m * parts.p2p_s
+    pp_s = m * c.p2p_time_s
     dp_s = m * sum(k * p.dp_exposed_s for k, p in crit) + sum(k * p.dp_tail_s for k, p in tail)
     opt_s = sum(k * p.optimizer_s for k, p in tail)
     bubble_s = step - tails[sd] - m * times[st]
@@ -276,7 +307,7 @@ def estimate(model: ModelProfile, hw: HardwareProfile, strat: Strategy, *,
         grads_bytes=sum(n * p.state.grads for n, p in mem_pieces),
         optimizer_bytes=sum(n * p.state.optimizer for n, p in mem_pieces),
         activations_bytes=k * sum(n * p.act_bytes for n, p in mem_pieces),
-        buffers_bytes=c.buffer_bytes)
+        buffers_bytes=c.buffer_bytes + c.stage_workspace_bytes(layers[sm]))
 
     flops = model_flops_per_step(model, global_batch)
     per_gpu = flops / (step * strat.devices)

@@ -132,15 +132,13 @@ def last_act_bytes(model: ModelProfile, strat: Strategy) -> float:
     return act_scale(strat) * tokens * 4 * model.hidden / sp + tokens * 4 * model.vocab / strat.tp
 
 
-def buffer_bytes(model: ModelProfile, hw: HardwareProfile, strat: Strategy) -> float:
-    """Bytes every device needs besides states and saved activations.
+def base_buffer_bytes(model: ModelProfile, hw: HardwareProfile, strat: Strategy) -> float:
+    """Bytes every device needs besides states, saved activations and recompute workspace:
 
     - hw.reserve_gib (CUDA context, allocator fragmentation);
     - data-parallel buffers: two 25 MB DDP buckets (ZeRO 0-2, dp > 1), or for ZeRO-3 the
       unsharded weights of two blocks (current and prefetched) and the unsharded gradients of
-      one block before its reduce-scatter;
-    - recompute workspace: full recompute rebuilds one block's activations of one
-      micro-batch during its backward; selective rebuilds one block's attention core.
+      one block before its reduce-scatter.
     """
     rec = recipe(strat)
     total = hw.reserve_gib * 2**30
@@ -149,8 +147,20 @@ def buffer_bytes(model: ModelProfile, hw: HardwareProfile, strat: Strategy) -> f
             total += layer_params(model, strat) * (2 * rec.weight + rec.grad)
         else:
             total += 2 * DDP_BUCKET_BYTES
-    if strat.recompute == "full":
-        total += block_act_bytes(model, strat, "none")
-    elif strat.recompute == "selective":
-        total += block_attn_act_bytes(model, strat)
     return total
+
+
+def workspace_bytes(model: ModelProfile, strat: Strategy, recompute: str | None = None) -> float:
+    """Recompute workspace: full recompute rebuilds one block's activations of one
+    micro-batch during its backward; selective rebuilds one block's attention core."""
+    recompute = recompute or strat.recompute
+    if recompute == "full":
+        return block_act_bytes(model, strat, "none")
+    if recompute == "selective":
+        return block_attn_act_bytes(model, strat)
+    return 0.0
+
+
+def buffer_bytes(model: ModelProfile, hw: HardwareProfile, strat: Strategy) -> float:
+    """``base_buffer_bytes`` plus the workspace of the strategy's recompute mode."""
+    return base_buffer_bytes(model, hw, strat) + workspace_bytes(model, strat)

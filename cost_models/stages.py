@@ -1,78 +1,127 @@
 """The seam between the cost model and the solver: per-stage costs linear in the layer counts.
 
-For a fixed outer strategy (everything but ``stage_layers``), each pipeline stage s holding
-n_s transformer blocks costs, per micro-batch and per step:
+For a fixed outer strategy (everything but the placement), stage s holding n_{s,r} transformer
+blocks with recompute mode r (none, selective, full) costs, per micro-batch and per step:
 
-    T_s = n_s * layer_time_s + [s = 0] * first_time_s + [s = p-1] * last_time_s + p2p_time_s
-    D_s = n_s * layer_dp_time_s + [s = 0] * first_dp_time_s + [s = p-1] * last_dp_time_s
-    M_s = buffer_bytes + n_s * (layer_static_bytes + inflight[s] * layer_act_bytes)
-          + [s = 0] * (first_static_bytes + inflight[0] * first_act_bytes)
-          + [s = p-1] * (last_static_bytes + inflight[p-1] * last_act_bytes)
+    T_s = Σ_r n_{s,r} layer_time_s[r] + [s = 0] first_time_s + [s = p-1] last_time_s + p2p_time_s
+    D_s = Σ_r n_{s,r} layer_dp_time_s[r] + [s = 0] first_dp_time_s + [s = p-1] last_dp_time_s
+    M_s = buffer_bytes + max_{r: n_{s,r} > 0} workspace_bytes[r]
+          + Σ_r n_{s,r} (layer_static_bytes + inflight[s] layer_act_bytes[r])
+          + [s = 0] (first_static_bytes + inflight[0] first_act_bytes)
+          + [s = p-1] (last_static_bytes + inflight[p-1] last_act_bytes)
 
 and the step takes
 
-    step = sum_weight * sum_s T_s + max_weight * max_s T_s + max_s D_s
+    step = sum_weight * Σ_s T_s + max_weight * max_s T_s + max_s D_s
 
-T_s is forward + backward (+ recompute) of one micro-batch, D_s is the part of the gradient
-reduction and optimizer step not hidden behind compute. The schedule sets the weights (for
+T_s is forward + recompute + backward of one micro-batch, D_s the part of the gradient
+reduction and optimizer step not hidden behind compute, ``workspace_bytes[r]`` what recompute
+mode r rebuilds during one block's backward (0 for none). The schedule sets the weights (for
 GPipe and 1F1B, sum 1 and max m - 1: the fill and drain pass every stage once, the steady state
 runs at the slowest stage). ``estimate`` and the solver both evaluate exactly these formulas, so
 the solver's optimum is the estimate's optimum.
+
+A stage's load is either an int n (n blocks, all in the strategy's ``recompute`` mode,
+``nominal``) or a tuple of counts per mode in ``RECOMPUTE`` order.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
+from cost_models.strategy import RECOMPUTE
+
+Load = int | tuple[int, ...]
+
 
 @dataclass(frozen=True, kw_only=True, slots=True)
 class StageCosts:
-    """Coefficients of the per-stage formulas above; seconds and bytes."""
+    """Coefficients of the per-stage formulas above; seconds and bytes; per-mode tuples are in
+    ``RECOMPUTE`` order (none, selective, full)."""
 
     pp: int
-    layer_time_s: float
+    nominal: int
+    """Index in ``RECOMPUTE`` of the strategy's own recompute mode (the mode of an int load)."""
+    mode_time_s: tuple[float, ...]
     first_time_s: float
     last_time_s: float
     p2p_time_s: float
-    layer_dp_time_s: float
+    mode_dp_time_s: tuple[float, ...]
     first_dp_time_s: float
     last_dp_time_s: float
     layer_static_bytes: float
-    layer_act_bytes: float
+    mode_act_bytes: tuple[float, ...]
+    mode_workspace_bytes: tuple[float, ...]
     first_static_bytes: float
     first_act_bytes: float
     last_static_bytes: float
     last_act_bytes: float
-    inflight: tuple[int, ...]
+    inflight: tuple[float, ...]
     """Micro-batches whose activations stage s holds at its peak."""
     buffer_bytes: float
-    """Communication buffers, workspace and allocator reserve on every device."""
+    """Communication buffers, workspace and allocator reserve on every device (recompute
+    workspace apart: ``mode_workspace_bytes``)."""
     sum_weight: float
     max_weight: float
 
-    def stage_time_s(self, s: int, n: int) -> float:
-        """T_s: one micro-batch through stage s holding n blocks."""
-        return (n * self.layer_time_s + self.p2p_time_s
-                + (self.first_time_s if s == 0 else 0.0)
+    @property
+    def layer_time_s(self) -> float:
+        """T of one block in the nominal mode."""
+        return self.mode_time_s[self.nominal]
+
+    @property
+    def layer_dp_time_s(self) -> float:
+        return self.mode_dp_time_s[self.nominal]
+
+    @property
+    def layer_act_bytes(self) -> float:
+        return self.mode_act_bytes[self.nominal]
+
+    def counts(self, load: Load) -> tuple[int, ...]:
+        """Blocks per recompute mode of a stage load."""
+        if isinstance(load, tuple):
+            return load
+        return tuple(load if r == self.nominal else 0 for r in range(len(RECOMPUTE)))
+
+    def stage_time_s(self, s: int, load: Load) -> float:
+        """T_s: one micro-batch through stage s."""
+        t = sum(n * x for n, x in zip(self.counts(load), self.mode_time_s)) + self.p2p_time_s
+        return (t + (self.first_time_s if s == 0 else 0.0)
                 + (self.last_time_s if s == self.pp - 1 else 0.0))
 
-    def stage_dp_time_s(self, s: int, n: int) -> float:
+    def stage_dp_time_s(self, s: int, load: Load) -> float:
         """D_s: exposed gradient reduction and optimizer time of stage s."""
-        return (n * self.layer_dp_time_s
-                + (self.first_dp_time_s if s == 0 else 0.0)
+        d = sum(n * x for n, x in zip(self.counts(load), self.mode_dp_time_s))
+        return (d + (self.first_dp_time_s if s == 0 else 0.0)
                 + (self.last_dp_time_s if s == self.pp - 1 else 0.0))
 
-    def stage_memory_bytes(self, s: int, n: int) -> float:
-        """M_s: peak bytes on a device of stage s holding n blocks."""
+    def stage_workspace_bytes(self, load: Load) -> float:
+        """Recompute workspace of the most demanding mode the stage uses."""
+        return max((w for n, w in zip(self.counts(load), self.mode_workspace_bytes) if n > 0),
+                   default=0.0)
+
+    def stage_fixed_bytes(self, s: int) -> float:
+        """M_s of an empty stage (no blocks, no recompute workspace)."""
         k = self.inflight[s]
-        m = self.buffer_bytes + n * (self.layer_static_bytes + k * self.layer_act_bytes)
+        m = self.buffer_bytes
         if s == 0:
             m += self.first_static_bytes + k * self.first_act_bytes
         if s == self.pp - 1:
             m += self.last_static_bytes + k * self.last_act_bytes
         return m
 
-    def step_time_s(self, stage_layers: tuple[int, ...]) -> float:
-        times = [self.stage_time_s(s, n) for s, n in enumerate(stage_layers)]
-        dp = max(self.stage_dp_time_s(s, n) for s, n in enumerate(stage_layers))
+    def stage_memory_bytes(self, s: int, load: Load) -> float:
+        """M_s: peak bytes on a device of stage s."""
+        k, counts = self.inflight[s], self.counts(load)
+        m = self.buffer_bytes + self.stage_workspace_bytes(counts) + sum(
+            n * (self.layer_static_bytes + k * a) for n, a in zip(counts, self.mode_act_bytes))
+        if s == 0:
+            m += self.first_static_bytes + k * self.first_act_bytes
+        if s == self.pp - 1:
+            m += self.last_static_bytes + k * self.last_act_bytes
+        return m
+
+    def step_time_s(self, loads: tuple[Load, ...]) -> float:
+        times = [self.stage_time_s(s, n) for s, n in enumerate(loads)]
+        dp = max(self.stage_dp_time_s(s, n) for s, n in enumerate(loads))
         return self.sum_weight * sum(times) + self.max_weight * max(times) + dp

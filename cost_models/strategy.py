@@ -28,6 +28,9 @@ class Strategy:
     recompute: str = "none"
     stage_layers: tuple[int, ...] = ()
     """Transformer blocks per pipeline stage; empty means as even as possible."""
+    stage_recompute: tuple[tuple[int, ...], ...] = ()
+    """Per pipeline stage, its blocks with recompute none, selective and full (``RECOMPUTE``
+    order; they sum to ``stage_layers``); empty means every block uses ``recompute``."""
     dp_overlap: bool = True
     """The runtime reduces gradients during the last micro-batch's backward (DDP buckets,
     FSDP2 hooks) and prefetches ZeRO-3 weights during compute; False: after the pipeline
@@ -57,6 +60,25 @@ class Strategy:
             raise ValueError(f"unknown precision {self.precision!r}; use one of {', '.join(PRECISIONS)}")
         if self.stage_layers and len(self.stage_layers) != self.pp:
             raise ValueError(f"stage_layers has {len(self.stage_layers)} entries for pp={self.pp}")
+        if self.stage_recompute:
+            if len(self.stage_recompute) != self.pp or any(
+                    len(c) != len(RECOMPUTE) or min(c) < 0 for c in self.stage_recompute):
+                raise ValueError(f"stage_recompute needs {self.pp} entries of "
+                                 f"{len(RECOMPUTE)} non-negative counts")
+            if self.stage_layers and tuple(map(sum, self.stage_recompute)) != self.stage_layers:
+                raise ValueError("stage_recompute counts must add up to stage_layers")
+
+    def stage_loads(self, layers: int) -> tuple:
+        """Each stage's load for ``StageCosts``: per-mode counts, or block counts (even split
+        of ``layers`` when ``stage_layers`` is empty)."""
+        if self.stage_recompute:
+            return self.stage_recompute
+        if self.stage_layers:
+            return self.stage_layers
+        q, r = divmod(layers, self.pp)
+        if q < 1:
+            raise ValueError(f"cannot split {layers} layers over {self.pp} pipeline stages")
+        return tuple(q + (1 if s < r else 0) for s in range(self.pp))
 
     @property
     def devices(self) -> int:

@@ -211,7 +211,7 @@ def test_interleaved_sends_and_stage0_memory():
 
 def _uniform(c):
     """The same coefficients with no embedding/head and no tail: every stage costs the same."""
-    return dataclasses.replace(c, first_time_s=0.0, last_time_s=0.0, layer_dp_time_s=0.0,
+    return dataclasses.replace(c, first_time_s=0.0, last_time_s=0.0, mode_dp_time_s=(0.0, 0.0, 0.0),
                                first_dp_time_s=0.0, last_dp_time_s=0.0)
 
 

@@ -1,0 +1,48 @@
+"""solve: the best plan the cost model knows, for a model, a cluster and a global batch.
+
+Search = an outer enumeration of the discrete strategy (``space.outer_candidates``) visited in
+order of a lower bound, and for each visited candidate an exact CP-SAT model of the pipeline
+placement and per-block recompute (``core.solve_placement``).
+
+Outer space (``space``): tp | gpus with tp dividing the devices per node (a tp group never
+straddles nodes) and the attention and kv heads; pp | gpus/tp with pp ≤ layers;
+dp = gpus/(tp·pp) dividing the global batch B; micro-batch b | B/dp, m = B/(dp·b) micro-batches
+(m ≥ pp when pp > 1); ZeRO 0-3 (0 when dp = 1); schedule 1F1B, GPipe, interleaved with
+v = 2 … L/pp chunks (m a multiple of pp) and zero-bubble (pp > 1); sequence parallelism
+(tp > 1). Combinations ``autopar.plan.runtime_unsupported`` refuses are skipped. Any dimension
+may be pinned (``Pins``). Recompute is chosen per block by the inner model, except under
+zero-bubble (its fill fraction depends on the mode, ``cost_models.pipeline``): there the outer
+loop enumerates one mode for every block. A pinned ``recompute`` applies to every block.
+
+Inner model (``core``; coefficients from ``cost_models.stage_costs``, formulas in
+``cost_models.stages``), with R the allowed recompute modes:
+
+    variables   n[s][r] ∈ [0, U_s]   blocks of stage s in mode r          (_add_count_vars)
+                u[s][r] ∈ {0, 1}     stage s uses mode r (r with workspace) (_add_memory)
+                T ≥ T_s, D ≥ D_s     slowest stage, worst gradient tail   (_add_time_terms)
+    constraints Σ_s Σ_r n[s][r] = L;  v ≤ Σ_r n[s][r] ≤ U_s                (_add_count_vars)
+                  (v: one block per interleaved chunk; U_s: ``stage_upper_bounds``, the most
+                  blocks stage s holds in its leanest mode alone, a valid cut)
+                M_s(n[s]) + W_r u[s][r] ≤ memory, n[s][r] = 0 unless u[s][r]   (_add_memory)
+                middle stages ordered when interchangeable                (_add_symmetry_breaking)
+    objective   min  sum_weight · Σ_s T_s + max_weight · T + D              (solve_placement)
+
+Working with counts of identical blocks per stage and mode, not one variable per block, is
+what makes the model small (3p integers for L blocks) and fast to prove optimal.
+Times are integer nanoseconds, bytes rounded conservatively; the chosen placement is
+re-evaluated in float with ``StageCosts.step_time_s``.
+
+Pruning (``search``): ``lower_bound`` (every block at its fastest allowed mode, slowest stage
+≥ mean) orders the candidates; once it reaches the incumbent (or the ``keep``-th best, for
+alternatives) the rest are pruned, so only a handful of CP-SAT models are solved. A time limit
+stops the loop and returns the best plan with its proven gap. CP-SAT runs with one worker and a
+fixed seed, and ties keep the first candidate in the fixed order, so identical inputs give an
+identical plan. ``infeasible`` explains a search with no plan.
+"""
+
+from autopar.solve.core import Placement, solve_placement
+from autopar.solve.search import Alternative, Solution, lower_bound, placed_strategy, search
+from autopar.solve.space import Candidate, Pins, candidates, outer_candidates
+
+__all__ = ["Alternative", "Candidate", "Pins", "Placement", "Solution", "candidates",
+           "lower_bound", "outer_candidates", "placed_strategy", "search", "solve_placement"]

@@ -1,0 +1,152 @@
+"""The inner CP-SAT model: blocks per stage and recompute mode for one outer candidate.
+
+See the formulation in ``autopar.solve``'s docstring; each constraint family is added by one
+function below. Times are integer nanoseconds (``NS``), bytes integer bytes rounded so that an
+integer-feasible placement is feasible in float too (coefficients up, the cap down); the caller
+re-evaluates the chosen placement in float with ``StageCosts``.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+from ortools.sat.python import cp_model
+
+from cost_models import StageCosts
+from cost_models.strategy import RECOMPUTE
+
+NS = 1e9
+"""Integer time unit: nanoseconds."""
+WEIGHT = 1000
+"""Schedule weights are scaled by this to integers."""
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class Placement:
+    """A solved placement: per stage, blocks per recompute mode (``RECOMPUTE`` order)."""
+
+    loads: tuple[tuple[int, ...], ...]
+    optimal: bool
+    bound_s: float
+    """A proven lower bound on the step time of any placement of this candidate, seconds."""
+
+
+def stage_upper_bounds(c: StageCosts, layers: int, cap: float, modes: tuple[int, ...]) -> list[int]:
+    """Most blocks each stage can hold within ``cap`` using one mode alone, its leanest (M_s
+    is linear in the counts, and a stage mixing modes holds no more than one of its modes
+    alone); -1 where even an empty stage overflows."""
+    bounds = []
+    for s in range(c.pp):
+        room, k, best = cap - c.stage_fixed_bytes(s), c.inflight[s], -1
+        for r in modes:
+            spare = room - c.mode_workspace_bytes[r]
+            if spare >= 0:
+                per = c.layer_static_bytes + k * c.mode_act_bytes[r]
+                best = max(best, min(layers, math.floor(spare / per)) if per > 0 else layers)
+        bounds.append(best)
+    return bounds
+
+
+def _add_count_vars(m: cp_model.CpModel, pp: int, layers: int, upper: list[int],
+                    modes: tuple[int, ...], min_layers: int) -> list[dict[int, cp_model.IntVar]]:
+    """n[s][r] ≥ 0, min_layers ≤ Σ_r n[s][r] ≤ upper[s], Σ_s Σ_r n[s][r] = L."""
+    n = [{r: m.NewIntVar(0, upper[s], f"n{s}_{r}") for r in modes} for s in range(pp)]
+    for s in range(pp):
+        total = sum(n[s].values())
+        m.Add(total >= min_layers)
+        m.Add(total <= upper[s])
+    m.Add(sum(v for ns in n for v in ns.values()) == layers)
+    return n
+
+
+def _add_memory(m: cp_model.CpModel, c: StageCosts, n: list[dict], cap: float, layers: int) -> None:
+    """M_s ≤ cap: the workspace term max_{r used} W_r through one Boolean per used mode."""
+    cap_i = math.floor(cap)
+    for s, ns in enumerate(n):
+        k = c.inflight[s]
+        fixed = c.stage_fixed_bytes(s)
+        expr = sum(math.ceil(c.layer_static_bytes + k * c.mode_act_bytes[r]) * v
+                   for r, v in ns.items())
+        for r, v in ns.items():
+            w = c.mode_workspace_bytes[r]
+            if w <= 0:
+                continue
+            used = m.NewBoolVar(f"u{s}_{r}")
+            m.Add(v == 0).OnlyEnforceIf(used.Not())
+            m.Add(expr + math.ceil(fixed + w) <= cap_i).OnlyEnforceIf(used)
+        m.Add(expr + math.ceil(fixed) <= cap_i)
+
+
+def _add_time_terms(m: cp_model.CpModel, c: StageCosts, n: list[dict], horizon: int):
+    """T ≥ T_s and D ≥ D_s for every stage; returns (T, D, [T_s])."""
+    t_max, d_max = m.NewIntVar(0, horizon, "T"), m.NewIntVar(0, horizon, "D")
+    stage_t = []
+    for s, ns in enumerate(n):
+        t_s = (sum(round(c.mode_time_s[r] * NS) * v for r, v in ns.items())
+               + round(c.stage_time_s(s, 0) * NS))
+        d_s = (sum(round(c.mode_dp_time_s[r] * NS) * v for r, v in ns.items())
+               + round(c.stage_dp_time_s(s, 0) * NS))
+        m.Add(t_max >= t_s)
+        m.Add(d_max >= d_s)
+        stage_t.append(t_s)
+    return t_max, d_max, stage_t
+
+
+def _add_symmetry_breaking(m: cp_model.CpModel, c: StageCosts, n: list[dict], layers: int) -> None:
+    """Middle stages share every coefficient but their in-flight micro-batches k_s.
+
+    Where k_s is equal over the middle stages (GPipe) their loads are interchangeable: order
+    them lexicographically (a linear key with base L + 1). Where k_s does not grow along the
+    pipeline (1F1B: p - s) and every block uses one mode, a larger load fits wherever a smaller
+    one did further up, so order the middle stages by block count. Mixed modes under a falling
+    k_s get no ordering (a stage with fewer but heavier blocks may not move up)."""
+    middle = list(range(1, c.pp - 1))
+    ks = [c.inflight[s] for s in middle]
+    if all(k == ks[0] for k in ks):
+        base = layers + 1
+        key = lambda ns: sum(v * base ** i for i, (_, v) in enumerate(sorted(ns.items())))  # noqa: E731
+        for a, b in zip(middle, middle[1:]):
+            m.Add(key(n[a]) <= key(n[b]))
+    elif len(n[0]) == 1 and all(x >= y for x, y in zip(ks, ks[1:])):
+        for a, b in zip(middle, middle[1:]):
+            m.Add(sum(n[a].values()) <= sum(n[b].values()))
+
+
+def solve_placement(c: StageCosts, layers: int, cap: float, modes: tuple[int, ...],
+                    min_layers: int = 1, time_limit_s: float = 10.0) -> Placement | None:
+    """The placement minimising the step time under the memory cap; ``None`` if none fits
+    (or none was found in time)."""
+    upper = stage_upper_bounds(c, layers, cap, modes)
+    if min(upper) < min_layers or sum(upper) < layers:
+        return None
+    if c.pp == 1 and len(modes) == 1:
+        load = tuple(layers if i == modes[0] else 0 for i in range(len(RECOMPUTE)))
+        step = c.step_time_s((load,))
+        return Placement(loads=(load,), optimal=True, bound_s=step)
+    m = cp_model.CpModel()
+    n = _add_count_vars(m, c.pp, layers, upper, modes, min_layers)
+    _add_memory(m, c, n, cap, layers)
+    horizon = round((layers * max(max(c.mode_time_s), max(c.mode_dp_time_s))
+                     + max(c.stage_time_s(s, 0) + c.stage_dp_time_s(s, 0) for s in range(c.pp)))
+                    * NS) + 1
+    t_max, d_max, stage_t = _add_time_terms(m, c, n, horizon)
+    _add_symmetry_breaking(m, c, n, layers)
+    sum_w, max_w = round(c.sum_weight * WEIGHT), round(c.max_weight * WEIGHT)
+    m.Minimize(sum_w * sum(stage_t) + max_w * t_max + WEIGHT * d_max)
+    solver = cp_model.CpSolver()
+    # One worker and a fixed seed: the result is deterministic. The lower-bound tree search
+    # closes these max-of-linear objectives far faster than the default single-worker search.
+    solver.parameters.optimize_with_lb_tree_search = True
+    solver.parameters.num_workers = 1
+    solver.parameters.random_seed = 0
+    solver.parameters.max_time_in_seconds = max(time_limit_s, 0.01)
+    status = solver.Solve(m)
+    if status not in (cp_model.OPTIMAL, cp_model.FEASIBLE):
+        return None
+    loads = tuple(tuple(solver.Value(n[s][i]) if i in n[s] else 0 for i in range(len(RECOMPUTE)))
+                  for s in range(c.pp))
+    scale = WEIGHT * NS
+    bound = solver.BestObjectiveBound() / scale
+    return Placement(loads=loads, optimal=status == cp_model.OPTIMAL,
+                     bound_s=min(bound, c.step_time_s(loads)))

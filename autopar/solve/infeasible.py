@@ -1,0 +1,77 @@
+"""What to tell the user when no plan exists: which pin or input to change, and what would fit."""
+
+from __future__ import annotations
+
+import dataclasses
+
+from autopar.solve.space import Pins
+from cost_models import HardwareProfile, ModelProfile
+
+_FLAGS = {"dp": "--dp", "tp": "--tp", "pp": "--pp", "zero": "--zero", "micro_batch": "--mbs",
+          "schedule": "--schedule", "virtual_stages": "--vpp", "sequence_parallel": "--sp",
+          "recompute": "--recompute"}
+
+
+def no_candidate_reason(model: ModelProfile, hw: HardwareProfile, gpus: int,
+                        global_batch: int, pins: Pins) -> str:
+    """Why no outer candidate exists at all (divisibility, not memory)."""
+    if pins.tp and (model.heads % pins.tp or model.kv_heads % pins.tp):
+        return f"--tp {pins.tp} does not divide the {model.heads} heads / {model.kv_heads} kv heads"
+    if pins.tp and hw.devices_per_node % pins.tp:
+        return (f"--tp {pins.tp} does not divide the {hw.devices_per_node} devices per node of "
+                f"{hw.name}; tensor parallelism stays inside a node")
+    if pins.virtual_stages and pins.virtual_stages > 1 and pins.schedule not in (None, "interleaved"):
+        return f"--vpp {pins.virtual_stages} needs --schedule interleaved"
+    if pins != Pins():
+        return (f"no strategy with the pinned options splits {gpus} devices, {model.layers} layers "
+                f"and global batch {global_batch}; check that dp x tp x pp = --gpus, that dp x mbs "
+                f"divides the batch, and that pipelined schedules have pp > 1 (interleaved: "
+                f"micro-batches a multiple of pp, pp x vpp <= layers)")
+    return (f"no way to split global batch {global_batch} over {gpus} devices; use a global "
+            f"batch divisible by the data-parallel degree (e.g. a multiple of {gpus})")
+
+
+def _describe_fix(model, hw, gpus, global_batch, dtype, pins: Pins) -> str | None:
+    """The first single pin whose removal makes something fit, and what then fits."""
+    from autopar.solve.search import fits_anywhere
+    for name, flag in _FLAGS.items():
+        if getattr(pins, name) is None:
+            continue
+        relaxed = dataclasses.replace(pins, **{name: None})
+        if fits_anywhere(model, hw, gpus, global_batch, dtype, relaxed):
+            return f"drop {flag} (the pinned {getattr(pins, name)} leaves no placement within memory)"
+    return None
+
+
+def does_not_fit(model: ModelProfile, hw: HardwareProfile, gpus: int, global_batch: int,
+                 dtype: str, pins: Pins) -> str:
+    """Why nothing fits in device memory, and what would: a pin to drop, the ZeRO-3 + full
+    recompute escape when those were pinned away, or the device count that fits."""
+    from autopar.solve.search import fits_anywhere
+    head = (f"{model.name} does not fit on {gpus} x {hw.device} ({hw.memory_gib:g} GiB) at "
+            f"global batch {global_batch}")
+    if pins != Pins():
+        fix = _describe_fix(model, hw, gpus, global_batch, dtype, pins)
+        if fix is None and fits_anywhere(model, hw, gpus, global_batch, dtype,
+                                         Pins(zero=3, recompute="full")):
+            fix = "fits with ZeRO-3 + full recompute: drop the pins (--zero 3 --recompute full)"
+        if fix is None and fits_anywhere(model, hw, gpus, global_batch, dtype, Pins()):
+            fix = "drop the pins (--tp/--pp/--zero/--recompute/...) to let the planner choose"
+        if fix:
+            return f"{head} with the pinned options; {fix}"
+    lo, hi = gpus, None
+    for _ in range(24):
+        more = lo * 2
+        if fits_anywhere(model, hw, more, global_batch, dtype, Pins()):
+            hi = more
+            break
+        lo = more
+    if hi is None:
+        return head + ": no device count up to 2^24 fits; use a device with more memory"
+    step = max(hw.devices_per_node, (hi - lo) // 16)
+    for n in range(lo + step, hi, step):
+        if fits_anywhere(model, hw, n, global_batch, dtype, Pins()):
+            hi = n
+            break
+    return head + (f": needs >= {hi} devices of {hw.memory_gib:g} GiB at this batch "
+                   f"(with ZeRO-3 and full recompute as needed)")

@@ -1,0 +1,215 @@
+"""The search: outer candidates ordered by a lower bound, CP-SAT placement for each until the
+bound reaches the incumbent (or the ``keep``-th best, to report alternatives)."""
+
+from __future__ import annotations
+
+import heapq
+import time
+from dataclasses import dataclass, replace
+
+from autopar.errors import UserError
+from autopar.solve.core import solve_placement, stage_upper_bounds
+from autopar.solve.infeasible import does_not_fit, no_candidate_reason
+from autopar.solve.space import Candidate, Pins, outer_candidates
+from cost_models import HardwareProfile, ModelProfile, StageCosts, Strategy, estimate, stage_costs
+from cost_models.strategy import RECOMPUTE, Estimate
+
+TIE = 1e-12
+"""Relative difference below which two step times tie (the earlier candidate wins)."""
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class Alternative:
+    """A solved outer candidate with its best placement."""
+
+    strategy: Strategy
+    step_time_s: float
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class Solution:
+    """The best strategy found, its estimate, and how the search went."""
+
+    strategy: Strategy
+    estimate: Estimate
+    time_s: float
+    candidates: int
+    """Outer candidates considered (after the divisibility and runtime rules)."""
+    solved: int
+    """Outer candidates whose placement was solved with CP-SAT (the rest were pruned)."""
+    optimal: bool
+    gap: float
+    """Relative gap between the plan and the best proven bound (0 when optimal)."""
+    alternatives: tuple[Alternative, ...] = ()
+    """The best solved candidates, best first (the plan included), when asked for."""
+
+
+def _stage_segments(c: StageCosts, s: int, modes: tuple[int, ...], cap: float,
+                    upper: int) -> list[tuple[float, float]]:
+    """(slope, blocks) pieces of g_s(N), the least T_s block time of N blocks on stage s in
+    the LP relaxation of its memory row (workspace dropped, counts fractional): the lower
+    convex envelope of the rays from the origin to "stage full in mode r", cut at ``upper``."""
+    k = c.inflight[s]
+    room = cap - c.stage_fixed_bytes(s)
+    if room <= 0 or upper <= 0:
+        return []
+    pts = sorted({(room / (c.layer_static_bytes + k * c.mode_act_bytes[r]),
+                   room / (c.layer_static_bytes + k * c.mode_act_bytes[r]) * c.mode_time_s[r])
+                  for r in modes})
+    hull = [(0.0, 0.0)]
+    for x, y in pts:  # lower hull, x increasing; a point with a lower y further right dominates
+        while hull and hull[-1][1] >= y:
+            hull.pop()
+        while len(hull) >= 2 and ((hull[-1][1] - hull[-2][1]) * (x - hull[-2][0])
+                                  >= (y - hull[-2][1]) * (hull[-1][0] - hull[-2][0])):
+            hull.pop()
+        hull.append((x, y))
+    if hull[0] != (0.0, 0.0):
+        hull.insert(0, (0.0, 0.0))
+    segs, left = [], float(upper)
+    for (x0, y0), (x1, y1) in zip(hull, hull[1:]):
+        width = min(x1 - x0, left)
+        if width > 0:
+            segs.append(((y1 - y0) / (x1 - x0), width))
+            left -= width
+    return segs
+
+
+def lower_bound(c: StageCosts, layers: int, modes: tuple[int, ...], cap: float = float("inf"),
+                upper: list[int] | None = None) -> float:
+    """A bound on ``step_time_s`` over all placements within ``cap``: Σ_s T_s is at least
+    the fixed parts plus the cheapest L block-units over every stage's LP envelope g_s (for
+    an infinite cap: every block at its fastest mode), the slowest stage at least the mean,
+    and D at least the mean of the fastest-mode tails. ``inf`` when nothing fits."""
+    fixed = sum(c.stage_time_s(s, 0) for s in range(c.pp))
+    d = min(c.mode_dp_time_s[r] for r in modes)
+    dp = sum(c.stage_dp_time_s(s, 0) for s in range(c.pp)) + layers * d
+    if cap == float("inf"):
+        blocks = layers * min(c.mode_time_s[r] for r in modes)
+    else:
+        upper = upper or [layers] * c.pp
+        segs = sorted(seg for s in range(c.pp)
+                      for seg in _stage_segments(c, s, modes, cap, upper[s]))
+        blocks, left = 0.0, float(layers)
+        for slope, width in segs:
+            take = min(width, left)
+            blocks += slope * take
+            left -= take
+            if left <= 0:
+                break
+        if left > 1e-9:
+            return float("inf")
+    times = fixed + blocks
+    return c.sum_weight * times + c.max_weight * times / c.pp + dp / c.pp
+
+
+def placed_strategy(strat: Strategy, loads: tuple[tuple[int, ...], ...]) -> Strategy:
+    """``strat`` with its placement; ``recompute`` becomes the most common mode (kept as is
+    for a single-mode placement, which zero-bubble's fill fraction reads)."""
+    totals = [sum(c[i] for c in loads) for i in range(len(RECOMPUTE))]
+    used = [i for i, t in enumerate(totals) if t]
+    nominal = strat.recompute if len(used) == 1 and RECOMPUTE[used[0]] == strat.recompute \
+        else RECOMPUTE[max(range(len(RECOMPUTE)), key=lambda i: (totals[i], -i))]
+    return replace(strat, recompute=nominal, stage_layers=tuple(map(sum, loads)),
+                   stage_recompute=loads)
+
+
+def _ordered(model: ModelProfile, hw: HardwareProfile, gpus: int, global_batch: int,
+             dtype: str, pins: Pins) -> tuple[list[tuple[float, int, Candidate, StageCosts]], int]:
+    """Every outer candidate with its memory-blind bound (``lower_bound`` with no cap), in
+    (bound, order) order, and how many there are."""
+    scored, cache = [], {}
+    for order, cand in enumerate(outer_candidates(model, hw, gpus, global_batch, dtype, pins)):
+        c = stage_costs(model, hw, cand.strategy, cache)
+        scored.append((lower_bound(c, model.layers, cand.modes), order, cand, c))
+    scored.sort(key=lambda x: (x[0], x[1]))
+    return scored, len(scored)
+
+
+def _refine(c: StageCosts, cand: Candidate, layers: int, cap: float) -> float:
+    """The memory-aware bound of a candidate; ``inf`` when no placement fits."""
+    upper = stage_upper_bounds(c, layers, cap, cand.modes)
+    if min(upper) < cand.min_layers or sum(upper) < layers:
+        return float("inf")
+    return lower_bound(c, layers, cand.modes, cap, upper)
+
+
+def search(model: ModelProfile, hw: HardwareProfile, gpus: int, global_batch: int, dtype: str,
+           pins: Pins = Pins(), time_limit_s: float = 60.0, keep: int = 1) -> Solution:
+    """Best strategy under the cost model; raises ``UserError`` saying what would fit.
+    ``keep`` > 1 also proves the ``keep`` best outer candidates (``Solution.alternatives``)."""
+    start = time.perf_counter()
+    cap = hw.memory_bytes
+    scored, total = _ordered(model, hw, gpus, global_batch, dtype, pins)
+    if total == 0:
+        raise UserError(no_candidate_reason(model, hw, gpus, global_batch, pins))
+    found: list[tuple[float, int, Strategy]] = []  # sorted best first, at most ``keep``
+    solved, proven, bound = 0, True, float("inf")
+    # Best-first over (bound, order): a candidate is first popped with its memory-blind bound,
+    # pushed back with its memory-aware one, and solved when popped again.
+    heap = [(lb, order, False, i) for i, (lb, order, _, _) in enumerate(scored)]
+    while heap:
+        lb, order, refined, i = heap[0]
+        if lb == float("inf"):
+            break
+        if len(found) == keep and lb >= found[-1][0] * (1 - TIE):
+            bound = min(bound, lb)
+            break
+        heapq.heappop(heap)
+        _, _, cand, c = scored[i]
+        if not refined:
+            heapq.heappush(heap, (max(lb, _refine(c, cand, model.layers, cap)), order, True, i))
+            continue
+        remaining = time_limit_s - (time.perf_counter() - start)
+        if remaining <= 0:
+            proven, bound = False, min(bound, lb)
+            break
+        placed = solve_placement(c, model.layers, cap, cand.modes, cand.min_layers, remaining)
+        solved += 1
+        if placed is None:
+            if time_limit_s - (time.perf_counter() - start) <= 0:
+                proven, bound = False, min(bound, lb)  # cut short: unknown, not infeasible
+            continue
+        if not placed.optimal:
+            proven, bound = False, min(bound, placed.bound_s)
+        step = c.step_time_s(placed.loads)
+        found.append((step, order, placed_strategy(cand.strategy, placed.loads)))
+        # A tie within float noise keeps the earlier candidate (lower ZeRO stage, fewer chunks).
+        found = _dedupe_ties(found)[:keep]
+    if not found:
+        if not proven:
+            raise UserError(f"no plan found within --time-limit {time_limit_s:g} s; "
+                            "raise the time limit or pin more dimensions")
+        raise UserError(does_not_fit(model, hw, gpus, global_batch, dtype, pins))
+    best_step, _, best = found[0]
+    est = estimate(model, hw, best, global_batch=global_batch)
+    gap = 0.0 if proven else max(0.0, (best_step - min(bound, best_step)) / best_step)
+    alts = tuple(Alternative(strategy=s, step_time_s=t) for t, _, s in found) if keep > 1 else ()
+    return Solution(strategy=best, estimate=est, time_s=time.perf_counter() - start,
+                    candidates=total, solved=solved, optimal=proven, gap=gap,
+                    alternatives=alts)
+
+
+def _dedupe_ties(found: list) -> list:
+    """Order by step time, candidates within ``TIE`` of each other by their fixed order."""
+    out = sorted(found, key=lambda x: (x[0], x[1]))
+    changed = True
+    while changed:
+        changed = False
+        for i in range(len(out) - 1):
+            a, b = out[i], out[i + 1]
+            if b[0] <= a[0] * (1 + TIE) and b[1] < a[1]:
+                out[i], out[i + 1] = b, a
+                changed = True
+    return out
+
+
+def fits_anywhere(model: ModelProfile, hw: HardwareProfile, gpus: int, global_batch: int,
+                  dtype: str, pins: Pins) -> bool:
+    """Some outer candidate has a placement within device memory (bounds only, no CP-SAT)."""
+    for cand in outer_candidates(model, hw, gpus, global_batch, dtype, pins):
+        c = stage_costs(model, hw, cand.strategy)
+        upper = stage_upper_bounds(c, model.layers, hw.memory_bytes, cand.modes)
+        if min(upper) >= cand.min_layers and sum(upper) >= model.layers:
+            return True
+    return False
