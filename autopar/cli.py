@@ -209,16 +209,19 @@ def inspect(model: str = MODEL, seq_len: Optional[int] = SEQ, as_json: bool = JS
 @app.command()
 def run(plan_file: Path = typer.Argument(..., help="A plan JSON from `autopar plan --out`"),
         steps: int = typer.Option(3, "--steps", min=1, help="Optimizer steps"),
+        save: Optional[Path] = typer.Option(None, "--save", help="Write a checkpoint (DCP) here after the last step"),
+        resume: Optional[Path] = typer.Option(None, "--resume",
+                                              help="Start from a checkpoint saved by any plan of this model"),
         as_json: bool = JSON) -> None:
     """Run a plan locally under torchrun (gloo on CPU) on synthetic tokens."""
     def body() -> None:
         the_plan = load_plan(plan_file)
         from autopar.runtime import run_plan
-        result = run_plan(the_plan, steps)
+        result = run_plan(the_plan, steps, resume=resume, save=save)
         if as_json:
             typer.echo(json.dumps({"losses": result.losses, "step_times_s": result.step_times_s}))
             return
-        for i, (loss, t) in enumerate(zip(result.losses, result.step_times_s)):
+        for i, (loss, t) in enumerate(zip(result.losses, result.step_times_s), start=result.start_step):
             console.print(f"step {i}: loss {loss:.6f}  {t:.3f} s")
     _guard(body)
 
