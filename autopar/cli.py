@@ -1,4 +1,4 @@
-"""The ``autopar`` command line (design.md): plan, estimate, inspect, run, demo.
+"""The ``autopar`` command line (design.md): plan, estimate, explain, inspect, run, demo.
 
 Bad input exits 2 with one line on stderr; ``--json`` prints machine-readable output.
 """
@@ -23,7 +23,7 @@ from rich.table import Table
 
 from autopar.errors import UserError
 from autopar.plan import Plan, load_plan
-from autopar.solve import Pins, Solution
+from autopar.solve import Pins, Solution, explain as explain_plan, explanation_dict
 from autopar.workflow import estimate_strategy, fixed_strategy, make_plan, read_job
 from cost_models import ProfileError
 from cost_models.strategy import Estimate
@@ -97,11 +97,20 @@ def _print_plan(plan: Plan) -> None:
     table.add_row("mesh", f"dp={m.dp} tp={m.tp} pp={m.pp}")
     table.add_row("zero stage", str(plan.zero_stage))
     table.add_row("micro-batch x micro-batches", f"{plan.micro_batch_size} x {plan.num_microbatches}")
-    table.add_row("schedule", plan.schedule)
+    table.add_row("schedule", plan.schedule + (f" (v={plan.virtual_stages})" if plan.virtual_stages > 1 else ""))
     table.add_row("sequence parallel", str(plan.sequence_parallel))
     table.add_row("stage layers", " ".join(map(str, plan.stage_layers)))
-    table.add_row("recompute", ", ".join(sorted(set(plan.recompute))))
+    table.add_row("recompute", ", ".join(f"{mode} x{plan.recompute.count(mode)}"
+                                         for mode in ("none", "selective", "full") if mode in plan.recompute))
+    if plan.estimate is not None:
+        table.add_row("fits", f"{'yes' if plan.estimate.fits else 'NO'} (peak "
+                      f"{_gib(plan.estimate.memory.peak_bytes)} per device)")
     console.print(table)
+
+
+def _check_cp(cp: int) -> None:
+    if cp != 1:
+        _fail(f"--cp {cp}: the runtime has no context parallelism yet; use --cp 1 (or omit it)")
 
 
 @app.command()
@@ -113,17 +122,21 @@ def plan(model: str = MODEL, cluster: str = CLUSTER, gpus: int = GPUS, global_ba
          zero: Optional[int] = typer.Option(None, "--zero", min=0, max=3, help="Pin ZeRO stage"),
          mbs: Optional[int] = typer.Option(None, "--mbs", help="Pin micro-batch size"),
          schedule: Optional[Schedule] = typer.Option(None, "--schedule", help="Pin pipeline schedule"),
+         vpp: Optional[int] = typer.Option(None, "--vpp", min=1, help="Pin virtual stages per pipeline rank"),
+         cp: int = typer.Option(1, "--cp", help="Context-parallel degree (1 only for now)"),
          sp: Optional[bool] = typer.Option(None, "--sp/--no-sp", help="Pin sequence parallelism"),
          recompute: Optional[Recompute] = typer.Option(None, "--recompute", help="Pin recompute mode"),
          out: Optional[Path] = typer.Option(None, "--out", help="Write the plan JSON here"),
          time_limit: float = typer.Option(60.0, "--time-limit", help="Search time limit, s"),
          as_json: bool = JSON) -> None:
     """Search the best plan for a model on a cluster."""
+    _check_cp(cp)
+
     def body() -> None:
         job = read_job(model, cluster, gpus, global_batch, seq_len, dtype)
         pins = Pins(dp=dp, tp=tp, pp=pp, zero=zero, micro_batch=mbs,
-                    schedule=schedule.value if schedule else None, sequence_parallel=sp,
-                    recompute=recompute.value if recompute else None)
+                    schedule=schedule.value if schedule else None, virtual_stages=vpp,
+                    sequence_parallel=sp, recompute=recompute.value if recompute else None)
         result, sol = make_plan(job, pins, time_limit)
         if out is not None:
             result.save(out)
@@ -154,10 +167,13 @@ def estimate(model: str = MODEL, cluster: str = CLUSTER, gpus: int = GPUS, globa
              mbs: int = typer.Option(1, "--mbs"),
              schedule: Schedule = typer.Option(Schedule.one_f_one_b, "--schedule"),
              vpp: int = typer.Option(1, "--vpp", help="Virtual stages per pipeline rank"),
+             cp: int = typer.Option(1, "--cp", help="Context-parallel degree (1 only for now)"),
              sp: bool = typer.Option(False, "--sp/--no-sp"),
              recompute: Recompute = typer.Option(Recompute.none, "--recompute"),
              as_json: bool = JSON) -> None:
     """Evaluate one fixed strategy with the cost model the planner uses."""
+    _check_cp(cp)
+
     def body() -> None:
         job = read_job(model, cluster, gpus, global_batch, seq_len, dtype)
         strat = fixed_strategy(job, tp=tp, pp=pp, dp=dp, zero=zero, micro_batch=mbs,
@@ -168,6 +184,41 @@ def estimate(model: str = MODEL, cluster: str = CLUSTER, gpus: int = GPUS, globa
             typer.echo(json.dumps(_estimate_dict(est), indent=2, sort_keys=True))
         else:
             _print_estimate(est)
+    _guard(body)
+
+
+@app.command()
+def explain(plan_file: Path = typer.Argument(..., help="A plan JSON from `autopar plan --out`"),
+            top_k: int = typer.Option(5, "--top-k", min=1, help="Alternatives to list"),
+            time_limit: float = typer.Option(10.0, "--time-limit", help="Time limit per search, s"),
+            as_json: bool = JSON) -> None:
+    """Why this plan: the top alternatives and, per dimension, the best plan at each neighbour."""
+    def body() -> None:
+        from autopar.trace import profile_spec
+        the_plan = load_plan(plan_file)
+        job = read_job(the_plan.model, the_plan.cluster, the_plan.gpus, the_plan.global_batch,
+                       the_plan.seq_len, the_plan.dtype)
+        prof = profile_spec(job.spec)
+        info = explanation_dict(explain_plan(prof, job.hw, job.gpus, job.global_batch, job.dtype,
+                                             the_plan.strategy(), top_k, time_limit))
+        if as_json:
+            typer.echo(json.dumps(info, indent=2, sort_keys=True))
+            return
+        console.print(f"plan step time {info['step_time_s']:.4g} s")
+        table = Table("#", "step time s", "vs plan", "alternative", title=f"top {top_k} alternatives")
+        for i, alt in enumerate(info["alternatives"], 1):
+            table.add_row(str(i), f"{alt['step_time_s']:.4g}",
+                          f"{alt['step_time_s'] / info['step_time_s'] - 1:+.1%}", alt["strategy"])
+        console.print(table)
+        table = Table("dimension", "chosen", "neighbour", "best step time s", "vs plan", "plan or reason",
+                      title="why each choice beat its neighbours")
+        for d in info["dimensions"]:
+            for n in d["neighbours"]:
+                t = n["step_time_s"]
+                table.add_row(d["name"], d["chosen"], n["value"], "-" if t is None else f"{t:.4g}",
+                              "does not fit" if t is None else f"{t / info['step_time_s'] - 1:+.1%}",
+                              n["note"])
+        console.print(table)
     _guard(body)
 
 

@@ -14,13 +14,16 @@ import argparse
 import statistics
 import time
 
-from autopar.solve import Pins, search
+from autopar.solve import Pins, describe, search
+from autopar.errors import UserError
 from autopar.trace import profile_spec
 from autopar.workflow import read_job
 
-# (label, model, cluster, gpus, global batch, seq len)
+# (label, model, cluster, gpus, global batch, seq len). Turing-530B: Calculon's job is 5,128
+# A100 with batch up to 2,520; 5,128 = 8 x 641 splits no batch <= 2,520 over dp x tp x pp
+# (641 is prime and > 105 layers), so autopar plans the largest whole mesh below it, 5,120.
 JOBS = [
-    ("GPT-3 175B, 1024 A100", "gpt3-175b", "dgx-a100-80g", 1024, 1536, None),
+    ("Turing-530B, 5120 (of 5128) A100, batch 2520", "megatron-529.6b", "dgx-a100-80g", 5120, 2520, None),
     ("Llama-3 405B, 16384 H100, 16M tokens", "llama3-405b", "dgx-h100", 16384, 2048, 8192),
     ("GPT 1T, 3072 A100", "megatron-1t", "dgx-a100-80g", 3072, 3072, None),
     ("96-layer Llama-2-7B-shaped GPT, 1024 A100", "gpt:layers=96,hidden=4096,heads=32,vocab=32000,seq=2048",
@@ -36,21 +39,21 @@ TABLE1 = [("megatron-1.7b", 1, 1, 32, 512), ("megatron-3.6b", 2, 1, 64, 512),
 
 
 def _describe(s) -> str:
-    return (f"dp={s.dp} tp={s.tp} pp={s.pp} zero={s.zero} mbs={s.micro_batch} m={s.num_microbatches} "
-            f"{s.schedule} sp={int(s.sequence_parallel)} rc={s.recompute}")
+    return describe(s)
 
 
-def time_jobs(repeats: int) -> None:
-    print(f"{'job':45s} {'search s (median)':>17s} {'candidates':>10s} {'solved':>6s}  plan")
+def time_jobs(repeats: int, time_limit: float) -> None:
+    print(f"{'job':45s} {'search s (median)':>17s} {'candidates':>10s} {'solved':>6s} {'gap':>6s}  plan")
     for label, model, cluster, gpus, batch, seq in JOBS:
         job = read_job(model, cluster, gpus, batch, seq)
         prof = profile_spec(job.spec)
         times, sol = [], None
         for _ in range(repeats):
             t = time.perf_counter()
-            sol = search(prof, job.hw, gpus, batch, job.dtype)
+            sol = search(prof, job.hw, gpus, batch, job.dtype, time_limit_s=time_limit)
             times.append(time.perf_counter() - t)
-        print(f"{label:45s} {statistics.median(times):17.2f} {sol.candidates:10d} {sol.solved:6d}  "
+        print(f"{label:45s} {statistics.median(times):17.2f} {sol.candidates:10d} {sol.solved:6d} "
+              f"{sol.gap:6.1%}  "
               f"{_describe(sol.strategy)}  {sol.estimate.tflops_per_gpu:.0f} TFLOP/s, MFU {sol.estimate.mfu:.1%}")
 
 
@@ -65,7 +68,7 @@ def compare_table1() -> None:
             pinned = search(prof, job.hw, gpus, batch, job.dtype, Pins(tp=tp, pp=pp))
             ref = f"{pinned.estimate.tokens_per_s:20,.0f}"
             ratio = f"{free.estimate.tokens_per_s / pinned.estimate.tokens_per_s:6.3f}"
-        except ValueError as exc:  # the published split may not fit this cost model's memory
+        except (ValueError, UserError) as exc:  # the published split may not fit this cost model's memory
             ref, ratio = f"{'(' + str(exc)[:17] + ')':>20s}", "   n/a"
         print(f"{preset:18s} {f'({tp},{pp})':>18s} {ref} {free.estimate.tokens_per_s:12,.0f} {ratio}  "
               f"{_describe(free.strategy)}")
@@ -74,8 +77,9 @@ def compare_table1() -> None:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--time-limit", type=float, default=60.0, help="per search, s")
     args = parser.parse_args()
-    time_jobs(args.repeats)
+    time_jobs(args.repeats, args.time_limit)
     compare_table1()
 
 

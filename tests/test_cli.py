@@ -132,7 +132,29 @@ def test_demo_plans_runs_and_compares():
 
 def test_cli_surface_is_frozen():
     names = sorted(c.name or c.callback.__name__ for c in app.registered_commands)
-    assert names == ["demo", "estimate", "inspect", "plan", "run"]
+    assert names == ["demo", "estimate", "explain", "inspect", "plan", "run"]
+
+
+def test_plan_pins_vpp_refuses_cp_and_explain_lists_alternatives(tmp_path):
+    model = "gpt:layers=8,hidden=1024,heads=16,vocab=32000,seq=1024"
+    out = tmp_path / "plan.json"
+    args = ["plan", "--model", model, "--cluster", "dgx-a100-80g", "--gpus", "16",
+            "--global-batch", "64", "--json"]
+    res = runner.invoke(app, args + ["--vpp", "2", "--out", str(out)])
+    assert res.exit_code == 0, res.output
+    data = json.loads(res.output)
+    assert data["plan"]["virtual_stages"] == 2 and data["plan"]["schedule"] == "interleaved"
+    assert len(data["plan"]["stage_layers"]) == 2 * data["plan"]["mesh"]["pp"]
+    assert data["estimate"]["fits"] and data["search"]["optimal"]
+    bad = runner.invoke(app, args + ["--cp", "2"])
+    assert bad.exit_code == 2 and "--cp 1" in bad.output
+    res = runner.invoke(app, ["explain", str(out), "--top-k", "3", "--json"])
+    assert res.exit_code == 0, res.output
+    info = json.loads(res.output)
+    assert len(info["alternatives"]) == 3
+    assert info["alternatives"][0]["step_time_s"] <= info["step_time_s"] * (1 + 1e-9)
+    dims = {d["name"]: d for d in info["dimensions"]}
+    assert dims["virtual_stages"]["chosen"] == "2" and dims["tp"]["neighbours"]
 
 
 def test_ci_runs_the_readme_test_command():

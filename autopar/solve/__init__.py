@@ -37,12 +37,14 @@ Pruning (``search``): ``lower_bound`` (every block at its fastest allowed mode, 
 alternatives) the rest are pruned, so only a handful of CP-SAT models are solved. A time limit
 stops the loop and returns the best plan with its proven gap. CP-SAT runs with one worker and a
 fixed seed, and ties keep the first candidate in the fixed order, so identical inputs give an
-identical plan. ``infeasible`` explains a search with no plan.
+identical plan. ``infeasible`` explains a search with no plan; ``explain`` a plan's choices.
 """
 
 from autopar.solve.core import Placement, solve_placement
+from autopar.solve.explain import Explanation, describe, explain, explanation_dict
 from autopar.solve.search import Alternative, Solution, lower_bound, placed_strategy, search
 from autopar.solve.space import Candidate, Pins, candidates, outer_candidates
 
-__all__ = ["Alternative", "Candidate", "Pins", "Placement", "Solution", "candidates",
+__all__ = ["Alternative", "Candidate", "Explanation", "Pins", "describe", "explain",
+           "explanation_dict", "Placement", "Solution", "candidates",
            "lower_bound", "outer_candidates", "placed_strategy", "search", "solve_placement"]

@@ -100,6 +100,8 @@ def outer_candidates(model: ModelProfile, hw: HardwareProfile, gpus: int, global
                                                virtual_stages=v):
                             continue
                         for sp in _choices(pins.sequence_parallel, [False, True] if tp > 1 else [False]):
+                            if sp and tp == 1:
+                                continue  # SP splits what TP replicates: nothing at tp = 1
                             for nominal, modes in _mode_sets(pins, sched):
                                 strat = Strategy(dp=dp, tp=tp, pp=pp, zero=zero, micro_batch=b,
                                                  num_microbatches=m, schedule=sched,

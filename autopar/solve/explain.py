@@ -1,0 +1,103 @@
+"""Why a plan: the best alternatives the search proved, and for each search dimension the
+best plan with that dimension moved to each neighbouring value (the rest searched again)."""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+
+from autopar.errors import UserError
+from autopar.solve.search import Alternative, search
+from autopar.solve.space import Pins, candidates
+from cost_models import HardwareProfile, ModelProfile, Strategy
+
+DIMENSIONS = (("tp", "tp"), ("pp", "pp"), ("zero", "zero"), ("micro_batch", "micro_batch"),
+              ("schedule", "schedule"), ("virtual_stages", "virtual_stages"),
+              ("sequence_parallel", "sequence_parallel"), ("recompute", "recompute"))
+"""(Strategy field, Pins field) of each dimension explained."""
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class Neighbour:
+    """The best plan with one dimension set to ``value``; ``step_time_s`` None when none fits."""
+
+    value: str
+    step_time_s: float | None
+    note: str
+    """The plan found (short form), or why there is none."""
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class Dimension:
+    name: str
+    chosen: str
+    neighbours: tuple[Neighbour, ...]
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class Explanation:
+    step_time_s: float
+    """The plan's own step time, seconds."""
+    alternatives: tuple[Alternative, ...]
+    dimensions: tuple[Dimension, ...]
+
+
+def describe(s: Strategy) -> str:
+    """A one-line summary of a strategy."""
+    rc = s.recompute
+    if s.stage_recompute:
+        totals = [sum(c[i] for c in s.stage_recompute) for i in range(3)]
+        rc = "/".join(f"{n}{m[0]}" for n, m in zip(totals, ("none", "sel", "full")) if n)
+    return (f"dp={s.dp} tp={s.tp} pp={s.pp} zero={s.zero} mbs={s.micro_batch} "
+            f"m={s.num_microbatches} {s.schedule}{f' v={s.virtual_stages}' if s.virtual_stages > 1 else ''} "
+            f"sp={int(s.sequence_parallel)} rc={rc}")
+
+
+def _value(s: Strategy, field: str):
+    if field == "recompute" and s.stage_recompute and len(
+            {i for c in s.stage_recompute for i, n in enumerate(c) if n}) > 1:
+        return "mixed"
+    return getattr(s, field)
+
+
+def _neighbours(values: list, chosen) -> list:
+    """The values next to ``chosen`` in sorted order (all values for unordered ones)."""
+    if isinstance(chosen, str) or chosen not in values:
+        return [v for v in values if v != chosen]
+    i = values.index(chosen)
+    return [v for v in (values[i - 1] if i > 0 else None,
+                        values[i + 1] if i + 1 < len(values) else None) if v is not None]
+
+
+def explain(model: ModelProfile, hw: HardwareProfile, gpus: int, global_batch: int, dtype: str,
+            plan: Strategy, top_k: int = 5, time_limit_s: float = 10.0) -> Explanation:
+    """Alternatives and per-dimension neighbours of ``plan`` under the same cost model."""
+    best = search(model, hw, gpus, global_batch, dtype, time_limit_s=time_limit_s, keep=top_k)
+    space = list(candidates(model, hw, gpus, global_batch, dtype))
+    dims = []
+    for field, pin in DIMENSIONS:
+        values = sorted({getattr(s, field) for s in space}, key=lambda v: (str(type(v)), v))
+        if field == "recompute":
+            values = ["none", "selective", "full"]
+        chosen = _value(plan, field)
+        out = []
+        for value in _neighbours(values, chosen):
+            try:
+                sol = search(model, hw, gpus, global_batch, dtype, Pins(**{pin: value}),
+                             time_limit_s=time_limit_s)
+                out.append(Neighbour(value=str(value), step_time_s=sol.estimate.step_time_s,
+                                     note=describe(sol.strategy)))
+            except UserError as exc:
+                out.append(Neighbour(value=str(value), step_time_s=None, note=str(exc)))
+        dims.append(Dimension(name=field, chosen=str(chosen), neighbours=tuple(out)))
+    from cost_models import estimate
+    own = estimate(model, hw, plan, global_batch=global_batch).step_time_s
+    return Explanation(step_time_s=own, alternatives=best.alternatives, dimensions=tuple(dims))
+
+
+def explanation_dict(e: Explanation) -> dict:
+    """JSON-ready form (strategies as their one-line summary)."""
+    return {"step_time_s": e.step_time_s,
+            "alternatives": [{"step_time_s": a.step_time_s, "strategy": describe(a.strategy)}
+                             for a in e.alternatives],
+            "dimensions": [dataclasses.asdict(d) for d in e.dimensions]}
