@@ -63,7 +63,11 @@ def compare_table1() -> None:
     for preset, tp, pp, gpus, batch in TABLE1:
         job = read_job(preset, "dgx-a100-80g", gpus, batch)
         prof = profile_spec(job.spec)
-        free = search(prof, job.hw, gpus, batch, job.dtype)
+        try:
+            free = search(prof, job.hw, gpus, batch, job.dtype)
+        except UserError as exc:
+            print(f"{preset:18s} {f'({tp},{pp})':>18s}  planner: {exc}")
+            continue
         try:
             pinned = search(prof, job.hw, gpus, batch, job.dtype, Pins(tp=tp, pp=pp))
             ref = f"{pinned.estimate.tokens_per_s:20,.0f}"
