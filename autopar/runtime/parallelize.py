@@ -6,8 +6,9 @@ wrapper — each with stock torch.distributed:
 - TP/SP: ``parallelize_module`` with ``ColwiseParallel``/``RowwiseParallel`` on the GEMMs the
   tracer labelled column/row (``runtime.anatomy``: Megatron's split, so each sub-layer needs one
   all-reduce, or with SP one all-gather + one reduce-scatter), a vocab-parallel embedding
-  (``RowwiseParallel`` over the vocabulary) and a column-parallel head whose logits are
-  gathered; with SP the norms run on sequence shards (``SequenceParallel``).
+  (``RowwiseParallel`` over the vocabulary) and a column-parallel head whose logits stay
+  sharded for a vocab-parallel cross-entropy (``loss_parallel``: no [b, s, V] gather); with SP
+  the norms run on sequence shards (``SequenceParallel``).
 - Recompute: non-reentrant ``checkpoint_wrapper`` around a whole block (full) or its attention
   core (selective, Korthikanti et al. 2022); reentrant checkpointing breaks pipelining.
 - DP by ZeRO stage over the mesh's dp axis. ZeRO 0 with pure data parallelism (tp = pp = 1)
@@ -63,7 +64,7 @@ def _block_tp_plan(anat: Anatomy, sp: bool) -> dict:
 def apply_tensor_parallel(model: nn.Module, ctx: ParallelContext, sp: bool, anat: Anatomy) -> None:
     """Shard one pipeline stage of ``model`` over the tp axis, in place: a vocab-parallel
     embedding, the blocks' GEMMs as the tracer labelled them, a column-parallel head whose
-    logits are gathered. With SP the first block of the first stage scatters the sequence and
+    logits stay sharded over the vocabulary. With SP the first block of the first stage scatters the sequence and
     the stages pass sequence shards (Megatron's scatter/gather: b·s·h/tp per boundary)."""
     for name in anat.column + anat.row:
         kind = type(model.get_submodule(f"{_first_local_block(model, anat)}.{name}"))
@@ -82,7 +83,9 @@ def apply_tensor_parallel(model: nn.Module, ctx: ParallelContext, sp: bool, anat
     if anat.head in here:
         if sp and anat.final_norm:
             top[anat.final_norm] = SequenceParallel()
-        top[anat.head] = ColwiseParallel(input_layouts=Shard(1) if sp else Replicate(), output_layouts=Replicate())
+        # Logits stay sharded over the vocabulary; the loss runs under ``loss_parallel``.
+        top[anat.head] = ColwiseParallel(input_layouts=Shard(1) if sp else Replicate(), output_layouts=Shard(-1),
+                                         use_local_output=False)
     tied = anat.embed in here and anat.head in here and \
         model.get_submodule(anat.head).weight is model.get_submodule(anat.embed).weight
     parallelize_module(model, mesh, top)

@@ -22,6 +22,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor
+from torch.distributed.tensor.parallel import loss_parallel
 
 from autopar.model import cross_entropy
 from autopar.plan import Plan
@@ -148,6 +149,12 @@ def _autocast(plan: Plan, ctx: ParallelContext):
     return torch.autocast(ctx.device.type, dtype=dtype, enabled=enabled)
 
 
+def _vocab_parallel(plan: Plan):
+    """With tp > 1 the logits are vocabulary shards: cross-entropy and its backward run on them
+    (``loss_parallel``, Megatron's vocab-parallel loss)."""
+    return loss_parallel() if plan.mesh.tp > 1 else contextlib.nullcontext()
+
+
 def _local_rows(plan: Plan, ctx: ParallelContext, t: torch.Tensor) -> torch.Tensor:
     rows = plan.global_batch // plan.mesh.dp
     return t[ctx.dp_rank * rows:(ctx.dp_rank + 1) * rows].to(ctx.device)
@@ -163,7 +170,7 @@ def _step_no_pipeline(prog: Program, x: torch.Tensor, y: torch.Tensor) -> float:
         sync = i == m - 1 or parallelize.sync_every_microbatch(plan)
         if isinstance(module, FSDPModule):
             module.set_requires_gradient_sync(sync)
-        with module.no_sync() if ddp and not sync else contextlib.nullcontext():
+        with module.no_sync() if ddp and not sync else contextlib.nullcontext(), _vocab_parallel(plan):
             with _autocast(plan, prog.ctx):
                 loss = cross_entropy(module(xb), yb)
             (loss / m).backward()
@@ -176,7 +183,7 @@ def _step_pipeline(prog: Program, x: torch.Tensor, y: torch.Tensor) -> float:
     ctx, sched = prog.ctx, prog.schedule
     has_first, has_last = 0 in prog.stage_ids, len(prog.plan.stage_layers) - 1 in prog.stage_ids
     losses: list[torch.Tensor] = []
-    with _autocast(prog.plan, ctx):
+    with _autocast(prog.plan, ctx), _vocab_parallel(prog.plan):
         sched.step(x if has_first else None, target=y if has_last else None,
                    losses=losses if has_last else None)
     return float(sum(loss.item() for loss in losses)) if has_last else 0.0
