@@ -21,10 +21,15 @@ Assumptions where the papers are silent, the same rule for every row:
   full recompute (``--recompute-method uniform``), no SP, fp16 with 16-bit gradients
   (2 + 2 + 12 bytes per parameter); PyTorch DDP (gradient all-reduce overlapped with the
   backward) where pp = 1, Megatron's local DDP (all-reduce after the flush) where pp > 1;
-  2021 Megatron: tensor-parallel collectives all on the critical path.
+  2021 Megatron: tensor-parallel collectives all on the critical path, and every micro-batch's
+  backward adds each fresh 16-bit gradient into the gradient buffer in a separate pass (local
+  DDP's hook ``main_grad.add_(grad)``; AccumulateGrad / DDP's bucket copy where pp = 1):
+  6 bytes of memory traffic per parameter per micro-batch (``grad_accum_fusion=False``).
 - Korthikanti Tables 4, 5 and Figure 1: bf16 with fp32 gradients (18 bytes per parameter),
   no data parallelism, 175B and 530B interleaved with 3 chunks, 22B and 1T on 1F1B; the
-  2022 Megatron overlaps the backward's column-parallel collectives (``tp_overlap``).
+  2022 Megatron overlaps the backward's column-parallel collectives (``tp_overlap``) and its
+  weight-gradient GEMMs accumulate straight into the fp32 gradient buffer
+  (``--gradient-accumulation-fusion``, ``grad_accum_fusion=True``).
 """
 
 from __future__ import annotations
@@ -124,6 +129,7 @@ def korthikanti_strategy(row: tuple, recompute: str, sp: bool) -> Strategy:
     _, _, _, _, tp, pp, batch, mbs, chunks, _, _ = row
     return Strategy(tp=tp, pp=pp, micro_batch=mbs, num_microbatches=batch // mbs,
                     recompute=recompute, sequence_parallel=sp, tp_overlap=True,
+                    grad_accum_fusion=True,
                     **_schedule(pp, chunks))
 
 

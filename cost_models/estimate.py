@@ -85,6 +85,19 @@ def optimizer_bytes_per_param(rec: memory.Recipe) -> float:
     return 5 * rec.grad + states + master
 
 
+def grad_accum_bytes_per_param(rec: memory.Recipe, strat: Strategy) -> float:
+    """Device-memory traffic per parameter and micro-batch of adding the backward's fresh
+    gradient into the gradient buffer, unless the weight-gradient GEMMs accumulate in place
+    (``grad_accum_fusion``): read the 16-bit gradient, read and write the buffer's element
+    (Megatron-LM 2021's local DDP hook ``param.main_grad.add_(param.grad)``, run for every
+    parameter in every micro-batch's backward: 2 + 2 + 2 = 6 bytes with 16-bit gradients,
+    2 + 4 + 4 = 10 with fp32 ones). ZeRO 2/3 add the reduce-scattered shard into theirs."""
+    if strat.grad_accum_fusion:
+        return 0.0
+    per = rec.weight + 2 * rec.grad
+    return per / strat.dp if strat.zero >= 2 else per
+
+
 def _piece(params: float, passes: compute.PassTimes, tp_s: float, act: float,
            hw: HardwareProfile, strat: Strategy, groups: comm.AxisGroups, *,
            reduced_last: bool = False) -> _Piece:
@@ -116,7 +129,8 @@ def _piece(params: float, passes: compute.PassTimes, tp_s: float, act: float,
         exposed = hide(ag, fwd) + hide(ag + rs, bwd)
     sharded = params / (strat.dp if strat.zero >= 1 else 1)
     opt = compute.memory_s(sharded * optimizer_bytes_per_param(rec), hw)
-    return _Piece(compute_s=passes.total_s, tp_s=tp_s, dp_exposed_s=exposed, dp_tail_s=tail,
+    accum = compute.memory_s(params * grad_accum_bytes_per_param(rec, strat), hw)
+    return _Piece(compute_s=passes.total_s + accum, tp_s=tp_s, dp_exposed_s=exposed, dp_tail_s=tail,
                   optimizer_s=opt, state=memory.state_bytes(params, rec, strat.zero, strat.dp),
                   act_bytes=act)
 
@@ -215,7 +229,8 @@ def parts_key(strat: Strategy) -> tuple:
     """What ``_parts`` depends on: strategies with equal keys share their per-piece costs
     (schedule, chunks and the nominal recompute mode enter only ``stage_costs``)."""
     return (strat.dp, strat.tp, strat.pp, strat.zero, strat.micro_batch, strat.sequence_parallel,
-            strat.dp_overlap, strat.tp_overlap, strat.dtype, strat.precision)
+            strat.dp_overlap, strat.tp_overlap, strat.grad_accum_fusion, strat.dtype,
+            strat.precision)
 
 
 def stage_costs(model: ModelProfile, hw: HardwareProfile, strat: Strategy,

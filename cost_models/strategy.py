@@ -39,6 +39,11 @@ class Strategy:
     """The runtime overlaps the backward's tensor-parallel collectives of column-parallel
     layers with their weight-gradient GEMMs (Megatron-LM's async all-reduce, 2022); False:
     every collective is on the critical path (DTensor TP, Megatron-LM 2021)."""
+    grad_accum_fusion: bool = False
+    """The weight-gradient GEMMs accumulate straight into the gradient buffer (Megatron-LM's
+    ``--gradient-accumulation-fusion``, 2022); False: every micro-batch's backward writes a fresh
+    16-bit gradient that a separate element-wise pass adds into the buffer (Megatron-LM 2021's
+    local DDP hook ``main_grad.add_(grad)``, PyTorch's AccumulateGrad and DDP bucket copy)."""
     dtype: str = "bf16"
     precision: str = "auto"
     """Bytes per parameter of the training state (see ``cost_models.memory.RECIPES``):

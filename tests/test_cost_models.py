@@ -303,3 +303,19 @@ def test_shipped_profiles_name_their_sources(name):
                 "memory_efficiency", "reserve_gib", "memory_gib"):
         assert hw.notes.get(key), f"{name}: no note for {key}"
     assert math.isclose(hw.peak_flops("bf16"), {"dgx-a100-80g": 312e12}.get(name, 989e12))
+
+
+def test_unfused_gradient_accumulation_costs_a_memory_pass_per_micro_batch():
+    """Without gradient-accumulation fusion every micro-batch's backward adds the fresh 16-bit
+    gradient into the buffer: read 2, read and write the buffer (2 + 2 with 16-bit gradients)."""
+    from cost_models.estimate import grad_accum_bytes_per_param
+    from cost_models.memory import RECIPES
+    model = gpt(4, 1024, 16)
+    base = Strategy(tp=2, num_microbatches=4, precision="zero")
+    fused = dataclasses.replace(base, grad_accum_fusion=True)
+    assert grad_accum_bytes_per_param(RECIPES["zero"], base) == 6
+    assert grad_accum_bytes_per_param(RECIPES["megatron"], base) == 10
+    assert grad_accum_bytes_per_param(RECIPES["zero"], fused) == 0
+    slow, fast = stage_costs(model, A100, base), stage_costs(model, A100, fused)
+    extra = model.block_params / 2 * 6 / (A100.hbm_bw_gbps * 1e9 * A100.memory_efficiency)
+    assert slow.layer_time_s - fast.layer_time_s == pytest.approx(extra)
