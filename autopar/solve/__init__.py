@@ -25,6 +25,9 @@ Inner model (``core``; coefficients from ``cost_models.stage_costs``, formulas i
                   blocks stage s holds in its leanest mode alone, a valid cut)
                 M_s(n[s]) + W_r u[s][r] ≤ memory, n[s][r] = 0 unless u[s][r]   (_add_memory)
                 middle stages ordered when interchangeable                (_add_symmetry_breaking)
+                cuts from the stage tables (below): T ≥ τ*, and per stage
+                Σ_r t_r n[s][r] ≥ g_s(Σ_r n[s][r]) as an element constraint   (_add_table_cuts)
+                  (both lowered by the nanosecond rounding, so valid for the integer model)
     objective   min  sum_weight · Σ_s T_s + max_weight · T + D              (solve_placement)
 
 Working with counts of identical blocks per stage and mode, not one variable per block, is
@@ -32,12 +35,23 @@ what makes the model small (3p integers for L blocks) and fast to prove optimal.
 Times are integer nanoseconds, bytes rounded conservatively; the chosen placement is
 re-evaluated in float with ``StageCosts.step_time_s``.
 
+Stage tables (``tables``): g_s(N), the least block time of N blocks on stage s within its
+memory row, exact for every N (two modes in closed form, the third enumerated, per subset of
+modes for the workspace term). They give τ*, the exact least bottleneck max_s T_s (a search over
+the table values), and a greedy placement attaining it (fill every stage to its most blocks
+within τ*, take blocks off where the marginal time is largest, fastest mix per stage).
+
 Pruning (``search``): ``lower_bound`` (every block at its fastest allowed mode, slowest stage
-≥ mean) orders the candidates; once it reaches the incumbent (or the ``keep``-th best, for
-alternatives) the rest are pruned, so only a handful of CP-SAT models are solved. A time limit
-stops the loop and returns the best plan with its proven gap. CP-SAT runs with one worker and a
-fixed seed, and ties keep the first candidate in the fixed order, so identical inputs give an
-identical plan. ``infeasible`` explains a search with no plan; ``explain`` a plan's choices.
+≥ mean) orders the candidates; a candidate is then refined with its memory-aware bound:
+sum_weight · (LP bound on Σ T_s) + max_weight · max(mean, τ*) + mean D. Once the bound reaches
+the incumbent (or the ``keep``-th best, for alternatives) the rest are pruned. A candidate whose
+greedy placement meets its bound is optimal without CP-SAT; otherwise CP-SAT, seeded with the
+greedy placement (``AddHint``), proves or improves it within ``search.EFFORT`` deterministic
+seconds, after which the candidate keeps its best placement and its proven bound (the greedy
+one is also the fallback when CP-SAT finds nothing). The plan's gap is measured against the
+least bound left open. A time limit stops the loop and returns the best plan with its proven
+gap. CP-SAT runs with one worker and a fixed seed and is capped in deterministic time, and ties
+keep the first candidate in the fixed order, so identical inputs give an identical plan. ``infeasible`` explains a search with no plan; ``explain`` a plan's choices.
 """
 
 from autopar.solve.core import Placement, solve_placement

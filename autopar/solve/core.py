@@ -14,6 +14,7 @@ from dataclasses import dataclass
 from ortools.sat.python import cp_model
 
 from cost_models import StageCosts
+from autopar.solve.tables import StageTables
 from cost_models.strategy import RECOMPUTE
 
 NS = 1e9
@@ -113,10 +114,39 @@ def _add_symmetry_breaking(m: cp_model.CpModel, c: StageCosts, n: list[dict], la
             m.Add(sum(n[a].values()) <= sum(n[b].values()))
 
 
+def _add_table_cuts(m: cp_model.CpModel, c: StageCosts, n: list[dict], tables: StageTables,
+                    tau: float, t_max) -> None:
+    """Valid cuts from ``tables``: T ≥ τ* and, per stage, block time ≥ g_s(N_s) through an
+    element constraint on the stage's block count. Integer times differ from NS × float by
+    at most half a nanosecond per block, and the integer memory row is stricter than the
+    float one, so each cut is lowered by that rounding (plus one)."""
+    layers_max = max(len(g) for g in tables.time)
+    if math.isfinite(tau):
+        m.Add(t_max >= math.floor(tau * NS - 0.5 * (layers_max + 1)) - 1)
+    for s, ns in enumerate(n):
+        g = tables.time[s]
+        finite = [i for i in range(len(g)) if math.isfinite(g[i])]
+        if not finite:
+            continue
+        top = finite[-1]
+        values = [max(0, math.floor(float(g[i]) * NS - 0.5 * i) - 1) if i <= top else 0
+                  for i in range(top + 1)]
+        total = m.NewIntVar(0, top, f"N{s}")
+        m.Add(total == sum(ns.values()))
+        low = m.NewIntVar(0, max(values), f"g{s}")
+        m.AddElement(total, values, low)
+        m.Add(sum(round(c.mode_time_s[r] * NS) * v for r, v in ns.items()) >= low)
+
+
 def solve_placement(c: StageCosts, layers: int, cap: float, modes: tuple[int, ...],
-                    min_layers: int = 1, time_limit_s: float = 10.0) -> Placement | None:
+                    min_layers: int = 1, time_limit_s: float = 10.0,
+                    tables: StageTables | None = None, tau: float = float("nan"),
+                    hint: tuple[tuple[int, ...], ...] | None = None,
+                    effort: float | None = None) -> Placement | None:
     """The placement minimising the step time under the memory cap; ``None`` if none fits
-    (or none was found in time)."""
+    (or none was found in time). ``tables``/``tau`` (``autopar.solve.tables``) add valid cuts,
+    ``hint`` seeds the search, ``effort`` caps it in CP-SAT's deterministic time (so a
+    capped result is still reproducible); an unproven result carries its bound."""
     upper = stage_upper_bounds(c, layers, cap, modes)
     if min(upper) < min_layers or sum(upper) < layers:
         return None
@@ -132,6 +162,12 @@ def solve_placement(c: StageCosts, layers: int, cap: float, modes: tuple[int, ..
                     * NS) + 1
     t_max, d_max, stage_t = _add_time_terms(m, c, n, horizon)
     _add_symmetry_breaking(m, c, n, layers)
+    if tables is not None:
+        _add_table_cuts(m, c, n, tables, tau, t_max)
+    if hint is not None:
+        for s, ns in enumerate(n):
+            for r, v in ns.items():
+                m.AddHint(v, hint[s][r])
     sum_w, max_w = round(c.sum_weight * WEIGHT), round(c.max_weight * WEIGHT)
     m.Minimize(sum_w * sum(stage_t) + max_w * t_max + WEIGHT * d_max)
     solver = cp_model.CpSolver()
@@ -141,6 +177,8 @@ def solve_placement(c: StageCosts, layers: int, cap: float, modes: tuple[int, ..
     solver.parameters.num_workers = 1
     solver.parameters.random_seed = 0
     solver.parameters.max_time_in_seconds = max(time_limit_s, 0.01)
+    if effort is not None:
+        solver.parameters.max_deterministic_time = effort
     status = solver.Solve(m)
     if status not in (cp_model.OPTIMAL, cp_model.FEASIBLE):
         return None

@@ -11,11 +11,14 @@ from autopar.errors import UserError
 from autopar.solve.core import solve_placement, stage_upper_bounds
 from autopar.solve.infeasible import does_not_fit, no_candidate_reason
 from autopar.solve.space import Candidate, Pins, outer_candidates
+from autopar.solve.tables import StageTables, bottleneck, greedy, stage_tables
 from cost_models import HardwareProfile, ModelProfile, StageCosts, Strategy, estimate, stage_costs
 from cost_models.strategy import RECOMPUTE, Estimate
 
 TIE = 1e-12
 """Relative difference below which two step times tie (the earlier candidate wins)."""
+EFFORT = 2.0
+"""CP-SAT deterministic-time cap per candidate; past it the candidate keeps its bound."""
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -76,14 +79,16 @@ def _stage_segments(c: StageCosts, s: int, modes: tuple[int, ...], cap: float,
 
 
 def lower_bound(c: StageCosts, layers: int, modes: tuple[int, ...], cap: float = float("inf"),
-                upper: list[int] | None = None) -> float:
+                upper: list[int] | None = None, tau: float = 0.0) -> float:
     """A bound on ``step_time_s`` over all placements within ``cap``: Σ_s T_s is at least
     the fixed parts plus the cheapest L block-units over every stage's LP envelope g_s (for
-    an infinite cap: every block at its fastest mode), the slowest stage at least the mean,
-    and D at least the mean of the fastest-mode tails. ``inf`` when nothing fits."""
-    fixed = sum(c.stage_time_s(s, 0) for s in range(c.pp))
+    an infinite cap: every block at its fastest mode), the slowest stage at least the mean
+    and at least ``tau`` (the exact bottleneck τ*, ``tables.bottleneck``), and D at least the
+    mean of the fastest-mode tails. ``inf`` when nothing fits."""
+    # Σ_s T_s(empty) and Σ_s D_s(empty) in closed form (every stage has p2p, one first, one last)
+    fixed = c.pp * c.p2p_time_s + c.first_time_s + c.last_time_s
     d = min(c.mode_dp_time_s[r] for r in modes)
-    dp = sum(c.stage_dp_time_s(s, 0) for s in range(c.pp)) + layers * d
+    dp = c.first_dp_time_s + c.last_dp_time_s + layers * d
     if cap == float("inf"):
         blocks = layers * min(c.mode_time_s[r] for r in modes)
     else:
@@ -100,7 +105,7 @@ def lower_bound(c: StageCosts, layers: int, modes: tuple[int, ...], cap: float =
         if left > 1e-9:
             return float("inf")
     times = fixed + blocks
-    return c.sum_weight * times + c.max_weight * times / c.pp + dp / c.pp
+    return c.sum_weight * times + c.max_weight * max(times / c.pp, tau) + dp / c.pp
 
 
 def placed_strategy(strat: Strategy, loads: tuple[tuple[int, ...], ...]) -> Strategy:
@@ -126,12 +131,50 @@ def _ordered(model: ModelProfile, hw: HardwareProfile, gpus: int, global_batch: 
     return scored, len(scored)
 
 
-def _refine(c: StageCosts, cand: Candidate, layers: int, cap: float) -> float:
-    """The memory-aware bound of a candidate; ``inf`` when no placement fits."""
+@dataclass(frozen=True, kw_only=True, slots=True, eq=False)
+class _Refined:
+    """A candidate's memory-aware bound and what its placement solve reuses."""
+
+    bound: float
+    tables: StageTables | None = None
+    tau: float = float("inf")
+
+
+def _refine(c: StageCosts, cand: Candidate, layers: int, cap: float) -> _Refined:
+    """The memory-aware bound of a candidate (``inf`` when no placement fits), with the
+    per-stage tables and the exact bottleneck τ*."""
     upper = stage_upper_bounds(c, layers, cap, cand.modes)
     if min(upper) < cand.min_layers or sum(upper) < layers:
-        return float("inf")
-    return lower_bound(c, layers, cand.modes, cap, upper)
+        return _Refined(bound=float("inf"))
+    tabs = stage_tables(c, cand.modes, cap, upper)
+    tau = bottleneck(tabs, layers, cand.min_layers)
+    if tau == float("inf"):
+        return _Refined(bound=float("inf"))
+    return _Refined(bound=lower_bound(c, layers, cand.modes, cap, upper, tau), tables=tabs, tau=tau)
+
+
+def _place(c: StageCosts, cand: Candidate, layers: int, cap: float, ref: _Refined,
+           time_limit_s: float) -> tuple[tuple[tuple[int, ...], ...], float] | None:
+    """(loads, proven bound on this candidate's step) of the best placement found: the greedy
+    one with the optimal bottleneck when it meets the bound, else CP-SAT seeded with it
+    (capped at ``EFFORT``); the better of the two in float."""
+    loads = greedy(c, ref.tables, layers, cand.min_layers, cap, ref.tau)
+    if loads is not None:
+        loads = _full_loads(loads)
+        if c.step_time_s(loads) <= ref.bound * (1 + TIE):  # meets the bound: optimal
+            return loads, c.step_time_s(loads)
+    placed = solve_placement(c, layers, cap, cand.modes, cand.min_layers, time_limit_s,
+                             tables=ref.tables, tau=ref.tau, hint=loads, effort=EFFORT)
+    if placed is None:
+        return None if loads is None else (loads, ref.bound)
+    bound = c.step_time_s(placed.loads) if placed.optimal else max(ref.bound, placed.bound_s)
+    if loads is None or c.step_time_s(placed.loads) <= c.step_time_s(loads):
+        return placed.loads, min(bound, c.step_time_s(placed.loads))
+    return loads, min(bound, c.step_time_s(loads))
+
+
+def _full_loads(loads):
+    return tuple(tuple(ld) + (0,) * (len(RECOMPUTE) - len(ld)) for ld in loads)
 
 
 def search(model: ModelProfile, hw: HardwareProfile, gpus: int, global_batch: int, dtype: str,
@@ -144,46 +187,53 @@ def search(model: ModelProfile, hw: HardwareProfile, gpus: int, global_batch: in
     if total == 0:
         raise UserError(no_candidate_reason(model, hw, gpus, global_batch, pins))
     found: list[tuple[float, int, Strategy]] = []  # sorted best first, at most ``keep``
-    solved, proven, bound = 0, True, float("inf")
+    solved, cut, open_bounds = 0, False, []
     # Best-first over (bound, order): a candidate is first popped with its memory-blind bound,
     # pushed back with its memory-aware one, and solved when popped again.
-    heap = [(lb, order, False, i) for i, (lb, order, _, _) in enumerate(scored)]
+    heap = [(lb, order, None, i) for i, (lb, order, _, _) in enumerate(scored)]
+    heapq.heapify(heap)
     while heap:
-        lb, order, refined, i = heap[0]
+        lb, order, ref, i = heap[0]
         if lb == float("inf"):
             break
         if len(found) == keep and lb >= found[-1][0] * (1 - TIE):
-            bound = min(bound, lb)
+            open_bounds.append(lb)
+            break
+        remaining = time_limit_s - (time.perf_counter() - start)
+        if remaining <= 0:
+            cut = True
+            open_bounds.append(lb)
             break
         heapq.heappop(heap)
         _, _, cand, c = scored[i]
-        if not refined:
-            heapq.heappush(heap, (max(lb, _refine(c, cand, model.layers, cap)), order, True, i))
+        if ref is None:
+            ref = _refine(c, cand, model.layers, cap)
+            heapq.heappush(heap, (max(lb, ref.bound), order, ref, i))
             continue
-        remaining = time_limit_s - (time.perf_counter() - start)
-        if remaining <= 0:
-            proven, bound = False, min(bound, lb)
-            break
-        placed = solve_placement(c, model.layers, cap, cand.modes, cand.min_layers, remaining)
+        placed = _place(c, cand, model.layers, cap, ref, remaining)
         solved += 1
         if placed is None:
             if time_limit_s - (time.perf_counter() - start) <= 0:
-                proven, bound = False, min(bound, lb)  # cut short: unknown, not infeasible
+                cut = True
+                open_bounds.append(lb)  # cut short: unknown, not infeasible
             continue
-        if not placed.optimal:
-            proven, bound = False, min(bound, placed.bound_s)
-        step = c.step_time_s(placed.loads)
-        found.append((step, order, placed_strategy(cand.strategy, placed.loads)))
+        loads, cand_bound = placed
+        step = c.step_time_s(loads)
+        if cand_bound < step * (1 - TIE):
+            open_bounds.append(cand_bound)
+        found.append((step, order, placed_strategy(cand.strategy, loads)))
         # A tie within float noise keeps the earlier candidate (lower ZeRO stage, fewer chunks).
         found = _dedupe_ties(found)[:keep]
     if not found:
-        if not proven:
+        if cut:
             raise UserError(f"no plan found within --time-limit {time_limit_s:g} s; "
                             "raise the time limit or pin more dimensions")
         raise UserError(does_not_fit(model, hw, gpus, global_batch, dtype, pins))
     best_step, _, best = found[0]
     est = estimate(model, hw, best, global_batch=global_batch)
-    gap = 0.0 if proven else max(0.0, (best_step - min(bound, best_step)) / best_step)
+    bound = min(open_bounds, default=best_step)
+    proven = bound >= best_step * (1 - TIE)
+    gap = 0.0 if proven else max(0.0, (best_step - bound) / best_step)
     alts = tuple(Alternative(strategy=s, step_time_s=t) for t, _, s in found) if keep > 1 else ()
     return Solution(strategy=best, estimate=est, time_s=time.perf_counter() - start,
                     candidates=total, solved=solved, optimal=proven, gap=gap,

@@ -1,0 +1,167 @@
+"""Per-stage best-time tables, the exact bottleneck bound and a greedy placement.
+
+For stage s and a block count N, ``g_s(N)`` is the least block time Σ_r n_r t_r over the mixes
+of N blocks that fit the stage's memory row (workspace included). With one memory row and a
+count row, a mix of two modes is solved in closed form (as many blocks in the faster mode as
+the memory allows), and a third mode by enumerating its count, for every subset of modes (the
+subset fixes the workspace term): exact, vectorised over (N, count) with numpy.
+
+From the tables:
+
+- ``bottleneck``: τ* = the least max_s T_s of any placement (T_s = g_s(N_s) + fixed_s, g_s
+  non-decreasing in N), found by a search over the table values: Σ_s N_s^max(τ) ≥ L with
+  every N_s^max(τ) ≥ the minimum per stage. The step is ≥ max_weight · τ*.
+- ``greedy``: stages filled to N_s^max(τ*), blocks taken off where the marginal time is
+  largest until L remain, each stage in its fastest mix: a placement with the optimal
+  bottleneck, used as the CP-SAT hint and as the fallback when CP-SAT finds nothing in time.
+
+Feasibility in the tables is tested with a relative slack of ``SLACK`` so that they never
+exclude a float-feasible mix (they serve as lower bounds); the greedy placement is checked
+exactly with ``StageCosts.stage_memory_bytes``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from itertools import combinations
+
+import numpy as np
+
+from cost_models import StageCosts
+from cost_models.strategy import RECOMPUTE
+
+SLACK = 1e-9
+"""Relative memory slack of the tables (a relaxation: bounds stay valid)."""
+
+
+@dataclass(frozen=True, kw_only=True, slots=True, eq=False)
+class StageTables:
+    """Per stage: least block time per N (inf where nothing fits) and the mix attaining it."""
+
+    time: tuple[np.ndarray, ...]
+    """time[s][N]: g_s(N) made non-decreasing from the right (a valid lower envelope)."""
+    mix: tuple[np.ndarray, ...]
+    """mix[s][N]: counts per mode in ``RECOMPUTE`` order attaining the raw g_s(N)."""
+    fixed: tuple[float, ...]
+    """T_s of the empty stage (first/last pieces and p2p)."""
+
+
+def _two_modes(total: np.ndarray, room: np.ndarray, a: int, b: int, c: StageCosts,
+               per: list[float]) -> tuple[np.ndarray, np.ndarray, int, int]:
+    """Fastest split of ``total`` blocks over modes a, b within ``room`` bytes:
+    (time, blocks in the faster mode, faster mode, other mode)."""
+    t = c.mode_time_s
+    if t[a] > t[b] or (t[a] == t[b] and per[a] > per[b]):
+        a, b = b, a
+    tol = SLACK * np.abs(room) + 1.0
+    if per[a] <= per[b]:
+        n_a = total.astype(float)
+        ok = total * per[a] <= room + tol
+    else:
+        n_a = np.floor((room + tol - total * per[b]) / (per[a] - per[b]))
+        ok = n_a >= 0
+        n_a = np.clip(n_a, 0, total)
+    time = n_a * t[a] + (total - n_a) * t[b]
+    return np.where(ok, time, np.inf), n_a.astype(np.int64), a, b
+
+
+def stage_table(c: StageCosts, s: int, modes: tuple[int, ...], cap: float,
+                upper: int) -> tuple[np.ndarray, np.ndarray]:
+    """(g_s(N), argmin mix) for N = 0 … upper (raw, not yet made monotone)."""
+    k = c.inflight[s]
+    per = [c.layer_static_bytes + k * c.mode_act_bytes[r] for r in range(len(RECOMPUTE))]
+    base = cap - c.stage_fixed_bytes(s)
+    size = max(upper, 0) + 1
+    best = np.full(size, np.inf)
+    mix = np.zeros((size, len(RECOMPUTE)), dtype=np.int64)
+    n = np.arange(size)
+    if base >= 0:  # an empty stage uses no recompute workspace
+        best[0] = 0.0
+    for width in (1, 2, 3):
+        for subset in combinations(modes, width):
+            room = base - max(c.mode_workspace_bytes[r] for r in subset)
+            if room < -SLACK * abs(base):
+                continue
+            if width == 1:
+                r = subset[0]
+                ok = n * per[r] <= room + SLACK * abs(room) + 1.0
+                time = np.where(ok, n * c.mode_time_s[r], np.inf)
+                counts = np.zeros((size, len(RECOMPUTE)), dtype=np.int64)
+                counts[:, r] = n
+            else:
+                z, (a, b) = (subset[2], subset[:2]) if width == 3 else (None, subset)
+                # rows: N, columns: blocks in mode z (0 when two modes)
+                nz = np.arange(size)[None, :] if z is not None else np.zeros((1, 1), np.int64)
+                rest = n[:, None] - nz
+                left = room - (nz * per[z] if z is not None else 0.0)
+                t2, n_a, fa, fb = _two_modes(np.maximum(rest, 0), np.broadcast_to(left, rest.shape),
+                                             a, b, c, per)
+                t2 = np.where(rest >= 0, t2 + (nz * c.mode_time_s[z] if z is not None else 0.0),
+                              np.inf)
+                j = np.argmin(t2, axis=1)
+                time = t2[n, j]
+                counts = np.zeros((size, len(RECOMPUTE)), dtype=np.int64)
+                counts[:, fa] = n_a[n, j]
+                counts[:, fb] = np.maximum(rest, 0)[n, j] - n_a[n, j]
+                if z is not None:
+                    counts[:, z] = j
+            better = time < best
+            best = np.where(better, time, best)
+            mix[better] = counts[better]
+    return best, mix
+
+
+def stage_tables(c: StageCosts, modes: tuple[int, ...], cap: float,
+                 upper: list[int]) -> StageTables:
+    times, mixes = [], []
+    for s in range(c.pp):
+        g, mix = stage_table(c, s, modes, cap, upper[s])
+        times.append(np.minimum.accumulate(g[::-1])[::-1])
+        mixes.append(mix)
+    return StageTables(time=tuple(times), mix=tuple(mixes),
+                       fixed=tuple(c.stage_time_s(s, 0) for s in range(c.pp)))
+
+
+def _caps(t: StageTables, tau: float) -> list[int]:
+    """N_s^max(τ): the most blocks stage s runs within τ (-1 if not even none)."""
+    return [int(np.searchsorted(g + f, tau, side="right")) - 1 for g, f in zip(t.time, t.fixed)]
+
+
+def bottleneck(t: StageTables, layers: int, min_layers: int) -> float:
+    """τ*: the least max_s T_s over placements (inf when none exists)."""
+    values = np.unique(np.concatenate([g[np.isfinite(g)] + f for g, f in zip(t.time, t.fixed)]))
+    ok = lambda tau: (lambda caps: min(caps) >= min_layers and sum(caps) >= layers)(_caps(t, tau))  # noqa: E731
+    if values.size == 0 or not ok(values[-1]):
+        return float("inf")
+    lo, hi = 0, values.size - 1
+    while lo < hi:
+        mid = (lo + hi) // 2
+        if ok(values[mid]):
+            hi = mid
+        else:
+            lo = mid + 1
+    return float(values[lo])
+
+
+def greedy(c: StageCosts, t: StageTables, layers: int, min_layers: int, cap: float,
+           tau: float) -> tuple[tuple[int, ...], ...] | None:
+    """A placement with max_s T_s = τ (the stages' fastest mixes), or None if the raw
+    mixes do not fit exactly (float boundary) or τ admits none."""
+    if not np.isfinite(tau):
+        return None
+    sizes = _caps(t, tau)
+    excess = sum(sizes) - layers
+    while excess > 0:  # take a block off where it saves the most time (first stage on ties)
+        gains = [(t.time[s][n] - t.time[s][n - 1] if n > min_layers else -1.0, -s)
+                 for s, n in enumerate(sizes)]
+        gain, neg_s = max(gains)
+        if gain < 0:
+            return None
+        sizes[-neg_s] -= 1
+        excess -= 1
+    loads = tuple(tuple(int(x) for x in t.mix[s][n]) for s, n in enumerate(sizes))
+    if any(sum(ld) != n for ld, n in zip(loads, sizes)):
+        return None
+    if any(c.stage_memory_bytes(s, ld) > cap for s, ld in enumerate(loads)):
+        return None
+    return loads
