@@ -1,0 +1,77 @@
+"""autopar's generated program against hand-written stock PyTorch at the same configuration.
+
+    python benchmarks/runtime_overhead.py [--steps 12] [--rounds 3]
+
+Three configurations on 4 gloo CPU ranks (one thread each): DDP, FSDP2 ZeRO-3 and a 4-stage
+1F1B pipeline, each trained on the same model, batch and synthetic tokens by ``autopar run``'s
+runtime and by ``benchmarks/handwritten.py``. Rounds alternate the two so machine noise hits
+both; per configuration the table shows the median step time (first 2 steps of each run
+dropped as warm-up) and the ratio autopar / hand-written (goal ≤ 1.03).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+from autopar.plan import Mesh, Plan  # noqa: E402
+from autopar.runtime import RunSpec, run_job  # noqa: E402
+
+MODEL = "gpt:layers=8,hidden=256,heads=8,vocab=2048,seq=128,tied=0"
+BATCH, WORLD, LAYERS = 16, 4, 8
+WARMUP = 2
+
+
+def plan_for(kind: str) -> Plan:
+    common = dict(model=MODEL, cluster="cpu-local", gpus=WORLD, global_batch=BATCH, seq_len=128, dtype="fp32",
+                  recompute=("none",) * LAYERS)
+    if kind == "ddp":
+        return Plan(mesh=Mesh(dp=WORLD), zero_stage=0, micro_batch_size=BATCH // WORLD, num_microbatches=1,
+                    stage_layers=(LAYERS,), **common)
+    if kind == "fsdp":
+        return Plan(mesh=Mesh(dp=WORLD), zero_stage=3, micro_batch_size=BATCH // WORLD, num_microbatches=1,
+                    stage_layers=(LAYERS,), **common)
+    return Plan(mesh=Mesh(pp=WORLD), micro_batch_size=2, num_microbatches=BATCH // 2, schedule="1f1b",
+                stage_layers=(LAYERS // WORLD,) * WORLD, **common)
+
+
+def handwritten(kind: str, steps: int) -> list[float]:
+    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone",
+                           f"--nproc-per-node={WORLD}", str(ROOT / "benchmarks" / "handwritten.py"), kind, MODEL,
+                           str(BATCH), str(steps)], capture_output=True, text=True, timeout=900,
+                          env={**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore"}, check=True)
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--steps", type=int, default=12)
+    ap.add_argument("--rounds", type=int, default=3)
+    args = ap.parse_args()
+    kinds = ["ddp", "fsdp", "pipeline"]
+    ours: dict[str, list[float]] = {k: [] for k in kinds}
+    theirs: dict[str, list[float]] = {k: [] for k in kinds}
+    for _ in range(args.rounds):
+        results = run_job([RunSpec(plan=plan_for(k), steps=args.steps) for k in kinds], timeout_s=1800)
+        for k, r in zip(kinds, results):
+            ours[k] += r.step_times_s[WARMUP:]
+        for k in kinds:
+            theirs[k] += handwritten(k, args.steps)[WARMUP:]
+    print(f"model {MODEL}, global batch {BATCH}, {WORLD} gloo ranks, {args.rounds} rounds x "
+          f"{args.steps - WARMUP} timed steps")
+    print(f"{'configuration':<16}{'autopar s':>12}{'hand-written s':>16}{'ratio':>8}")
+    for k in kinds:
+        a, h = statistics.median(ours[k]), statistics.median(theirs[k])
+        print(f"{k:<16}{a:>12.4f}{h:>16.4f}{a / h:>8.3f}")
+
+
+if __name__ == "__main__":
+    main()
