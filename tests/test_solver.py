@@ -93,6 +93,61 @@ def test_optimal_against_exhaustive_enumeration_on_200_instances():
     assert mixed >= 1  # some optima mix recompute modes across blocks
 
 
+def test_stage_tables_are_the_exact_least_block_time_per_count():
+    """g_s(N) of ``autopar.solve.tables`` against enumeration of every mix that fits."""
+    from autopar.solve.tables import stage_table
+    rng = random.Random(7)
+    checked = 0
+    for _ in range(25):
+        model, hw, gpus, batch = random_instance(rng)
+        for cand in list(outer_candidates(model, hw, gpus, batch, "bf16"))[:12]:
+            c = stage_costs(model, hw, cand.strategy)
+            for s in range(c.pp):
+                g, mix = stage_table(c, s, cand.modes, hw.memory_bytes, model.layers)
+                for n in range(1, model.layers + 1):
+                    fits = [c.stage_time_s(s, ld) - c.stage_time_s(s, 0)
+                            for ld in stage_loads(n, cand.modes)
+                            if c.stage_memory_bytes(s, ld) <= hw.memory_bytes]
+                    if not fits:
+                        assert g[n] == float("inf")
+                        continue
+                    assert g[n] == pytest.approx(min(fits), rel=1e-12)
+                    assert sum(mix[n]) == n
+                    checked += 1
+    assert checked > 500
+
+
+def test_cp_sat_with_table_cuts_is_optimal_without_the_greedy_shortcut(monkeypatch):
+    """Every candidate through CP-SAT (no greedy placement to prove or hint): the cuts from the
+    stage tables must never remove the optimum."""
+    import importlib
+    monkeypatch.setattr(importlib.import_module("autopar.solve.search"), "greedy",
+                        lambda *a, **k: None)
+    rng = random.Random(11)
+    checked = 0
+    while checked < 60:
+        model, hw, gpus, batch = random_instance(rng)
+        expected = brute_force(model, hw, gpus, batch, "bf16")
+        if expected is None:
+            continue
+        sol = search(model, hw, gpus, batch, "bf16")
+        assert sol.optimal
+        assert sol.estimate.step_time_s == pytest.approx(expected, rel=1e-9)
+        checked += 1
+
+
+def test_time_limit_of_zero_still_returns_a_plan_with_an_honest_gap():
+    model = gpt_profile(96, 12288, 96, 51200, 2048)
+    hw = load_profile("dgx-a100-80g")
+    quick = search(model, hw, 256, 512, "bf16", time_limit_s=0.0)
+    best = search(model, hw, 256, 512, "bf16")
+    assert quick.estimate.fits and 0.0 <= quick.gap < 1.0
+    assert best.optimal
+    # the proven bound is below the optimum, and the plan no better than it
+    assert quick.estimate.step_time_s * (1 - quick.gap) <= best.estimate.step_time_s * (1 + 1e-9)
+    assert quick.estimate.step_time_s >= best.estimate.step_time_s * (1 - 1e-9)
+
+
 def test_pins_fix_their_dimension_and_stay_optimal():
     model, hw = gpt_profile(8, 1024, 16, 32000, 1024), load_profile("dgx-a100-80g")
     pins = Pins(tp=2, recompute="full")

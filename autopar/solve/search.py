@@ -200,7 +200,7 @@ def search(model: ModelProfile, hw: HardwareProfile, gpus: int, global_batch: in
             open_bounds.append(lb)
             break
         remaining = time_limit_s - (time.perf_counter() - start)
-        if remaining <= 0:
+        if remaining <= 0 and found:
             cut = True
             open_bounds.append(lb)
             break
@@ -209,6 +209,14 @@ def search(model: ModelProfile, hw: HardwareProfile, gpus: int, global_batch: in
         if ref is None:
             ref = _refine(c, cand, model.layers, cap)
             heapq.heappush(heap, (max(lb, ref.bound), order, ref, i))
+            continue
+        if remaining <= 0:  # out of time with no plan yet: greedy placements only, no CP-SAT
+            cut = True
+            open_bounds.append(lb)
+            loads = greedy(c, ref.tables, model.layers, cand.min_layers, cap, ref.tau)
+            if loads is not None:
+                loads = _full_loads(loads)
+                found.append((c.step_time_s(loads), order, placed_strategy(cand.strategy, loads)))
             continue
         placed = _place(c, cand, model.layers, cap, ref, remaining)
         solved += 1
