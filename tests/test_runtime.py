@@ -80,6 +80,7 @@ PLANS_4 = {
                                                     recompute="selective"),
     "gpt tied tp2 x dp2 zero1": make_plan(GPT_TIED, tp=2, dp=2, zero=1, mbs=1, m=4),
     "hf llama tp2 x dp2 zero3": make_plan(HF_LLAMA, tp=2, dp=2, zero=3, mbs=2, m=2),
+    "hf llama tp2 sp x dp2 zero1": make_plan(HF_LLAMA, tp=2, dp=2, zero=1, sp=True, mbs=1, m=4),
     "hf llama pp2 interleaved x dp2 zero2": make_plan(HF_LLAMA, pp=2, dp=2, zero=2, mbs=1, m=4,
                                                       schedule="interleaved", v=2),
     "hf llama pp4 full recompute": make_plan(HF_LLAMA, pp=4, mbs=2, m=4, recompute="full"),
@@ -90,7 +91,7 @@ PLANS_8 = {
     "gpt tied 3d pp2 dp2 tp2 sp zero2": make_plan(GPT_TIED, pp=2, dp=2, tp=2, sp=True, zero=2, mbs=1, m=4),
     "llama 3d pp2 dp2 tp2 zero1 interleaved": make_plan(LLAMA, pp=2, dp=2, tp=2, zero=1, mbs=2, m=2,
                                                         schedule="interleaved", v=2),
-    "hf llama 3d pp2 dp2 tp2 zero2 1f1b": make_plan(HF_LLAMA, pp=2, dp=2, tp=2, zero=2, mbs=1, m=4),
+    "hf llama 3d pp2 dp2 tp2 sp zero2 1f1b": make_plan(HF_LLAMA, pp=2, dp=2, tp=2, zero=2, sp=True, mbs=1, m=4),
 }
 
 
@@ -215,7 +216,5 @@ def test_refusals_name_the_fix():
         whole, example = build_spec_model(spec)
         anat = anatomy(trace_module(whole, example, capture="export"), whole, spec.vocab)
         apply_tensor_parallel(build_stage(spec, anat, make_plan(HF_GPT2), 0, ctx.device, 0), ctx, False, anat)
-    with pytest.raises(ValueError, match="--no-sp"):
-        build_program(make_plan(HF_LLAMA, sp=True), ctx)
     with pytest.raises(ValueError, match="--zero 2"):
         check_plan(make_plan(GPT, pp=2, dp=2, zero=3, mbs=1, m=2, schedule="zero-bubble"))

@@ -5,8 +5,7 @@ learned positions), a stack of identical blocks, a final norm and the output hea
 block, the tracer labels every weight GEMM ``column`` (reads the replicated input, writes a
 sharded output) or ``row`` (reads the sharded activation, all-reduces its output) — Megatron's
 split — and the modules whose parameters are all 1-D are the norms, which sequence parallelism
-runs on sequence shards. The parents of the column GEMMs are the sub-layers (attention, MLP)
-whose input SP gathers.
+runs on sequence shards (blocks are pre-norm: each norm feeds a sub-layer, not the residual).
 """
 
 from __future__ import annotations
@@ -40,8 +39,6 @@ class Anatomy:
     """Row-parallel GEMMs of a block, relative to it."""
     norms: tuple[str, ...]
     """Norms of a block, relative to it."""
-    sublayers: tuple[str, ...]
-    """Parents of the column GEMMs (attention, MLP), relative to a block."""
 
 
 def _parent(name: str) -> str:
@@ -82,5 +79,4 @@ def anatomy(graph: ModelGraph, model: nn.Module, vocab: int) -> Anatomy:
     first_extra = tuple(m for m in before if m != embed and m not in after_blocks)
     return Anatomy(blocks=block.names, container=_parent(first), embed=embed, first_extra=first_extra,
                    final_norm=after_blocks[-1] if after_blocks else "", head=head,
-                   column=tuple(rel.get("column", ())), row=tuple(rel.get("row", ())), norms=norms,
-                   sublayers=tuple(dict.fromkeys(_parent(c) for c in rel.get("column", ()))))
+                   column=tuple(rel.get("column", ())), row=tuple(rel.get("row", ())), norms=norms)

@@ -48,17 +48,20 @@ from autopar.runtime.context import DTYPES, Axis, ParallelContext
 
 
 
-def _block_tp_plan(anat: Anatomy, sp: bool) -> dict:
-    """Column-parallel GEMMs into each sub-layer, row-parallel out of it (with SP the row
-    GEMMs reduce-scatter onto sequence shards, the norms run on them, and each sub-layer
-    all-gathers its input)."""
+def _block_tp_plans(anat: Anatomy, sp: bool) -> list[dict]:
+    """Column-parallel GEMMs into each sub-layer, row-parallel out of it. With SP the row
+    GEMMs reduce-scatter onto sequence shards, the norms run on them, and each (pre-)norm's
+    output is all-gathered for its sub-layer — one all-gather per sub-layer however the
+    sub-layer is called (HF attention takes ``hidden_states=`` by keyword). Returned as passes
+    applied in turn (a norm gets two styles)."""
     plan: dict = {name: ColwiseParallel() for name in anat.column}
     plan.update({name: RowwiseParallel(output_layouts=Shard(1) if sp else Replicate()) for name in anat.row})
-    if sp:
-        plan.update({name: SequenceParallel() for name in anat.norms})
-        plan.update({name: PrepareModuleInput(input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),))
-                     for name in anat.sublayers})
-    return plan
+    if not sp:
+        return [plan]
+    plan.update({name: SequenceParallel() for name in anat.norms})
+    gather = {name: PrepareModuleOutput(output_layouts=Shard(1), desired_output_layouts=Replicate(),
+                                        use_local_output=True) for name in anat.norms}
+    return [plan, gather]
 
 
 def apply_tensor_parallel(model: nn.Module, ctx: ParallelContext, sp: bool, anat: Anatomy) -> None:
@@ -92,7 +95,8 @@ def apply_tensor_parallel(model: nn.Module, ctx: ParallelContext, sp: bool, anat
     if tied:  # both sharded Shard(0) over the vocabulary: share the one DTensor again
         model.get_submodule(anat.head).weight = model.get_submodule(anat.embed).weight
     for name in blocks:
-        parallelize_module(model.get_submodule(name), mesh, _block_tp_plan(anat, sp))
+        for plan in _block_tp_plans(anat, sp):
+            parallelize_module(model.get_submodule(name), mesh, plan)
 
 
 def _first_local_block(model: nn.Module, anat: Anatomy) -> str:

@@ -88,8 +88,6 @@ def build_program(plan: Plan, ctx: ParallelContext, cfg: TrainConfig = TrainConf
     """Codegen: the plan's per-rank program on ``ctx``."""
     check_plan(plan)
     spec = with_seq(parse_model_spec(plan.model), plan.seq_len)
-    if not spec.builtin and plan.sequence_parallel:
-        raise ValueError("sequence parallelism runs on the built-in models only; re-plan with --no-sp")
     whole, example = build_spec_model(spec)
     anat = anatomy(trace_module(whole, example, spec.name, capture="fx" if spec.builtin else "export"),
                    whole, spec.vocab)
