@@ -140,12 +140,15 @@ class _Refined:
     tau: float = float("inf")
 
 
-def _refine(c: StageCosts, cand: Candidate, layers: int, cap: float) -> _Refined:
-    """The memory-aware bound of a candidate (``inf`` when no placement fits), with the
-    per-stage tables and the exact bottleneck τ*."""
+def _refine(c: StageCosts, cand: Candidate, layers: int, cap: float,
+            ref: _Refined | None) -> _Refined:
+    """The next memory-aware bound of a candidate (``inf`` when no placement fits): first the
+    LP bound (no tables), then with the per-stage tables and the exact bottleneck τ*."""
     upper = stage_upper_bounds(c, layers, cap, cand.modes)
     if min(upper) < cand.min_layers or sum(upper) < layers:
         return _Refined(bound=float("inf"))
+    if ref is None:
+        return _Refined(bound=lower_bound(c, layers, cand.modes, cap, upper))
     tabs = stage_tables(c, cand.modes, cap, upper)
     tau = bottleneck(tabs, layers, cand.min_layers)
     if tau == float("inf"):
@@ -189,7 +192,8 @@ def search(model: ModelProfile, hw: HardwareProfile, gpus: int, global_batch: in
     found: list[tuple[float, int, Strategy]] = []  # sorted best first, at most ``keep``
     solved, cut, open_bounds = 0, False, []
     # Best-first over (bound, order): a candidate is first popped with its memory-blind bound,
-    # pushed back with its memory-aware one, and solved when popped again.
+    # pushed back with its LP memory-aware one, then with its table bound (τ*), and solved
+    # when popped a third time.
     heap = [(lb, order, None, i) for i, (lb, order, _, _) in enumerate(scored)]
     heapq.heapify(heap)
     while heap:
@@ -206,8 +210,8 @@ def search(model: ModelProfile, hw: HardwareProfile, gpus: int, global_batch: in
             break
         heapq.heappop(heap)
         _, _, cand, c = scored[i]
-        if ref is None:
-            ref = _refine(c, cand, model.layers, cap)
+        if ref is None or ref.tables is None:
+            ref = _refine(c, cand, model.layers, cap, ref)
             heapq.heappush(heap, (max(lb, ref.bound), order, ref, i))
             continue
         if remaining <= 0:  # out of time with no plan yet: greedy placements only, no CP-SAT

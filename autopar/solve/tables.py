@@ -113,11 +113,15 @@ def stage_table(c: StageCosts, s: int, modes: tuple[int, ...], cap: float,
 
 def stage_tables(c: StageCosts, modes: tuple[int, ...], cap: float,
                  upper: list[int]) -> StageTables:
-    times, mixes = [], []
+    times, mixes, seen = [], [], {}
     for s in range(c.pp):
-        g, mix = stage_table(c, s, modes, cap, upper[s])
-        times.append(np.minimum.accumulate(g[::-1])[::-1])
-        mixes.append(mix)
+        # stages alike in memory (in-flight micro-batches, fixed bytes, bound) share a table
+        key = (c.inflight[s], c.stage_fixed_bytes(s), upper[s])
+        if key not in seen:
+            g, mix = stage_table(c, s, modes, cap, upper[s])
+            seen[key] = (np.minimum.accumulate(g[::-1])[::-1], mix)
+        times.append(seen[key][0])
+        mixes.append(seen[key][1])
     return StageTables(time=tuple(times), mix=tuple(mixes),
                        fixed=tuple(c.stage_time_s(s, 0) for s in range(c.pp)))
 
