@@ -27,7 +27,7 @@ import torch
 from autopar.plan import Mesh, Plan
 from autopar.runtime import RunResult, RunSpec, TrainConfig, run_job
 from autopar.runtime.context import ParallelContext
-from autopar.runtime.train import build_program, train, train_step
+from autopar.runtime.train import build_program, synthetic_batch, train, train_step
 from autopar.runtime.state import full_state
 
 GPT = "gpt:layers=4,hidden=64,heads=4,vocab=128,seq=16,tied=0"
@@ -79,7 +79,7 @@ PLANS_4 = {
     "llama pp4 interleaved v1 selective": make_plan(LLAMA, pp=4, mbs=2, m=4, schedule="interleaved",
                                                     recompute="selective"),
     "gpt tied tp2 x dp2 zero1": make_plan(GPT_TIED, tp=2, dp=2, zero=1, mbs=1, m=4),
-    "hf llama tp2 x dp2 zero3": make_plan(HF_LLAMA, tp=2, dp=2, zero=3, mbs=2, m=2),
+    "hf llama tp2 x dp2 zero3 selective": make_plan(HF_LLAMA, tp=2, dp=2, zero=3, mbs=2, m=2, recompute="selective"),
     "hf llama tp2 sp x dp2 zero1": make_plan(HF_LLAMA, tp=2, dp=2, zero=1, sp=True, mbs=1, m=4),
     "hf llama pp2 interleaved x dp2 zero2": make_plan(HF_LLAMA, pp=2, dp=2, zero=2, mbs=1, m=4,
                                                       schedule="interleaved", v=2),
@@ -218,3 +218,24 @@ def test_refusals_name_the_fix():
         apply_tensor_parallel(build_stage(spec, anat, make_plan(HF_GPT2), 0, ctx.device, 0), ctx, False, anat)
     with pytest.raises(ValueError, match="--zero 2"):
         check_plan(make_plan(GPT, pp=2, dp=2, zero=3, mbs=1, m=2, schedule="zero-bubble"))
+
+
+@pytest.mark.parametrize("model", [LLAMA, HF_LLAMA])
+def test_recompute_keeps_fewer_activations(model):
+    """What autograd keeps for backward (one forward, bytes per storage): selective drops the
+    attention core's tensors, full keeps only each block's input."""
+    ctx = ParallelContext(mesh=None, device=torch.device("cpu"))
+    x, _ = synthetic_batch(make_plan(model, mbs=8, m=1), 0, 0)
+    kept = {}
+    for mode in ("none", "selective", "full"):
+        (module,) = build_program(make_plan(model, mbs=8, m=1, recompute=mode), ctx).modules
+        seen: dict[int, int] = {}
+
+        def pack(t):
+            seen[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
+            return t
+
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+            module(x)
+        kept[mode] = sum(seen.values())
+    assert kept["full"] < kept["selective"] < kept["none"]

@@ -25,9 +25,12 @@ wrapper — each with stock torch.distributed:
 
 from __future__ import annotations
 
+import copy
+
 import torch
 from torch import nn
 from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import CheckpointImpl, checkpoint_wrapper
+from torch.utils.checkpoint import checkpoint
 from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
 from torch.distributed._composable.replicate_with_fsdp import replicate
 from torch.distributed.tensor import Replicate, Shard
@@ -106,8 +109,9 @@ def _first_local_block(model: nn.Module, anat: Anatomy) -> str:
 
 def apply_recompute(model: nn.Module, recompute: tuple[str, ...], anat: Anatomy) -> None:
     """Wrap each local block by its mode (``recompute`` is indexed by global block number):
-    full = the whole block; selective = its attention core, where the model has one as a module
-    (the built-in ``CoreAttention``); HF attention computes its core in a function."""
+    full = the whole block; selective = its attention core (Korthikanti et al. 2022): the
+    built-in ``CoreAttention`` module, or for HF models the attention function, swapped for a
+    checkpointed SDPA through transformers' ``AttentionInterface``."""
     container = model.get_submodule(anat.container)
     for index, name in enumerate(anat.blocks):
         key = name.rpartition(".")[2]
@@ -118,13 +122,35 @@ def apply_recompute(model: nn.Module, recompute: tuple[str, ...], anat: Anatomy)
             container._modules[key] = checkpoint_wrapper(container._modules[key],
                                                          checkpoint_impl=CheckpointImpl.NO_REENTRANT)
         elif mode == "selective":
-            cores = [n for n, m in container._modules[key].named_modules() if isinstance(m, CoreAttention)]
-            if not cores:
-                raise ValueError("selective recompute needs the attention core as a module (the built-in "
-                                 "models have one); use recompute none or full for this model")
-            parent, _, attr = cores[0].rpartition(".")
-            owner = container._modules[key].get_submodule(parent)
-            setattr(owner, attr, checkpoint_wrapper(getattr(owner, attr), checkpoint_impl=CheckpointImpl.NO_REENTRANT))
+            _recompute_attention_core(container._modules[key], anat)
+
+
+def _checkpointed_sdpa(module: nn.Module, *args, **kwargs):
+    """HF's SDPA attention function, its activations recomputed in the backward."""
+    from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+    return checkpoint(ALL_ATTENTION_FUNCTIONS["sdpa"], module, *args, use_reentrant=False, **kwargs)
+
+
+SELECTIVE_ATTENTION = "autopar_selective_sdpa"
+"""The name under which ``_checkpointed_sdpa`` is registered with transformers."""
+
+
+def _recompute_attention_core(block: nn.Module, anat: Anatomy) -> None:
+    cores = [n for n, m in block.named_modules() if isinstance(m, CoreAttention)]
+    if cores:
+        parent, _, attr = cores[0].rpartition(".")
+        owner = block.get_submodule(parent)
+        setattr(owner, attr, checkpoint_wrapper(getattr(owner, attr), checkpoint_impl=CheckpointImpl.NO_REENTRANT))
+        return
+    attention = block.get_submodule(anat.column[0].rpartition(".")[0])
+    config = getattr(attention, "config", None)
+    if config is None or getattr(config, "_attn_implementation", None) != "sdpa":
+        raise ValueError("selective recompute needs the attention core as a module or HF SDPA attention; "
+                         "use recompute none or full for this model")
+    from transformers import AttentionInterface
+    AttentionInterface.register(SELECTIVE_ATTENTION, _checkpointed_sdpa)  # idempotent: same name, same function
+    attention.config = copy.copy(config)  # this layer only
+    attention.config._attn_implementation = SELECTIVE_ATTENTION
 
 
 def uses_ddp(plan: Plan) -> bool:
