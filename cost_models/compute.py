@@ -95,6 +95,14 @@ def memory_s(nbytes: float, hw: HardwareProfile) -> float:
     return nbytes / (hw.hbm_bw_gbps * 1e9 * hw.memory_efficiency)
 
 
+def optimizer_memory_s(nbytes: float, hw: HardwareProfile) -> float:
+    """Optimizer-step time of ``nbytes`` of device-memory traffic: large fused multi-tensor
+    kernels (apex ``multi_tensor_adam``/``scale``/``l2norm``) at
+    ``optimizer_memory_efficiency`` (``memory_efficiency`` where the profile leaves it 0)."""
+    eff = hw.optimizer_memory_efficiency or hw.memory_efficiency
+    return nbytes / (hw.hbm_bw_gbps * 1e9 * eff)
+
+
 def block_gemms(model: ModelProfile, strat: Strategy) -> tuple[list[Gemm], list[Gemm]]:
     """(weight GEMMs, attention-core GEMMs) of one block's forward on one tp rank."""
     t, h, f = strat.tp, model.hidden, model.ffn

@@ -128,7 +128,7 @@ def _piece(params: float, passes: compute.PassTimes, tp_s: float, act: float,
     else:
         exposed = hide(ag, fwd) + hide(ag + rs, bwd)
     sharded = params / (strat.dp if strat.zero >= 1 else 1)
-    opt = compute.memory_s(sharded * optimizer_bytes_per_param(rec), hw)
+    opt = compute.optimizer_memory_s(sharded * optimizer_bytes_per_param(rec), hw)
     accum = compute.memory_s(params * grad_accum_bytes_per_param(rec, strat), hw)
     return _Piece(compute_s=passes.total_s + accum, tp_s=tp_s, dp_exposed_s=exposed, dp_tail_s=tail,
                   optimizer_s=opt, state=memory.state_bytes(params, rec, strat.zero, strat.dp),

@@ -52,6 +52,9 @@ class HardwareProfile:
     ``matmul_efficiency · n / (n + matmul_half_dim)`` of peak (0: no shape dependence)."""
     memory_efficiency: float = 1.0
     """Calibrated fraction of ``hbm_bw_gbps`` reached by element-wise kernels."""
+    optimizer_memory_efficiency: float = 0.0
+    """Calibrated fraction of ``hbm_bw_gbps`` reached by the optimizer step's fused
+    multi-tensor kernels (Adam, gradient-norm, clipping scale); 0: ``memory_efficiency``."""
     reserve_gib: float = 0.0
     """Memory not available to tensors: runtime context plus allocator fragmentation, GiB."""
     launcher: str = "nccl"

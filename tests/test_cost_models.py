@@ -169,7 +169,7 @@ def test_data_parallel_reduction_hides_behind_the_backward_when_overlapped():
     model = gpt(24, 2048, 16)
     over = stage_costs(model, A100, Strategy(dp=8, num_microbatches=4))
     after = stage_costs(model, A100, Strategy(dp=8, num_microbatches=4, dp_overlap=False))
-    opt = compute.memory_s(memory.layer_params(model, Strategy()) * 50, A100)
+    opt = compute.optimizer_memory_s(memory.layer_params(model, Strategy()) * 50, A100)
     assert over.layer_dp_time_s == pytest.approx(opt)  # the all-reduce is hidden, Adam is not
     assert after.layer_dp_time_s > over.layer_dp_time_s
     assert after.first_dp_time_s == pytest.approx(over.first_dp_time_s)  # embedding goes last
@@ -319,3 +319,10 @@ def test_unfused_gradient_accumulation_costs_a_memory_pass_per_micro_batch():
     slow, fast = stage_costs(model, A100, base), stage_costs(model, A100, fused)
     extra = model.block_params / 2 * 6 / (A100.hbm_bw_gbps * 1e9 * A100.memory_efficiency)
     assert slow.layer_time_s - fast.layer_time_s == pytest.approx(extra)
+
+
+def test_optimizer_memory_efficiency_falls_back_to_memory_efficiency():
+    fused = dataclasses.replace(A100, optimizer_memory_efficiency=0.9)
+    plain = dataclasses.replace(A100, optimizer_memory_efficiency=0.0)
+    assert compute.optimizer_memory_s(1e9, fused) == pytest.approx(1e9 / (A100.hbm_bw_gbps * 1e9 * 0.9))
+    assert compute.optimizer_memory_s(1e9, plain) == pytest.approx(compute.memory_s(1e9, plain))
