@@ -3,9 +3,11 @@
     python benchmarks/search_time.py [--repeats 3]
 
 Part 1 prints, per job, the median search time of ``repeats`` runs (tracing excluded: it is
-timed by benchmarks/trace_time.py), the candidates considered and the plan. Part 2 plans every
-row of Narayanan et al. 2021 Table 1 (same model, GPUs, batch) freely and pinned to the
-published TP and PP, and prints both predicted throughputs under the same cost model.
+timed by benchmarks/trace_time.py) against the issue's target, the candidates considered, how
+many went to a placement solve, the proven gap and the plan. Part 2 plans every row of
+Narayanan et al. 2021 Table 1 (same model, GPUs, batch) freely and pinned to the published TP
+and PP, and prints both predicted throughputs under the same cost model. Part 3 reruns the
+first jobs under a tight ``--time-limit`` to show the best plan found and its proven gap.
 """
 
 from __future__ import annotations
@@ -22,12 +24,13 @@ from autopar.workflow import read_job
 # (label, model, cluster, gpus, global batch, seq len). Turing-530B: Calculon's job is 5,128
 # A100 with batch up to 2,520; 5,128 = 8 x 641 splits no batch <= 2,520 over dp x tp x pp
 # (641 is prime and > 105 layers), so autopar plans the largest whole mesh below it, 5,120.
+# The last field is the issue's target search time on a 2-core machine, seconds.
 JOBS = [
-    ("Turing-530B, 5120 (of 5128) A100, batch 2520", "megatron-529.6b", "dgx-a100-80g", 5120, 2520, None),
-    ("Llama-3 405B, 16384 H100, 16M tokens", "llama3-405b", "dgx-h100", 16384, 2048, 8192),
-    ("GPT 1T, 3072 A100", "megatron-1t", "dgx-a100-80g", 3072, 3072, None),
+    ("Turing-530B, 5120 (of 5128) A100, batch 2520", "megatron-529.6b", "dgx-a100-80g", 5120, 2520, None, 2.0),
+    ("Llama-3 405B, 16384 H100, 16M tokens", "llama3-405b", "dgx-h100", 16384, 2048, 8192, 5.0),
+    ("GPT 1T, 3072 A100", "megatron-1t", "dgx-a100-80g", 3072, 3072, None, 5.0),
     ("96-layer Llama-2-7B-shaped GPT, 1024 A100", "gpt:layers=96,hidden=4096,heads=32,vocab=32000,seq=2048",
-     "dgx-a100-80g", 1024, 1024, None),
+     "dgx-a100-80g", 1024, 1024, None, 2.0),
 ]
 
 # Narayanan et al. SC'21 Table 1: (preset, TP, PP, GPUs, batch).
@@ -43,8 +46,9 @@ def _describe(s) -> str:
 
 
 def time_jobs(repeats: int, time_limit: float) -> None:
-    print(f"{'job':45s} {'search s (median)':>17s} {'candidates':>10s} {'solved':>6s} {'gap':>6s}  plan")
-    for label, model, cluster, gpus, batch, seq in JOBS:
+    print(f"{'job':45s} {'search s (median)':>17s} {'target':>6s} {'candidates':>10s} {'solved':>6s} "
+          f"{'gap':>6s}  plan")
+    for label, model, cluster, gpus, batch, seq, target in JOBS:
         job = read_job(model, cluster, gpus, batch, seq)
         prof = profile_spec(job.spec)
         times, sol = [], None
@@ -52,39 +56,58 @@ def time_jobs(repeats: int, time_limit: float) -> None:
             t = time.perf_counter()
             sol = search(prof, job.hw, gpus, batch, job.dtype, time_limit_s=time_limit)
             times.append(time.perf_counter() - t)
-        print(f"{label:45s} {statistics.median(times):17.2f} {sol.candidates:10d} {sol.solved:6d} "
-              f"{sol.gap:6.1%}  "
+        print(f"{label:45s} {statistics.median(times):17.2f} {target:6.0f} {sol.candidates:10d} "
+              f"{sol.solved:6d} {sol.gap:6.1%}  "
               f"{_describe(sol.strategy)}  {sol.estimate.tflops_per_gpu:.0f} TFLOP/s, MFU {sol.estimate.mfu:.1%}")
+
+
+def time_limited(limit: float) -> None:
+    print(f"\n{'job, --time-limit ' + f'{limit:g} s':45s} {'search s':>8s} {'optimal':>7s} {'gap':>6s} "
+          f"{'step s':>8s} {'free step s':>11s}")
+    for label, model, cluster, gpus, batch, seq, _ in JOBS:
+        job = read_job(model, cluster, gpus, batch, seq)
+        prof = profile_spec(job.spec)
+        t = time.perf_counter()
+        quick = search(prof, job.hw, gpus, batch, job.dtype, time_limit_s=limit)
+        took = time.perf_counter() - t
+        free = search(prof, job.hw, gpus, batch, job.dtype)
+        print(f"{label:45s} {took:8.2f} {str(quick.optimal):>7s} {quick.gap:6.1%} "
+              f"{quick.estimate.step_time_s:8.3f} {free.estimate.step_time_s:11.3f}")
 
 
 def compare_table1() -> None:
     print(f"\n{'Narayanan T1 row':18s} {'published (tp,pp)':>18s} {'tok/s published cfg':>20s} "
-          f"{'tok/s plan':>12s} {'ratio':>6s}  plan")
+          f"{'tok/s plan':>12s} {'ratio':>6s} {'search s':>8s} {'gap':>5s}  plan")
     for preset, tp, pp, gpus, batch in TABLE1:
         job = read_job(preset, "dgx-a100-80g", gpus, batch)
         prof = profile_spec(job.spec)
+        t = time.perf_counter()
         try:
             free = search(prof, job.hw, gpus, batch, job.dtype)
         except UserError as exc:
             print(f"{preset:18s} {f'({tp},{pp})':>18s}  planner: {exc}")
             continue
+        took = time.perf_counter() - t
         try:
             pinned = search(prof, job.hw, gpus, batch, job.dtype, Pins(tp=tp, pp=pp))
             ref = f"{pinned.estimate.tokens_per_s:20,.0f}"
             ratio = f"{free.estimate.tokens_per_s / pinned.estimate.tokens_per_s:6.3f}"
         except (ValueError, UserError) as exc:  # the published split may not fit this cost model's memory
             ref, ratio = f"{'(' + str(exc)[:17] + ')':>20s}", "   n/a"
-        print(f"{preset:18s} {f'({tp},{pp})':>18s} {ref} {free.estimate.tokens_per_s:12,.0f} {ratio}  "
-              f"{_describe(free.strategy)}")
+        print(f"{preset:18s} {f'({tp},{pp})':>18s} {ref} {free.estimate.tokens_per_s:12,.0f} {ratio} "
+              f"{took:8.2f} {free.gap:5.1%}  {_describe(free.strategy)}")
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--time-limit", type=float, default=60.0, help="per search, s")
+    parser.add_argument("--tight-limit", type=float, default=0.05,
+                        help="the --time-limit of part 3, s")
     args = parser.parse_args()
     time_jobs(args.repeats, args.time_limit)
     compare_table1()
+    time_limited(args.tight_limit)
 
 
 if __name__ == "__main__":

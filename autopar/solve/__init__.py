@@ -43,7 +43,8 @@ within τ*, take blocks off where the marginal time is largest, fastest mix per 
 
 Pruning (``search``): ``lower_bound`` (every block at its fastest allowed mode, slowest stage
 ≥ mean) orders the candidates; a candidate is then refined with its memory-aware bound:
-sum_weight · (LP bound on Σ T_s) + max_weight · max(mean, τ*) + mean D. Once the bound reaches
+sum_weight · max(LP bound on Σ T_s, least Σ T_s of the tables (a min-plus convolution))
++ max_weight · max(mean, τ*) + max(mean D, every stage's fixed tail plus its fewest blocks). Once the bound reaches
 the incumbent (or the ``keep``-th best, for alternatives) the rest are pruned. A candidate whose
 greedy placement meets its bound is optimal without CP-SAT; otherwise CP-SAT, seeded with the
 greedy placement (``AddHint``), proves or improves it within ``search.EFFORT`` deterministic

@@ -11,7 +11,7 @@ from autopar.errors import UserError
 from autopar.solve.core import solve_placement, stage_upper_bounds
 from autopar.solve.infeasible import does_not_fit, no_candidate_reason
 from autopar.solve.space import Candidate, Pins, outer_candidates
-from autopar.solve.tables import StageTables, bottleneck, greedy, stage_tables
+from autopar.solve.tables import StageTables, bottleneck, greedy, least_total, stage_tables
 from cost_models import HardwareProfile, ModelProfile, StageCosts, Strategy, estimate, stage_costs
 from cost_models.strategy import RECOMPUTE, Estimate
 
@@ -79,12 +79,16 @@ def _stage_segments(c: StageCosts, s: int, modes: tuple[int, ...], cap: float,
 
 
 def lower_bound(c: StageCosts, layers: int, modes: tuple[int, ...], cap: float = float("inf"),
-                upper: list[int] | None = None, tau: float = 0.0) -> float:
+                upper: list[int] | None = None, tau: float = 0.0, total: float = 0.0,
+                min_layers: int = 1) -> float:
     """A bound on ``step_time_s`` over all placements within ``cap``: Σ_s T_s is at least
     the fixed parts plus the cheapest L block-units over every stage's LP envelope g_s (for
-    an infinite cap: every block at its fastest mode), the slowest stage at least the mean
-    and at least ``tau`` (the exact bottleneck τ*, ``tables.bottleneck``), and D at least the
-    mean of the fastest-mode tails. ``inf`` when nothing fits."""
+    an infinite cap: every block at its fastest mode) and at least ``total`` (the exact least
+    Σ_s T_s of the tables, ``tables.least_total``), the slowest stage at least the mean and
+    at least ``tau`` (the exact bottleneck τ*, ``tables.bottleneck``), and D at least the mean
+    of the fastest-mode tails and at least every stage's own fixed tail plus its fewest blocks
+    (``min_layers``, or what the other stages cannot hold) in the fastest-tail mode.
+    ``inf`` when nothing fits."""
     # Σ_s T_s(empty) and Σ_s D_s(empty) in closed form (every stage has p2p, one first, one last)
     fixed = c.pp * c.p2p_time_s + c.first_time_s + c.last_time_s
     d = min(c.mode_dp_time_s[r] for r in modes)
@@ -104,8 +108,14 @@ def lower_bound(c: StageCosts, layers: int, modes: tuple[int, ...], cap: float =
                 break
         if left > 1e-9:
             return float("inf")
-    times = fixed + blocks
-    return c.sum_weight * times + c.max_weight * max(times / c.pp, tau) + dp / c.pp
+    times = max(fixed + blocks, total)
+    d_max = dp / c.pp
+    if upper is not None:
+        room = sum(upper)
+        for s in range(c.pp):
+            fewest = max(min_layers, layers - (room - upper[s]))
+            d_max = max(d_max, c.stage_dp_time_s(s, 0) + fewest * d)
+    return c.sum_weight * times + c.max_weight * max(times / c.pp, tau) + d_max
 
 
 def placed_strategy(strat: Strategy, loads: tuple[tuple[int, ...], ...]) -> Strategy:
@@ -148,12 +158,15 @@ def _refine(c: StageCosts, cand: Candidate, layers: int, cap: float,
     if min(upper) < cand.min_layers or sum(upper) < layers:
         return _Refined(bound=float("inf"))
     if ref is None:
-        return _Refined(bound=lower_bound(c, layers, cand.modes, cap, upper))
+        return _Refined(bound=lower_bound(c, layers, cand.modes, cap, upper,
+                                          min_layers=cand.min_layers))
     tabs = stage_tables(c, cand.modes, cap, upper)
     tau = bottleneck(tabs, layers, cand.min_layers)
     if tau == float("inf"):
         return _Refined(bound=float("inf"))
-    return _Refined(bound=lower_bound(c, layers, cand.modes, cap, upper, tau), tables=tabs, tau=tau)
+    total = least_total(tabs, layers, cand.min_layers)
+    return _Refined(bound=lower_bound(c, layers, cand.modes, cap, upper, tau, total,
+                                      cand.min_layers), tables=tabs, tau=tau)
 
 
 def _place(c: StageCosts, cand: Candidate, layers: int, cap: float, ref: _Refined,

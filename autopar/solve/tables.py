@@ -169,3 +169,21 @@ def greedy(c: StageCosts, t: StageTables, layers: int, min_layers: int, cap: flo
     if any(c.stage_memory_bytes(s, ld) > cap for s, ld in enumerate(loads)):
         return None
     return loads
+
+
+def least_total(t: StageTables, layers: int, min_layers: int) -> float:
+    """min Σ_s T_s over block counts N_s ≥ ``min_layers`` summing to L (each stage at its
+    table time g_s(N_s) + fixed_s): a min-plus convolution of the tables, exact for Σ T_s."""
+    cur = np.full(layers + 1, np.inf)
+    cur[0] = 0.0
+    for g, f in zip(t.time, t.fixed):
+        row = np.full(layers + 1, np.inf)
+        top = min(len(g) - 1, layers)
+        row[min_layers:top + 1] = g[min_layers:top + 1] + f
+        pairs = cur[:, None] + row[None, :]
+        nxt = np.full(layers + 1, np.inf)
+        i, k = np.nonzero(np.isfinite(pairs))
+        keep = i + k <= layers
+        np.minimum.at(nxt, i[keep] + k[keep], pairs[i[keep], k[keep]])
+        cur = nxt
+    return float(cur[layers])
