@@ -67,44 +67,45 @@ def _block_tp_plans(anat: Anatomy, sp: bool) -> list[dict]:
     return [plan, gather]
 
 
-def apply_tensor_parallel(model: nn.Module, ctx: ParallelContext, sp: bool, anat: Anatomy) -> None:
+def apply_tensor_parallel(model: nn.Module, ctx: ParallelContext, sp: bool, anat: Anatomy,
+                          whole_sequences_between_stages: bool = False) -> None:
     """Shard one pipeline stage of ``model`` over the tp axis, in place: a vocab-parallel
     embedding, the blocks' GEMMs as the tracer labelled them, a column-parallel head whose
-    logits stay sharded over the vocabulary. With SP the first block of the first stage scatters the sequence and
-    the stages pass sequence shards (Megatron's scatter/gather: b·s·h/tp per boundary)."""
+    logits stay sharded over the vocabulary. With SP the first block after the embedding
+    scatters the sequence and stages pass sequence shards (Megatron's scatter/gather: b·s·h/tp
+    per boundary) — unless ``whole_sequences_between_stages`` (HF base models derive positions
+    from their input's length), when each stage gathers its output and scatters its input."""
+    blocks = [b for b in anat.blocks if b in {n for n, _ in model.named_modules()}]
     for name in anat.column + anat.row:
-        kind = type(model.get_submodule(f"{_first_local_block(model, anat)}.{name}"))
+        kind = type(model.get_submodule(f"{blocks[0]}.{name}"))
         if kind is not nn.Linear:
             raise ValueError(f"tensor parallelism needs nn.Linear projections; {name} is a {kind.__name__} "
                              "(e.g. GPT-2's fused Conv1D q/k/v); use tp=1 for this model")
     mesh = ctx.submesh(Axis.TP)
-    top: dict = {}
     here = {n for n, _ in model.named_modules()}
-    blocks = [b for b in anat.blocks if b in here]
+    top: dict = {}
     if anat.embed in here:
         top[anat.embed] = RowwiseParallel(input_layouts=Replicate(), output_layouts=Replicate())
-        if sp:
-            top[blocks[0]] = PrepareModuleInput(input_layouts=(Replicate(),), desired_input_layouts=(Shard(1),),
-                                                use_local_output=True)
     if anat.head in here:
         if sp and anat.final_norm:
             top[anat.final_norm] = SequenceParallel()
         # Logits stay sharded over the vocabulary; the loss runs under ``loss_parallel``.
         top[anat.head] = ColwiseParallel(input_layouts=Shard(1) if sp else Replicate(), output_layouts=Shard(-1),
                                          use_local_output=False)
+    if sp and (anat.embed in here or whole_sequences_between_stages):
+        top[blocks[0]] = PrepareModuleInput(input_layouts=(Replicate(),), desired_input_layouts=(Shard(1),),
+                                            use_local_output=True)
     tied = anat.embed in here and anat.head in here and \
         model.get_submodule(anat.head).weight is model.get_submodule(anat.embed).weight
     parallelize_module(model, mesh, top)
     if tied:  # both sharded Shard(0) over the vocabulary: share the one DTensor again
         model.get_submodule(anat.head).weight = model.get_submodule(anat.embed).weight
+    if sp and whole_sequences_between_stages and anat.head not in here:
+        parallelize_module(model, mesh, {blocks[-1]: PrepareModuleOutput(
+            output_layouts=Shard(1), desired_output_layouts=Replicate(), use_local_output=True)})
     for name in blocks:
         for plan in _block_tp_plans(anat, sp):
             parallelize_module(model.get_submodule(name), mesh, plan)
-
-
-def _first_local_block(model: nn.Module, anat: Anatomy) -> str:
-    here = {n for n, _ in model.named_modules()}
-    return next(b for b in anat.blocks if b in here)
 
 
 def apply_recompute(model: nn.Module, recompute: tuple[str, ...], anat: Anatomy) -> None:

@@ -96,7 +96,8 @@ def build_program(plan: Plan, ctx: ParallelContext, cfg: TrainConfig = TrainConf
     for sid in ids:
         model = build_stage(spec, anat, plan, sid, ctx.device, cfg.seed)
         if plan.mesh.tp > 1:
-            parallelize.apply_tensor_parallel(model, ctx, plan.sequence_parallel, anat)
+            parallelize.apply_tensor_parallel(model, ctx, plan.sequence_parallel, anat,
+                                              whole_sequences_between_stages=not spec.builtin)
         parallelize.apply_recompute(model, plan.recompute, anat)
         modules.append(parallelize.apply_data_parallel(model, plan, ctx, anat))
     optimizers = [parallelize.make_optimizer(mod, cfg.lr, cfg.weight_decay) for mod in modules]
