@@ -17,6 +17,8 @@ from autopar.errors import UserError
 from cost_models.strategy import RECOMPUTE, Estimate, Strategy
 
 PLAN_VERSION = 1
+AXES = ("pp", "dp", "tp")
+"""The mesh axes the runtime builds, in Megatron's rank order (outermost first)."""
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -62,6 +64,9 @@ class Plan:
     """Recompute mode of each transformer block: none, selective or full."""
     offload: bool = False
     """Optimizer state and master weights kept in host memory."""
+    axis_order: tuple[str, ...] = AXES
+    """Mesh axes from outermost to innermost: ranks that differ only in the last axis are
+    consecutive (share a node first). Megatron's order is pp, dp, tp."""
     estimate: Estimate | None = None
 
     def __post_init__(self) -> None:
@@ -76,6 +81,8 @@ class Plan:
         if len(self.recompute) != sum(self.stage_layers):
             raise UserError(f"plan has {len(self.recompute)} recompute entries for "
                             f"{sum(self.stage_layers)} layers")
+        if sorted(self.axis_order) != sorted(AXES):
+            raise UserError(f"plan axis_order {self.axis_order} must order the axes {', '.join(AXES)}")
         per_step = self.mesh.dp * self.micro_batch_size * self.num_microbatches
         if per_step != self.global_batch:
             raise UserError(f"plan dp x micro_batch_size x num_microbatches = {per_step} "
@@ -161,7 +168,7 @@ def load_plan(path: str | Path) -> Plan:
 
 
 def runtime_unsupported(*, dp: int, pp: int, zero: int, schedule: str, virtual_stages: int,
-                        cp: int = 1, ep: int = 1) -> str | None:
+                        cp: int = 1, ep: int = 1, offload: bool = False) -> str | None:
     """Why ``autopar.runtime`` cannot run this combination (torch 2.13), or None if it can.
     Pure data, so the solver can skip what the runtime refuses without importing torch."""
     if cp != 1 or ep != 1:
@@ -173,4 +180,6 @@ def runtime_unsupported(*, dp: int, pp: int, zero: int, schedule: str, virtual_s
         # FSDP2 re-shards between the input- and weight-gradient passes of the split backward,
         # and the weight gradients of earlier micro-batches are lost (measured: loss off by 1e-2).
         return "the zero-bubble schedule does not compose with ZeRO-3 in torch 2.13; use --zero 2 or another schedule"
+    if offload and (zero == 0 or dp == 1):
+        return "CPU offload runs with FSDP2's CPUOffloadPolicy, which needs ZeRO >= 1 over dp > 1; use --zero 1..3"
     return None

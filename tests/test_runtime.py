@@ -47,12 +47,14 @@ LR = TrainConfig().lr
 
 def make_plan(model: str, *, dp: int = 1, tp: int = 1, pp: int = 1, zero: int = 0, mbs: int = 2,
               m: int = 2, schedule: str = "1f1b", v: int = 1, sp: bool = False, recompute: str = "none",
-              layers: tuple[int, ...] | None = None, dtype: str = "fp32", offload: bool = False) -> Plan:
+              layers: tuple[int, ...] | None = None, dtype: str = "fp32", offload: bool = False,
+              order: tuple[str, ...] = ("pp", "dp", "tp")) -> Plan:
     stages = pp * v
     return Plan(model=model, cluster="cpu-local", gpus=dp * tp * pp, global_batch=dp * mbs * m, seq_len=16,
                 dtype=dtype, mesh=Mesh(dp=dp, tp=tp, pp=pp), zero_stage=zero, micro_batch_size=mbs,
                 num_microbatches=m, schedule=schedule, virtual_stages=v, sequence_parallel=sp,
-                stage_layers=layers or (4 // stages,) * stages, recompute=(recompute,) * 4, offload=offload)
+                stage_layers=layers or (4 // stages,) * stages, recompute=(recompute,) * 4, offload=offload,
+                axis_order=order)
 
 
 # name -> plan; every plan of a model has global batch 8.
@@ -67,8 +69,8 @@ PLANS_4 = {
     "gpt tp4": make_plan(GPT, tp=4, mbs=4, m=2),
     "gpt tp2 sp x dp2": make_plan(GPT, tp=2, dp=2, sp=True, mbs=2, m=2),
     "gpt pp4 1f1b non-uniform": make_plan(GPT, pp=4, mbs=2, m=4, layers=(1, 1, 1, 1)),
-    "gpt pp2 gpipe x dp2 zero1": make_plan(GPT, pp=2, dp=2, zero=1, mbs=1, m=4, schedule="gpipe",
-                                            layers=(1, 3)),
+    "gpt pp2 gpipe x dp2 zero1 offload, dp outermost": make_plan(
+        GPT, pp=2, dp=2, zero=1, mbs=1, m=4, schedule="gpipe", layers=(1, 3), offload=True, order=("dp", "pp", "tp")),
     "gpt pp2 interleaved v2 x dp2 zero2": make_plan(GPT, pp=2, dp=2, zero=2, mbs=1, m=4,
                                                      schedule="interleaved", v=2),
     "gpt pp2 zero-bubble x dp2 zero2": make_plan(GPT, pp=2, dp=2, zero=2, mbs=2, m=2, schedule="zero-bubble"),
@@ -88,7 +90,8 @@ PLANS_4 = {
     "hf gpt2 ddp": make_plan(HF_GPT2, dp=4, mbs=1, m=2),
 }
 PLANS_8 = {
-    "gpt tied 3d pp2 dp2 tp2 sp zero2": make_plan(GPT_TIED, pp=2, dp=2, tp=2, sp=True, zero=2, mbs=1, m=4),
+    "gpt tied 3d pp2 dp2 tp2 sp zero2, pp innermost": make_plan(GPT_TIED, pp=2, dp=2, tp=2, sp=True, zero=2, mbs=1, m=4,
+                                                                order=("tp", "dp", "pp")),
     "llama 3d pp2 dp2 tp2 zero1 interleaved": make_plan(LLAMA, pp=2, dp=2, tp=2, zero=1, mbs=2, m=2,
                                                         schedule="interleaved", v=2),
     "hf llama 3d pp2 dp2 tp2 sp zero2 1f1b": make_plan(HF_LLAMA, pp=2, dp=2, tp=2, zero=2, sp=True, mbs=1, m=4),

@@ -1,9 +1,9 @@
 """The per-rank parallel context: one DeviceMesh for every axis, and this rank's coordinates.
 
 Vocabulary (as torchtitan's): an *axis* is a DeviceMesh dimension, a *dim* a tensor dimension.
-Rank order is Megatron's, the one the cost model prices (``cost_models.comm``): tp innermost
-(consecutive ranks share a node), then dp, then pp outermost — the mesh is
-``arange(world).view(pp, dp, tp)``.
+Rank order is the plan's ``axis_order``, outermost first: by default Megatron's, tp innermost
+(consecutive ranks share a node), then dp, then pp — the mesh is ``arange(world).view(pp, dp, tp)``;
+the cost model prices the same order (``cost_models.comm``).
 
 Nothing here is global: the context is built once per run and passed to every function that
 needs a process group.
@@ -71,7 +71,7 @@ def check_plan(plan: Plan) -> None:
     spec = parse_model_spec(plan.model)
     m = plan.mesh
     reason = runtime_unsupported(dp=m.dp, pp=m.pp, zero=plan.zero_stage, schedule=plan.schedule,
-                                 virtual_stages=plan.virtual_stages, cp=m.cp, ep=m.ep)
+                                 virtual_stages=plan.virtual_stages, cp=m.cp, ep=m.ep, offload=plan.offload)
     if reason:
         raise ValueError(reason)
     if spec.heads % plan.mesh.tp or spec.num_kv_heads % plan.mesh.tp:
@@ -91,8 +91,8 @@ def build_context(plan: Plan, device: torch.device) -> ParallelContext:
                          f"but the job has {world}")
     if world == 1:
         return ParallelContext(mesh=None, device=device)
-    mesh = init_device_mesh(device.type, (m.pp, m.dp, m.tp),
-                            mesh_dim_names=(Axis.PP.value, Axis.DP.value, Axis.TP.value))
+    sizes = {Axis.PP.value: m.pp, Axis.DP.value: m.dp, Axis.TP.value: m.tp}
+    mesh = init_device_mesh(device.type, tuple(sizes[a] for a in plan.axis_order), mesh_dim_names=plan.axis_order)
     return ParallelContext(mesh=mesh, device=device, pp_rank=mesh.get_local_rank(Axis.PP.value),
                            dp_rank=mesh.get_local_rank(Axis.DP.value),
                            tp_rank=mesh.get_local_rank(Axis.TP.value))

@@ -111,7 +111,8 @@ def _tied_group(ctx: ParallelContext, pp: int) -> dist.ProcessGroup | None:
     """Megatron's embedding group: with a tied head on another stage, the first and the last
     stage keep a copy each and sum their gradients. Every rank creates every pair (new_group is
     collective); this rank gets its own pair, or None off the first and last stage."""
-    ranks = ctx.mesh.mesh  # [pp, dp, tp] global ranks
+    names = ctx.mesh.mesh_dim_names
+    ranks = ctx.mesh.mesh.permute(*(names.index(a) for a in ("pp", "dp", "tp")))  # [pp, dp, tp] global ranks
     mine = None
     for d in range(ranks.shape[1]):
         for t in range(ranks.shape[2]):
