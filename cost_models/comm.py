@@ -8,9 +8,11 @@ small messages at scale); all-to-all sends ``(n-1)/n`` of the buffer in ``n-1`` 
 (pairwise exchange). ``nbytes`` is
 always the full (unsharded) buffer size. Times in seconds, sizes in bytes.
 
-Rank order is Megatron's: tp innermost (consecutive ranks), then dp, then pp. An axis group
-stays inside one node iff the product of its own degree and the inner degrees is at most
-``devices_per_node``; otherwise it crosses nodes. A group crossing nodes with ``k`` members on
+Rank order is ``Strategy.axis_order`` (outermost first; Megatron's default: pp, dp, tp, i.e.
+tp innermost on consecutive ranks). An axis of degree ``n`` whose ranks are ``k`` apart (``k``
+the product of the degrees of the axes inside it) stays inside one node iff ``n * k`` is at most
+``devices_per_node``; otherwise it crosses nodes with ``min(n, devices_per_node // k)`` (at
+least 1) members on each node. A group crossing nodes with ``k`` members on
 each node runs ``k`` rings side by side, one per NIC, so its bus bandwidth is
 ``min(intra bw, k * inter bw)`` (8 HDR NICs x 24 GB/s ~ the 192 GB/s NCCL reports for DGX A100).
 """
@@ -55,16 +57,27 @@ def group(hw: HardwareProfile, size: int, inner: int = 1) -> Group:
 
 @dataclass(frozen=True, kw_only=True, slots=True)
 class AxisGroups:
-    """The tp, dp and pp communicators of a strategy (Megatron rank order)."""
+    """The tp, dp and pp communicators of a strategy (in its ``axis_order``)."""
 
     tp: Group
     dp: Group
     pp: Group
 
 
+def axis_strides(strat: Strategy) -> dict[str, int]:
+    """Rank distance between neighbours of each axis: the product of the inner degrees."""
+    degree = {"tp": strat.tp, "dp": strat.dp, "pp": strat.pp}
+    stride, out = 1, {}
+    for axis in reversed(strat.axis_order):
+        out[axis] = stride
+        stride *= degree[axis]
+    return out
+
+
 def axis_groups(hw: HardwareProfile, strat: Strategy) -> AxisGroups:
-    return AxisGroups(tp=group(hw, strat.tp, 1), dp=group(hw, strat.dp, strat.tp),
-                      pp=group(hw, strat.pp, strat.tp * strat.dp))
+    k = axis_strides(strat)
+    return AxisGroups(tp=group(hw, strat.tp, k["tp"]), dp=group(hw, strat.dp, k["dp"]),
+                      pp=group(hw, strat.pp, k["pp"]))
 
 
 def all_reduce_s(nbytes: float, g: Group) -> float:

@@ -22,7 +22,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from cost_models.hardware import HardwareProfile
+from cost_models.hardware import HardwareProfile, ProfileError
 from cost_models.model_profile import ModelProfile
 from cost_models.strategy import Strategy
 
@@ -101,6 +101,23 @@ def optimizer_memory_s(nbytes: float, hw: HardwareProfile) -> float:
     ``optimizer_memory_efficiency`` (``memory_efficiency`` where the profile leaves it 0)."""
     eff = hw.optimizer_memory_efficiency or hw.memory_efficiency
     return nbytes / (hw.hbm_bw_gbps * 1e9 * eff)
+
+
+def _host_rate(gbps: float, name: str, hw: HardwareProfile) -> float:
+    if gbps <= 0:
+        raise ProfileError(f"profile {hw.name!r} has no {name}; CPU offload needs "
+                           "host_memory_gib, host_link_bw_gbps and host_optimizer_gbps")
+    return gbps * 1e9
+
+
+def host_copy_s(nbytes: float, hw: HardwareProfile) -> float:
+    """One host<->device copy of ``nbytes`` over the device's PCIe link, s."""
+    return nbytes / _host_rate(hw.host_link_bw_gbps, "host_link_bw_gbps", hw) if nbytes else 0.0
+
+
+def host_optimizer_s(nbytes: float, hw: HardwareProfile) -> float:
+    """The optimizer step on the CPU moving ``nbytes`` of host memory (memory-bound), s."""
+    return nbytes / _host_rate(hw.host_optimizer_gbps, "host_optimizer_gbps", hw) if nbytes else 0.0
 
 
 def block_gemms(model: ModelProfile, strat: Strategy) -> tuple[list[Gemm], list[Gemm]]:

@@ -54,6 +54,8 @@ class _Piece:
     optimizer_s: float
     state: memory.StateBytes
     act_bytes: float
+    host_bytes: float = 0.0
+    """Offloaded state in host memory."""
 
     @property
     def time_s(self) -> float:
@@ -128,11 +130,27 @@ def _piece(params: float, passes: compute.PassTimes, tp_s: float, act: float,
     else:
         exposed = hide(ag, fwd) + hide(ag + rs, bwd)
     sharded = params / (strat.dp if strat.zero >= 1 else 1)
-    opt = compute.optimizer_memory_s(sharded * optimizer_bytes_per_param(rec), hw)
+    if strat.offload:
+        opt = compute.host_optimizer_s(sharded * optimizer_bytes_per_param(rec), hw)
+        up = compute.host_copy_s(sharded * rec.weight, hw)
+        down = compute.host_copy_s(sharded * rec.grad, hw)
+        if strat.zero >= 3:
+            exposed += 2 * up
+        else:
+            tail += up
+        if strat.zero >= 2:
+            exposed += down
+        else:
+            tail += down
+    else:
+        opt = compute.optimizer_memory_s(sharded * optimizer_bytes_per_param(rec), hw)
     accum = compute.memory_s(params * grad_accum_bytes_per_param(rec, strat), hw)
     return _Piece(compute_s=passes.total_s + accum, tp_s=tp_s, dp_exposed_s=exposed, dp_tail_s=tail,
-                  optimizer_s=opt, state=memory.state_bytes(params, rec, strat.zero, strat.dp),
-                  act_bytes=act)
+                  optimizer_s=opt,
+                  state=memory.state_bytes(params, rec, strat.zero, strat.dp, strat.offload),
+                  act_bytes=act,
+                  host_bytes=memory.host_state_bytes(params, rec, strat.zero, strat.dp,
+                                                     strat.offload))
 
 
 def _tp_unit_s(model: ModelProfile, strat: Strategy, g: comm.Group) -> float:
@@ -230,7 +248,7 @@ def parts_key(strat: Strategy) -> tuple:
     (schedule, chunks and the nominal recompute mode enter only ``stage_costs``)."""
     return (strat.dp, strat.tp, strat.pp, strat.zero, strat.micro_batch, strat.sequence_parallel,
             strat.dp_overlap, strat.tp_overlap, strat.grad_accum_fusion, strat.dtype,
-            strat.precision)
+            strat.precision, strat.offload, strat.axis_order)
 
 
 def stage_costs(model: ModelProfile, hw: HardwareProfile, strat: Strategy,
@@ -265,7 +283,10 @@ def stage_costs(model: ModelProfile, hw: HardwareProfile, strat: Strategy,
         first_static_bytes=parts.first.state.total, first_act_bytes=parts.first.act_bytes,
         last_static_bytes=parts.last.state.total, last_act_bytes=parts.last.act_bytes,
         inflight=pipeline.inflight(strat), buffer_bytes=memory.base_buffer_bytes(model, hw, strat),
-        sum_weight=sum_w, max_weight=max_w)
+        sum_weight=sum_w, max_weight=max_w,
+        layer_host_bytes=parts.layers[0].host_bytes, first_host_bytes=parts.first.host_bytes,
+        last_host_bytes=parts.last.host_bytes,
+        host_cap_bytes=hw.host_memory_bytes if strat.offload else float("inf"))
 
 
 def _stage_pieces(parts: _Parts, s: int, counts: tuple[int, ...], pp: int) -> list[tuple[float, _Piece]]:
@@ -313,6 +334,7 @@ def estimate(model: ModelProfile, hw: HardwareProfile, strat: Strategy, *,
     bubble_s = step - tails[sd] - m * times[st]
 
     peaks = [c.stage_memory_bytes(s, n) for s, n in enumerate(layers)]
+    hosts = [c.stage_host_bytes(s, n) for s, n in enumerate(layers)]
     sm = max(range(strat.pp), key=peaks.__getitem__)
     mem_pieces = _stage_pieces(parts, sm, layers[sm], strat.pp)
     k = c.inflight[sm]
@@ -322,14 +344,15 @@ def estimate(model: ModelProfile, hw: HardwareProfile, strat: Strategy, *,
         grads_bytes=sum(n * p.state.grads for n, p in mem_pieces),
         optimizer_bytes=sum(n * p.state.optimizer for n, p in mem_pieces),
         activations_bytes=k * sum(n * p.act_bytes for n, p in mem_pieces),
-        buffers_bytes=c.buffer_bytes + c.stage_workspace_bytes(layers[sm]))
+        buffers_bytes=c.buffer_bytes + c.stage_workspace_bytes(layers[sm]),
+        host_bytes=max(hosts))
 
     flops = model_flops_per_step(model, global_batch)
     per_gpu = flops / (step * strat.devices)
     return Estimate(
         step_time_s=step, tokens_per_s=global_batch * model.seq / step,
         tflops_per_gpu=per_gpu / 1e12, mfu=per_gpu / hw.peak_flops(strat.dtype),
-        fits=max(peaks) <= hw.memory_bytes, memory=memory_bd,
+        fits=max(peaks) <= hw.memory_bytes and max(hosts) <= c.host_cap_bytes, memory=memory_bd,
         time=TimeBreakdown(compute_s=compute_s, tp_comm_s=tp_s, dp_comm_s=dp_s, pp_comm_s=pp_s,
                            bubble_s=bubble_s, optimizer_s=opt_s),
         stage_peak_bytes=tuple(peaks))

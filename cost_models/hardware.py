@@ -57,6 +57,15 @@ class HardwareProfile:
     multi-tensor kernels (Adam, gradient-norm, clipping scale); 0: ``memory_efficiency``."""
     reserve_gib: float = 0.0
     """Memory not available to tensors: runtime context plus allocator fragmentation, GiB."""
+    host_memory_gib: float = 0.0
+    """Host (CPU) memory available per device for offloaded training state, GiB: the node's
+    memory divided by ``devices_per_node``, less what the OS and the process need; 0: no
+    offload (datasheet figure, see ``notes``)."""
+    host_link_bw_gbps: float = 0.0
+    """Host<->device copy bandwidth per device (its PCIe link), GB/s each way; datasheet."""
+    host_optimizer_gbps: float = 0.0
+    """Host-memory bandwidth per device reached by the optimizer step on the CPU (memory-bound
+    Adam), GB/s; assumed, not measured."""
     launcher: str = "nccl"
     """Process-group backend the runtime uses on this cluster: ``nccl`` or ``gloo``."""
     notes: dict[str, str] = field(default_factory=dict)
@@ -71,6 +80,15 @@ class HardwareProfile:
     @property
     def memory_bytes(self) -> float:
         return self.memory_gib * 2**30
+
+    @property
+    def host_memory_bytes(self) -> float:
+        return self.host_memory_gib * 2**30
+
+    @property
+    def supports_offload(self) -> bool:
+        """The profile gives the host memory, link and CPU optimizer figures offload needs."""
+        return min(self.host_memory_gib, self.host_link_bw_gbps, self.host_optimizer_gbps) > 0
 
     def peak_flops(self, dtype: str) -> float:
         """Dense peak of ``dtype`` in FLOP/s."""

@@ -10,6 +10,12 @@ ZeRO stage 1 shards the optimizer states (master included) over dp, 2 also the g
 parameters by tp; the few norm and bias parameters Megatron replicates (4h of 12h² + 13h per
 block) are divided too, an error below 0.1 % for h ≥ 1024.
 
+CPU offload (``Strategy.offload``, FSDP2's ``CPUOffloadPolicy``) keeps ZeRO's shards in host
+memory: the weight, gradient and optimizer shards (fp32 master included) leave the device
+(``host_state_bytes``); the device keeps the unsharded 16-bit weights between all-gathers under
+ZeRO 1/2 (ZeRO 3: only the buffers' two gathered blocks) and the unsharded accumulated
+gradients under ZeRO 1 (ZeRO 2: one block's before its reduce-scatter, in the buffers).
+
 Activations follow Korthikanti et al. Table 2 from the ModelProfile's three per-token fields
 (16-bit activations, 1-byte masks; doubled for fp32 training). Sizes in bytes.
 """
@@ -65,11 +71,24 @@ class StateBytes:
         return self.params + self.grads + self.optimizer
 
 
-def state_bytes(params: float, rec: Recipe, zero: int, dp: int) -> StateBytes:
-    """Model states of ``params`` parameters (already divided by tp) on one of ``dp`` ranks."""
+def state_bytes(params: float, rec: Recipe, zero: int, dp: int,
+                offload: bool = False) -> StateBytes:
+    """Model states of ``params`` parameters (already divided by tp) on one of ``dp`` ranks,
+    in device memory (with ``offload``, what stays on the device)."""
+    if offload:
+        return StateBytes(params=0.0 if zero >= 3 else params * rec.weight,
+                          grads=params * rec.grad if zero == 1 else 0.0, optimizer=0.0)
     return StateBytes(params=params * rec.weight / (dp if zero >= 3 else 1),
                       grads=params * rec.grad / (dp if zero >= 2 else 1),
                       optimizer=params * rec.optimizer / (dp if zero >= 1 else 1))
+
+
+def host_state_bytes(params: float, rec: Recipe, zero: int, dp: int, offload: bool) -> float:
+    """Bytes of host memory the offloaded shards of ``params`` parameters take on one of ``dp``
+    ranks: weight, gradient and optimizer shards (0 without ``offload``)."""
+    if not offload:
+        return 0.0
+    return params * (rec.weight + rec.grad + rec.optimizer) / dp
 
 
 def layer_params(model: ModelProfile, strat: Strategy) -> float:
@@ -138,7 +157,9 @@ def base_buffer_bytes(model: ModelProfile, hw: HardwareProfile, strat: Strategy)
     - hw.reserve_gib (CUDA context, allocator fragmentation);
     - data-parallel buffers: two 25 MB DDP buckets (ZeRO 0-2, dp > 1), or for ZeRO-3 the
       unsharded weights of two blocks (current and prefetched) and the unsharded gradients of
-      one block before its reduce-scatter.
+      one block before its reduce-scatter;
+    - with offload under ZeRO 2, the unsharded gradients of one block before their
+      reduce-scatter and copy to the host.
     """
     rec = recipe(strat)
     total = hw.reserve_gib * 2**30
@@ -147,6 +168,8 @@ def base_buffer_bytes(model: ModelProfile, hw: HardwareProfile, strat: Strategy)
             total += layer_params(model, strat) * (2 * rec.weight + rec.grad)
         else:
             total += 2 * DDP_BUCKET_BYTES
+            if strat.offload and strat.zero == 2:
+                total += layer_params(model, strat) * rec.grad
     return total
 
 

@@ -10,6 +10,11 @@ blocks with recompute mode r (none, selective, full) costs, per micro-batch and 
           + [s = 0] (first_static_bytes + inflight[0] first_act_bytes)
           + [s = p-1] (last_static_bytes + inflight[p-1] last_act_bytes)
 
+and, with CPU offload, the host-memory row (offloaded shards, independent of recompute)
+
+    H_s = Σ_r n_{s,r} layer_host_bytes + [s = 0] first_host_bytes + [s = p-1] last_host_bytes
+          ≤ host_cap_bytes
+
 and the step takes
 
     step = sum_weight * Σ_s T_s + max_weight * max_s T_s + max_s D_s
@@ -27,6 +32,7 @@ A stage's load is either an int n (n blocks, all in the strategy's ``recompute``
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 from cost_models.strategy import RECOMPUTE
@@ -63,6 +69,12 @@ class StageCosts:
     workspace apart: ``mode_workspace_bytes``)."""
     sum_weight: float
     max_weight: float
+    layer_host_bytes: float = 0.0
+    """Offloaded state of one block in host memory, bytes (0 without offload)."""
+    first_host_bytes: float = 0.0
+    last_host_bytes: float = 0.0
+    host_cap_bytes: float = float("inf")
+    """Host memory per device for offloaded state, bytes (inf without offload)."""
 
     @property
     def layer_time_s(self) -> float:
@@ -109,6 +121,22 @@ class StageCosts:
         if s == self.pp - 1:
             m += self.last_static_bytes + k * self.last_act_bytes
         return m
+
+    def stage_host_bytes(self, s: int, load: Load) -> float:
+        """H_s: offloaded state of stage s in host memory, bytes."""
+        h = sum(self.counts(load)) * self.layer_host_bytes
+        return (h + (self.first_host_bytes if s == 0 else 0.0)
+                + (self.last_host_bytes if s == self.pp - 1 else 0.0))
+
+    def host_upper_bound(self, s: int, layers: int) -> int:
+        """Most blocks stage s holds within ``host_cap_bytes`` (at most ``layers``); -1 when
+        even its embedding/head state overflows."""
+        room = self.host_cap_bytes - self.stage_host_bytes(s, 0)
+        if room < 0:
+            return -1
+        if self.layer_host_bytes <= 0 or room == float("inf"):
+            return layers
+        return min(layers, math.floor(room / self.layer_host_bytes))
 
     def stage_memory_bytes(self, s: int, load: Load) -> float:
         """M_s: peak bytes on a device of stage s."""

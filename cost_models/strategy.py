@@ -7,6 +7,8 @@ from dataclasses import dataclass, field
 SCHEDULES = ("gpipe", "1f1b", "interleaved", "zero-bubble")
 RECOMPUTE = ("none", "selective", "full")
 PRECISIONS = ("auto", "megatron", "zero", "fp32")
+AXIS_ORDER = ("pp", "dp", "tp")
+"""Megatron's rank order of the mesh axes, outermost (largest rank stride) first."""
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -44,6 +46,13 @@ class Strategy:
     ``--gradient-accumulation-fusion``, 2022); False: every micro-batch's backward writes a fresh
     16-bit gradient that a separate element-wise pass adds into the buffer (Megatron-LM 2021's
     local DDP hook ``main_grad.add_(grad)``, PyTorch's AccumulateGrad and DDP bucket copy)."""
+    offload: bool = False
+    """ZeRO's sharded weights, gradients and optimizer states (fp32 master included) live in
+    host memory and the optimizer step runs on the CPU (FSDP2's ``CPUOffloadPolicy``); needs
+    ZeRO >= 1."""
+    axis_order: tuple[str, ...] = AXIS_ORDER
+    """The mesh axes from outermost (largest rank stride) to innermost (consecutive ranks,
+    which share a node first); ``comm.axis_groups`` derives each axis's tier from it."""
     dtype: str = "bf16"
     precision: str = "auto"
     """Bytes per parameter of the training state (see ``cost_models.memory.RECIPES``):
@@ -63,6 +72,10 @@ class Strategy:
             raise ValueError(f"unknown recompute {self.recompute!r}; use one of {', '.join(RECOMPUTE)}")
         if self.precision not in PRECISIONS:
             raise ValueError(f"unknown precision {self.precision!r}; use one of {', '.join(PRECISIONS)}")
+        if sorted(self.axis_order) != sorted(AXIS_ORDER):
+            raise ValueError(f"axis_order must be a permutation of {AXIS_ORDER}, got {self.axis_order}")
+        if self.offload and self.zero < 1:
+            raise ValueError("offload moves ZeRO's shards to the host; it needs zero >= 1")
         if self.stage_layers and len(self.stage_layers) != self.pp:
             raise ValueError(f"stage_layers has {len(self.stage_layers)} entries for pp={self.pp}")
         if self.stage_recompute:
@@ -100,6 +113,8 @@ class MemoryBreakdown:
     optimizer_bytes: float
     activations_bytes: float
     buffers_bytes: float
+    host_bytes: float = 0.0
+    """Offloaded training state in host memory per device (the stage with the most)."""
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)

@@ -11,6 +11,7 @@ import pytest
 from autopar.errors import UserError
 from autopar.solve import Pins, outer_candidates, search
 from cost_models import ModelProfile, estimate, load_profile, stage_costs
+from cost_models.strategy import AXIS_ORDER
 
 
 def gpt_profile(layers: int, hidden: int, heads: int, vocab: int, seq: int) -> ModelProfile:
@@ -32,17 +33,22 @@ def stage_loads(n: int, modes: tuple[int, ...]):
 
 
 def brute_force(model, hw, gpus, batch, dtype, pins=Pins()):
-    """Minimum step time over the whole space by enumeration: every outer candidate, every
-    split of the blocks over the stages (at least ``min_layers`` each) and every mix of
-    recompute modes on every stage."""
+    """Minimum step time over the whole space by enumeration: every outer candidate under every
+    one of the 6 axis orders (none pruned), with and without offload, every split of the
+    blocks over the stages (at least ``min_layers`` each) and every mix of recompute modes on
+    every stage, within device and host memory."""
     best = None
-    for cand in outer_candidates(model, hw, gpus, batch, dtype, pins):
+    orders = [pins.axis_order or AXIS_ORDER]
+    cands = [cand for order in orders for cand in outer_candidates(
+        model, hw, gpus, batch, dtype, dataclasses.replace(pins, axis_order=order))]
+    for cand in cands:
         c = stage_costs(model, hw, cand.strategy)
         p, L = cand.strategy.pp, model.layers
         # per stage and block count: the loads that fit, with their T_s and D_s
         options = [{n: [(c.stage_time_s(s, ld), c.stage_dp_time_s(s, ld))
                          for ld in stage_loads(n, cand.modes)
-                         if c.stage_memory_bytes(s, ld) <= hw.memory_bytes]
+                         if c.stage_memory_bytes(s, ld) <= hw.memory_bytes
+                         and c.stage_host_bytes(s, ld) <= c.host_cap_bytes]
                     for n in range(cand.min_layers, L + 1)} for s in range(p)]
         for cuts in itertools.combinations(range(1, L), p - 1):
             sizes = [b - a for a, b in zip((0, *cuts), (*cuts, L))]
@@ -68,6 +74,9 @@ def random_instance(rng: random.Random):
     state_gib = model.params * 18 / 2**30
     hw = dataclasses.replace(base, memory_gib=state_gib * rng.uniform(0.05, 2.0) + 0.5,
                              reserve_gib=0.0)
+    # Small nodes so that axis orders matter; host memory that sometimes binds offload.
+    hw = dataclasses.replace(hw, devices_per_node=rng.choice([2, 4, 8]),
+                             host_memory_gib=state_gib * rng.uniform(0.0, 1.0))
     return model, hw, gpus, batch
 
 

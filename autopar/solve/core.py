@@ -36,7 +36,8 @@ class Placement:
 def stage_upper_bounds(c: StageCosts, layers: int, cap: float, modes: tuple[int, ...]) -> list[int]:
     """Most blocks each stage can hold within ``cap`` using one mode alone, its leanest (M_s
     is linear in the counts, and a stage mixing modes holds no more than one of its modes
-    alone); -1 where even an empty stage overflows."""
+    alone), and within the host-memory row of offloaded state (``StageCosts.host_upper_bound``);
+    -1 where even an empty stage overflows."""
     bounds = []
     for s in range(c.pp):
         room, k, best = cap - c.stage_fixed_bytes(s), c.inflight[s], -1
@@ -45,7 +46,7 @@ def stage_upper_bounds(c: StageCosts, layers: int, cap: float, modes: tuple[int,
             if spare >= 0:
                 per = c.layer_static_bytes + k * c.mode_act_bytes[r]
                 best = max(best, min(layers, math.floor(spare / per)) if per > 0 else layers)
-        bounds.append(best)
+        bounds.append(min(best, c.host_upper_bound(s, layers)))
     return bounds
 
 

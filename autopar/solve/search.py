@@ -130,13 +130,21 @@ def placed_strategy(strat: Strategy, loads: tuple[tuple[int, ...], ...]) -> Stra
 
 
 def _ordered(model: ModelProfile, hw: HardwareProfile, gpus: int, global_batch: int,
-             dtype: str, pins: Pins) -> tuple[list[tuple[float, int, Candidate, StageCosts]], int]:
+             dtype: str, pins: Pins) -> tuple[list[tuple[float, int, Candidate, StageCosts | None]], int]:
     """Every outer candidate with its memory-blind bound (``lower_bound`` with no cap), in
-    (bound, order) order, and how many there are."""
-    scored, cache = [], {}
+    (bound, order) order, and how many there are. Offload candidates borrow the bound of
+    their twin without offload (no ``StageCosts`` yet: None) and are costed when popped."""
+    scored, cache, twins = [], {}, {}
     for order, cand in enumerate(outer_candidates(model, hw, gpus, global_batch, dtype, pins)):
+        twin = replace(cand.strategy, offload=False)
+        if cand.strategy.offload and twin in twins:
+            # Offload is never faster than its twin without it (CPU optimizer step, PCIe
+            # copies on top), so the twin's bound holds; its own costs wait until popped.
+            scored.append((twins[twin], order, cand, None))
+            continue
         c = stage_costs(model, hw, cand.strategy, cache)
         scored.append((lower_bound(c, model.layers, cand.modes), order, cand, c))
+        twins[cand.strategy] = scored[-1][0]
     scored.sort(key=lambda x: (x[0], x[1]))
     return scored, len(scored)
 
@@ -223,6 +231,12 @@ def search(model: ModelProfile, hw: HardwareProfile, gpus: int, global_batch: in
             break
         heapq.heappop(heap)
         _, _, cand, c = scored[i]
+        if c is None:  # an offload candidate bounded by its twin: cost it now
+            c = stage_costs(model, hw, cand.strategy)
+            scored[i] = (lb, order, cand, c)
+            heapq.heappush(heap, (max(lb, lower_bound(c, model.layers, cand.modes)), order,
+                                  None, i))
+            continue
         if ref is None or ref.tables is None:
             ref = _refine(c, cand, model.layers, cap, ref)
             heapq.heappush(heap, (max(lb, ref.bound), order, ref, i))

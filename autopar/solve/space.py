@@ -1,14 +1,25 @@
-"""The outer strategy space: every (dp, tp, pp, micro-batch, ZeRO, schedule, v, SP) the runtime
-can run, with the recompute modes the inner placement may mix (see ``autopar.solve``)."""
+"""The outer strategy space: every (dp, tp, pp, micro-batch, ZeRO, schedule, v, SP, offload,
+axis order) the runtime can run, with the recompute modes the inner placement may mix (see
+``autopar.solve``).
+
+Axis orders (``axis_orders``): of the 6 permutations of (pp, dp, tp), the cost model reads an
+order only through the tier of each axis's group (``comm.axis_groups``), and every cost is
+non-increasing in a group's bandwidths and non-decreasing in its latency. So an order whose
+groups of degree > 1 are each no better than those of an order already kept (Megatron's first)
+is dropped: exact, and on one node every order collapses to Megatron's.
+Offload (CPU, ``Strategy.offload``) is tried with ZeRO >= 1 and dp > 1 where the profile gives
+host figures; it is never faster, so the bound ordering prunes it unless memory binds."""
 
 from __future__ import annotations
 
+import itertools
 from dataclasses import dataclass
 from typing import Iterator
 
 from autopar.plan import runtime_unsupported
 from cost_models import HardwareProfile, ModelProfile, Strategy
-from cost_models.strategy import RECOMPUTE
+from cost_models.comm import Group, axis_groups
+from cost_models.strategy import AXIS_ORDER, RECOMPUTE
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -26,6 +37,10 @@ class Pins:
     sequence_parallel: bool | None = None
     recompute: str | None = None
     """One recompute mode for every block; unpinned, the solver picks a mode per block."""
+    offload: bool | None = None
+    """CPU offload of ZeRO's shards and the optimizer step."""
+    axis_order: tuple[str, ...] | None = None
+    """Mesh axes outermost first (``Strategy.axis_order``)."""
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -78,6 +93,34 @@ def _mode_sets(pins: Pins, schedule: str) -> Iterator[tuple[str, tuple[int, ...]
         yield "none", tuple(range(len(RECOMPUTE)))
 
 
+def _no_better(a: Group, b: Group) -> bool:
+    """Group ``a`` is nowhere faster than ``b`` (every collective takes at least as long)."""
+    return a.bw_bytes_s <= b.bw_bytes_s and a.p2p_bytes_s <= b.p2p_bytes_s \
+        and a.latency_s >= b.latency_s
+
+
+def axis_orders(hw: HardwareProfile, dp: int, tp: int, pp: int,
+                pins: Pins = Pins()) -> list[tuple[str, ...]]:
+    """The axis orders worth costing for these degrees, Megatron's first: an order is dropped
+    when an order kept earlier has every group of degree > 1 at least as fast (see module)."""
+    if pins.axis_order is not None:
+        return [tuple(pins.axis_order)]
+    kept: list[tuple[tuple[str, ...], dict[str, Group]]] = []
+    perms = [AXIS_ORDER] + [o for o in itertools.permutations(AXIS_ORDER) if o != AXIS_ORDER]
+    degree = {"dp": dp, "tp": tp, "pp": pp}
+    for order in perms:
+        g = axis_groups(hw, Strategy(dp=dp, tp=tp, pp=pp, axis_order=order))
+        groups = {ax: getattr(g, ax) for ax in AXIS_ORDER if degree[ax] > 1}
+        if any(all(_no_better(groups[ax], other[ax]) for ax in groups) for _, other in kept):
+            continue
+        kept.append((order, groups))
+    return [order for order, _ in kept]
+
+
+def _offloads(pins: Pins, hw: HardwareProfile) -> list[bool]:
+    return _choices(pins.offload, [False, True] if hw.supports_offload else [False])
+
+
 def outer_candidates(model: ModelProfile, hw: HardwareProfile, gpus: int, global_batch: int,
                      dtype: str, pins: Pins = Pins()) -> Iterator[Candidate]:
     """Every outer candidate the runtime can run, in a fixed order."""
@@ -90,6 +133,7 @@ def outer_candidates(model: ModelProfile, hw: HardwareProfile, gpus: int, global
             dp = gpus // (tp * pp)
             if (pins.dp is not None and dp != pins.dp) or global_batch % dp:
                 continue
+            orders = [tuple(pins.axis_order or AXIS_ORDER)]
             for b in _choices(pins.micro_batch, _divisors(global_batch // dp)):
                 m, rem = divmod(global_batch // dp, b)
                 if rem or (pp > 1 and m < pp):
@@ -103,11 +147,17 @@ def outer_candidates(model: ModelProfile, hw: HardwareProfile, gpus: int, global
                             if sp and tp == 1:
                                 continue  # SP splits what TP replicates: nothing at tp = 1
                             for nominal, modes in _mode_sets(pins, sched):
-                                strat = Strategy(dp=dp, tp=tp, pp=pp, zero=zero, micro_batch=b,
-                                                 num_microbatches=m, schedule=sched,
-                                                 virtual_stages=v, sequence_parallel=sp,
-                                                 recompute=nominal, dtype=dtype)
-                                yield Candidate(strategy=strat, modes=modes, min_layers=v)
+                                for order, off in itertools.product(orders, _offloads(pins, hw)):
+                                    if off and runtime_unsupported(
+                                            dp=dp, pp=pp, zero=zero, schedule=sched,
+                                            virtual_stages=v, offload=True):
+                                        continue
+                                    strat = Strategy(
+                                        dp=dp, tp=tp, pp=pp, zero=zero, micro_batch=b,
+                                        num_microbatches=m, schedule=sched, virtual_stages=v,
+                                        sequence_parallel=sp, recompute=nominal, dtype=dtype,
+                                        offload=off, axis_order=order)
+                                    yield Candidate(strategy=strat, modes=modes, min_layers=v)
 
 
 def candidates(model: ModelProfile, hw: HardwareProfile, gpus: int, global_batch: int,
