@@ -97,7 +97,8 @@ def plan_from_strategy(job: Job, strat: Strategy, est: Estimate | None) -> Plan:
                 micro_batch_size=strat.micro_batch, num_microbatches=strat.num_microbatches,
                 schedule=strat.schedule, virtual_stages=strat.virtual_stages,
                 sequence_parallel=strat.sequence_parallel, stage_layers=stage_layers,
-                recompute=recompute, estimate=est)
+                recompute=recompute, offload=strat.offload,
+                axis_order=strat.axis_order, estimate=est)
 
 
 def make_plan(job: Job, pins: Pins = Pins(), time_limit_s: float = 60.0,

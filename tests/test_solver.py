@@ -10,7 +10,7 @@ import pytest
 
 from autopar.errors import UserError
 from autopar.solve import Pins, outer_candidates, search
-from cost_models import ModelProfile, estimate, load_profile, stage_costs
+from cost_models import ModelProfile, Strategy, estimate, load_profile, stage_costs
 from cost_models.strategy import AXIS_ORDER
 
 
@@ -211,3 +211,43 @@ def test_identical_inputs_give_a_byte_identical_plan():
     job = read_job("gpt:layers=12,hidden=1024,heads=16,vocab=32000,seq=1024", "dgx-a100-80g", 16, 64)
     a, b = make_plan(job)[0].to_json(), make_plan(job)[0].to_json()
     assert a == b
+
+
+def test_offload_flips_on_as_device_memory_shrinks():
+    """Roomy device: no offload (it only adds PCIe copies and a CPU optimizer step). Shrink the
+    device below what ZeRO + full recompute need with states on it: offload is what fits."""
+    model = gpt_profile(8, 4096, 32, 51200, 2048)
+    hw = load_profile("dgx-a100-80g")
+    pins = Pins(tp=1, pp=1)
+    roomy = search(model, hw, 8, 16, "bf16", pins)
+    assert not roomy.strategy.offload
+    tight_hw = dataclasses.replace(hw, memory_gib=4.0, reserve_gib=0.0)
+    tight = search(model, tight_hw, 8, 16, "bf16", pins)
+    assert tight.strategy.offload and tight.strategy.zero >= 1 and tight.estimate.fits
+    assert tight.estimate.memory.host_bytes <= tight_hw.host_memory_bytes
+    with pytest.raises(UserError):  # without offload nothing fits
+        search(model, tight_hw, 8, 16, "bf16", dataclasses.replace(pins, offload=False))
+    assert tight.estimate.step_time_s > roomy.estimate.step_time_s
+
+
+def test_axis_orders_prune_exactly_and_dp_inside_the_node_can_win():
+    """On one node every order gives the same groups: only Megatron's is kept. On two nodes,
+    tp=2 x dp=8: Megatron's order (tp innermost) puts dp across nodes at 4 NICs x 24 GB/s;
+    dp innermost keeps dp on NVLink (230 GB/s) and sends tp over one NIC. With long gradients
+    (h = 4096) and short sequences (s = 128, b = 1: tiny tp messages) the dp all-reduce
+    dominates, so dp innermost wins under the cost model."""
+    from autopar.solve.space import axis_orders
+    hw = load_profile("dgx-a100-80g")
+    assert axis_orders(hw, dp=2, tp=2, pp=2) == [AXIS_ORDER]
+    orders = axis_orders(hw, dp=8, tp=2, pp=1)
+    dp_inner = ("pp", "tp", "dp")
+    assert orders[0] == AXIS_ORDER and dp_inner in orders
+    model = gpt_profile(4, 4096, 32, 1024, 128)
+    base = Strategy(dp=8, tp=2, pp=1, zero=0, micro_batch=1, num_microbatches=1)
+    megatron = estimate(model, hw, base, global_batch=8)
+    swapped = estimate(model, hw, dataclasses.replace(base, axis_order=dp_inner), global_batch=8)
+    assert swapped.step_time_s < megatron.step_time_s
+    assert swapped.time.dp_comm_s < megatron.time.dp_comm_s
+    assert swapped.time.tp_comm_s > megatron.time.tp_comm_s
+    sol = search(model, hw, 16, 8, "bf16", Pins(tp=2, pp=1, zero=0, axis_order=dp_inner))
+    assert sol.strategy.axis_order == dp_inner and sol.optimal
