@@ -22,7 +22,7 @@ from rich.console import Console
 from rich.table import Table
 
 from autopar.errors import UserError
-from autopar.plan import Plan, load_plan
+from autopar.plan import AXES, Plan, load_plan
 from autopar.solve import Pins, Solution, explain as explain_plan, explanation_dict
 from autopar.workflow import estimate_strategy, fixed_strategy, make_plan, read_job
 from cost_models import ProfileError
@@ -99,6 +99,8 @@ def _print_plan(plan: Plan) -> None:
     table.add_row("micro-batch x micro-batches", f"{plan.micro_batch_size} x {plan.num_microbatches}")
     table.add_row("schedule", plan.schedule + (f" (v={plan.virtual_stages})" if plan.virtual_stages > 1 else ""))
     table.add_row("sequence parallel", str(plan.sequence_parallel))
+    table.add_row("cpu offload", str(plan.offload))
+    table.add_row("mesh axis order", " > ".join(plan.axis_order) + " (outermost first)")
     table.add_row("stage layers", " ".join(map(str, plan.stage_layers)))
     table.add_row("recompute", ", ".join(f"{mode} x{plan.recompute.count(mode)}"
                                          for mode in ("none", "selective", "full") if mode in plan.recompute))
@@ -106,6 +108,16 @@ def _print_plan(plan: Plan) -> None:
         table.add_row("fits", f"{'yes' if plan.estimate.fits else 'NO'} (peak "
                       f"{_gib(plan.estimate.memory.peak_bytes)} per device)")
     console.print(table)
+
+
+def _axis_order(text: str | None) -> tuple[str, ...] | None:
+    """``--axis-order pp,dp,tp`` as a tuple; a wrong list is a one-line error."""
+    if text is None:
+        return None
+    order = tuple(a.strip() for a in text.split(","))
+    if sorted(order) != sorted(AXES):
+        raise UserError(f"--axis-order {text!r} must list {', '.join(AXES)} once each, outermost first")
+    return order
 
 
 def _check_cp(cp: int) -> None:
@@ -126,6 +138,10 @@ def plan(model: str = MODEL, cluster: str = CLUSTER, gpus: int = GPUS, global_ba
          cp: int = typer.Option(1, "--cp", help="Context-parallel degree (1 only for now)"),
          sp: Optional[bool] = typer.Option(None, "--sp/--no-sp", help="Pin sequence parallelism"),
          recompute: Optional[Recompute] = typer.Option(None, "--recompute", help="Pin recompute mode"),
+         offload: Optional[bool] = typer.Option(None, "--offload/--no-offload",
+                                                help="Pin CPU offload of ZeRO shards and the optimizer step"),
+         axis_order: Optional[str] = typer.Option(None, "--axis-order",
+                                                  help="Pin the mesh axis order, outermost first, e.g. pp,dp,tp"),
          out: Optional[Path] = typer.Option(None, "--out", help="Write the plan JSON here"),
          time_limit: float = typer.Option(60.0, "--time-limit", help="Search time limit, s"),
          as_json: bool = JSON) -> None:
@@ -136,7 +152,8 @@ def plan(model: str = MODEL, cluster: str = CLUSTER, gpus: int = GPUS, global_ba
         job = read_job(model, cluster, gpus, global_batch, seq_len, dtype)
         pins = Pins(dp=dp, tp=tp, pp=pp, zero=zero, micro_batch=mbs,
                     schedule=schedule.value if schedule else None, virtual_stages=vpp,
-                    sequence_parallel=sp, recompute=recompute.value if recompute else None)
+                    sequence_parallel=sp, recompute=recompute.value if recompute else None,
+                    offload=offload, axis_order=_axis_order(axis_order))
         result, sol = make_plan(job, pins, time_limit)
         if out is not None:
             result.save(out)

@@ -130,6 +130,18 @@ def test_demo_plans_runs_and_compares():
     assert "step 1: loss" in res.stdout
 
 
+def test_offload_and_axis_order_pins_reach_the_plan():
+    res = invoke("plan", "--model", "gpt:layers=4,hidden=128,heads=4,vocab=512,seq=64,tied=0", "--cluster",
+                 "dgx-a100-80g", "--gpus", "16", "--global-batch", "64", "--axis-order", "tp,dp,pp", "--offload",
+                 "--zero", "1", "--json")
+    assert res.exit_code == 0, res.output
+    plan = json.loads(res.stdout)["plan"]
+    assert plan["axis_order"] == ["tp", "dp", "pp"] and plan["offload"] is True and plan["zero_stage"] == 1
+    bad = invoke("plan", "--model", "gpt2", "--cluster", "dgx-a100-80g", "--gpus", "16", "--global-batch", "64",
+                 "--axis-order", "tp,dp")
+    assert bad.exit_code == 2 and "must list pp, dp, tp" in bad.stderr and len(bad.stderr.strip().splitlines()) == 1
+
+
 def test_cli_surface_is_frozen():
     names = sorted(c.name or c.callback.__name__ for c in app.registered_commands)
     assert names == ["demo", "estimate", "explain", "inspect", "plan", "run"]
