@@ -14,9 +14,10 @@ from pathlib import Path
 
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+from torch.nn.parallel import DistributedDataParallel
 
 from autopar.runtime.state import clean_name
-from autopar.spec import parse_model_spec
+
 
 def _tied_names(prog) -> tuple[str, str]:
     """(the head's weight, the embedding's weight): one tensor when the model ties them."""
@@ -26,9 +27,8 @@ def _tied_names(prog) -> tuple[str, str]:
 def _aliases(prog, module) -> dict[str, str]:
     """Saved name of each local name that differs (the last stage's tied head copy)."""
     copy, name = _tied_names(prog)
-    local = {clean_name(n) for n, _ in module.named_parameters()}
-    tied = parse_model_spec(prog.plan.model).tied
-    return {copy: name} if tied and copy in local and name not in local else {}
+    local = {clean_name(n, isinstance(module, DistributedDataParallel)) for n, _ in module.named_parameters()}
+    return {copy: name} if prog.spec.tied and copy in local and name not in local else {}
 
 
 def _rename(d: dict, names: dict[str, str]) -> dict:
@@ -48,10 +48,9 @@ def _stages(prog) -> list[tuple[dict, dict, dict[str, str]]]:
 
 
 def _merged(prog, stages) -> dict:
-    """One dict for DCP; a whole tied model's ``output.weight`` is the embedding, saved once."""
-    tied = parse_model_spec(prog.plan.model).tied
+    """One dict for DCP; a whole tied model's head weight is the embedding, saved once."""
     copy, _ = _tied_names(prog)
-    return {"model": {k: v for m, _, _ in stages for k, v in m.items() if not (tied and k == copy)},
+    return {"model": {k: v for m, _, _ in stages for k, v in m.items() if not (prog.spec.tied and k == copy)},
             "optim": {k: v for _, o, _ in stages for k, v in o["state"].items()}}
 
 

@@ -4,30 +4,31 @@ from __future__ import annotations
 
 import torch
 from torch.distributed.tensor import DTensor
+from torch.nn.parallel import DistributedDataParallel
 
-from autopar.spec import parse_model_spec
+CHECKPOINT_PART = "_checkpoint_wrapped_module"
+"""The name component checkpoint_wrapper inserts; DDP prefixes ``module``; FSDP2 and TP keep
+names unchanged."""
 
-WRAPPER_PREFIXES = ("_checkpoint_wrapped_module.", "module.")
-"""Name parts that checkpoint_wrapper and DDP insert; FSDP2 and TP keep names unchanged."""
 
-
-def clean_name(name: str) -> str:
+def clean_name(name: str, ddp: bool = False) -> str:
     """A parameter name as the unwrapped single-process model spells it."""
-    for part in WRAPPER_PREFIXES:
-        name = name.replace(part, "")
-    return name
+    parts = [p for p in name.split(".") if p != CHECKPOINT_PART]
+    return ".".join(parts[1:] if ddp and parts[0] == "module" else parts)
 
 
 def full_state(prog) -> dict[str, torch.Tensor] | None:
     """Full parameter values of this rank's stages, on CPU; ``None`` except on dp and tp rank 0.
     Collective over the tp and dp axes: every rank must call it."""
-    tied = parse_model_spec(prog.plan.model).tied
+    tied = prog.spec.tied
     copy = f"{prog.anatomy.head}.weight"
     out: dict[str, torch.Tensor] = {}
     for module in prog.modules:
+        ddp = isinstance(module, DistributedDataParallel)
         for name, p in module.named_parameters():
-            if tied and clean_name(name) == copy:
+            key = clean_name(name, ddp)
+            if tied and key == copy:
                 continue  # the last stage's copy of the embedding, equal to it after every step
             full = p.full_tensor() if isinstance(p, DTensor) else p
-            out[clean_name(name)] = full.detach().float().cpu().clone()
+            out[key] = full.detach().float().cpu().clone()
     return out if prog.ctx.dp_rank == 0 and prog.ctx.tp_rank == 0 else None

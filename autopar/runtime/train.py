@@ -1,9 +1,9 @@
 """Build this rank's program from a Plan and train it on synthetic tokens.
 
-``build_program`` is the codegen: spec → built-in model on ``meta`` → this rank's pipeline
-stages (pruned) → materialised and initialised (every parameter seeded by its name, so any
-layout holds the single-process values) → TP/SP → recompute → DP. ``train`` runs optimizer
-steps and returns one global-batch loss per step.
+``build_program`` is the codegen: spec → model on ``meta``, traced once for its anatomy →
+this rank's pipeline stages (pruned, materialised, every parameter seeded by its name so any
+layout holds the single-process values; ``runtime.models``) → TP/SP → recompute → DP →
+pipeline schedule. ``train`` runs optimizer steps and returns one global-batch loss per step.
 
 The global batch is the same for every plan of a model (``synthetic_batch``); dp rank r takes
 rows ``[r B/dp, (r+1) B/dp)`` and cuts them into ``num_microbatches`` micro-batches. The loss
@@ -27,12 +27,12 @@ from torch.distributed.tensor.parallel import loss_parallel
 from autopar.model import cross_entropy
 from autopar.plan import Plan
 from autopar.runtime import parallelize
-from autopar.runtime.context import DTYPES, ParallelContext, check_plan
+from autopar.runtime.context import DTYPES, Axis, ParallelContext, check_plan
 from autopar.runtime.anatomy import Anatomy, anatomy
 from autopar.runtime.models import build_stage
 from autopar.runtime.pipeline import build_schedule, stage_ids
 from autopar.trace import build_spec_model, trace_module
-from autopar.spec import parse_model_spec, with_seq
+from autopar.spec import ModelSpec, parse_model_spec, with_seq
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -52,6 +52,7 @@ class Program:
 
     plan: Plan
     ctx: ParallelContext
+    spec: ModelSpec
     anatomy: Anatomy
     modules: list[nn.Module]
     """Local pipeline stages (one without pipelining), DP-wrapped."""
@@ -75,12 +76,12 @@ class RunResult:
     """Optimizer steps already taken when this run began (from a checkpoint)."""
 
 
-def synthetic_batch(plan: Plan, step: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
+def synthetic_batch(plan: Plan, step: int, seed: int, vocab: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """The global batch of ``step``: uniform random tokens, inputs and next-token targets,
     each [global_batch, seq_len] int64, identical on every rank and for every plan."""
-    spec = parse_model_spec(plan.model)
+    vocab = vocab or parse_model_spec(plan.model).vocab
     gen = torch.Generator().manual_seed(seed * 1_000_003 + step)
-    tokens = torch.randint(0, spec.vocab, (plan.global_batch, plan.seq_len + 1), generator=gen)
+    tokens = torch.randint(0, vocab, (plan.global_batch, plan.seq_len + 1), generator=gen)
     return tokens[:, :-1], tokens[:, 1:]
 
 
@@ -103,8 +104,8 @@ def build_program(plan: Plan, ctx: ParallelContext, cfg: TrainConfig = TrainConf
     optimizers = [parallelize.make_optimizer(mod, cfg.lr, cfg.weight_decay) for mod in modules]
     schedule = build_schedule(plan, ctx, modules, ids, cross_entropy) if plan.mesh.pp > 1 else None
     tied = _tied_group(ctx, plan.mesh.pp) if spec.tied and plan.mesh.pp > 1 else None
-    return Program(plan=plan, ctx=ctx, anatomy=anat, modules=modules, stage_ids=ids, optimizers=optimizers,
-                   schedule=schedule, tied_group=tied)
+    return Program(plan=plan, ctx=ctx, spec=spec, anatomy=anat, modules=modules, stage_ids=ids,
+                   optimizers=optimizers, schedule=schedule, tied_group=tied)
 
 
 def _tied_group(ctx: ParallelContext, pp: int) -> dist.ProcessGroup | None:
@@ -112,7 +113,7 @@ def _tied_group(ctx: ParallelContext, pp: int) -> dist.ProcessGroup | None:
     stage keep a copy each and sum their gradients. Every rank creates every pair (new_group is
     collective); this rank gets its own pair, or None off the first and last stage."""
     names = ctx.mesh.mesh_dim_names
-    ranks = ctx.mesh.mesh.permute(*(names.index(a) for a in ("pp", "dp", "tp")))  # [pp, dp, tp] global ranks
+    ranks = ctx.mesh.mesh.permute(*(names.index(a.value) for a in (Axis.PP, Axis.DP, Axis.TP)))  # [pp, dp, tp]
     mine = None
     for d in range(ranks.shape[1]):
         for t in range(ranks.shape[2]):
@@ -122,7 +123,7 @@ def _tied_group(ctx: ParallelContext, pp: int) -> dist.ProcessGroup | None:
     return mine if ctx.pp_rank in (0, pp - 1) else None
 
 
-def tied_weight(module: nn.Module, anat: Anatomy) -> nn.Parameter | None:
+def _tied_weight(module: nn.Module, anat: Anatomy) -> nn.Parameter | None:
     """This stage's embedding weight, or its copy in the head, or None."""
     for name in (anat.embed, anat.head):
         try:
@@ -135,7 +136,7 @@ def tied_weight(module: nn.Module, anat: Anatomy) -> nn.Parameter | None:
 def _sync_tied_grads(prog: Program) -> None:
     """Sum the embedding's and the head copy's gradients (both sharded alike over dp and tp)."""
     for module in prog.modules:
-        weight = tied_weight(module, prog.anatomy)
+        weight = _tied_weight(module, prog.anatomy)
         if weight is None or weight.grad is None:
             continue
         grad = weight.grad.to_local() if isinstance(weight.grad, DTensor) else weight.grad
@@ -191,7 +192,7 @@ def _step_pipeline(prog: Program, x: torch.Tensor, y: torch.Tensor) -> float:
 
 def train_step(prog: Program, step: int, cfg: TrainConfig) -> float:
     """One optimizer step on the synthetic batch of ``step``; the global-batch mean loss."""
-    return step_on_batch(prog, *synthetic_batch(prog.plan, step, cfg.seed))
+    return step_on_batch(prog, *synthetic_batch(prog.plan, step, cfg.seed, prog.spec.vocab))
 
 
 def step_on_batch(prog: Program, tokens: torch.Tensor, targets: torch.Tensor) -> float:
