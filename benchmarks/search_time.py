@@ -42,7 +42,9 @@ TABLE1 = [("megatron-1.7b", 1, 1, 32, 512), ("megatron-3.6b", 2, 1, 64, 512),
 
 
 def _describe(s) -> str:
-    return describe(s)
+    """The plan, with its mesh axis order when it is not Megatron's (pp, dp, tp)."""
+    order = "" if s.axis_order == ("pp", "dp", "tp") else f" order={','.join(s.axis_order)}"
+    return describe(s) + order
 
 
 def time_jobs(repeats: int, time_limit: float) -> None:

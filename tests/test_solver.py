@@ -38,11 +38,15 @@ def brute_force(model, hw, gpus, batch, dtype, pins=Pins()):
     blocks over the stages (at least ``min_layers`` each) and every mix of recompute modes on
     every stage, within device and host memory."""
     best = None
-    orders = [pins.axis_order or AXIS_ORDER]
+    orders = [pins.axis_order] if pins.axis_order else list(itertools.permutations(AXIS_ORDER))
     cands = [cand for order in orders for cand in outer_candidates(
         model, hw, gpus, batch, dtype, dataclasses.replace(pins, axis_order=order))]
+    seen = set()
     for cand in cands:
         c = stage_costs(model, hw, cand.strategy)
+        if (c, cand.modes, cand.min_layers) in seen:
+            continue  # an order giving the same groups: the same costs, enumerated already
+        seen.add((c, cand.modes, cand.min_layers))
         p, L = cand.strategy.pp, model.layers
         # per stage and block count: the loads that fit, with their T_s and D_s
         options = [{n: [(c.stage_time_s(s, ld), c.stage_dp_time_s(s, ld))
@@ -251,3 +255,16 @@ def test_axis_orders_prune_exactly_and_dp_inside_the_node_can_win():
     assert swapped.time.tp_comm_s > megatron.time.tp_comm_s
     sol = search(model, hw, 16, 8, "bf16", Pins(tp=2, pp=1, zero=0, axis_order=dp_inner))
     assert sol.strategy.axis_order == dp_inner and sol.optimal
+    # Unpinned, the search finds it by itself (the order is searched by default).
+    free = search(model, hw, 16, 8, "bf16", Pins(tp=2, pp=1, zero=0))
+    pinned = search(model, hw, 16, 8, "bf16", Pins(tp=2, pp=1, zero=0, axis_order=AXIS_ORDER))
+    assert free.optimal and free.strategy.axis_order == dp_inner
+    assert free.estimate.step_time_s == pytest.approx(sol.estimate.step_time_s, rel=1e-12)
+    assert free.estimate.step_time_s < pinned.estimate.step_time_s
+    assert free.candidates > pinned.candidates
+
+
+def test_ties_between_axis_orders_keep_megatrons():
+    """On one node every order gives the same groups: the plan keeps Megatron's order."""
+    model, hw = gpt_profile(8, 1024, 16, 32000, 1024), load_profile("dgx-a100-80g")
+    assert search(model, hw, 8, 32, "bf16").strategy.axis_order == AXIS_ORDER

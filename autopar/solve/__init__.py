@@ -9,7 +9,10 @@ straddles nodes) and the attention and kv heads; pp | gpus/tp with pp ≤ layers
 dp = gpus/(tp·pp) dividing the global batch B; micro-batch b | B/dp, m = B/(dp·b) micro-batches
 (m ≥ pp when pp > 1); ZeRO 0-3 (0 when dp = 1); schedule 1F1B, GPipe, interleaved with
 v = 2 … L/pp chunks (m a multiple of pp) and zero-bubble (pp > 1); sequence parallelism
-(tp > 1). Combinations ``autopar.plan.runtime_unsupported`` refuses are skipped. Any dimension
+(tp > 1); CPU offload (ZeRO ≥ 1); the rank order of the mesh axes (``Strategy.axis_order``, a
+permutation of pp, dp, tp, outermost first), every order not dominated group by group by one
+kept before it (``space.axis_orders``: exact; Megatron's first, and the only one on one node).
+Combinations ``autopar.plan.runtime_unsupported`` refuses are skipped. Any dimension
 may be pinned (``Pins``). Recompute is chosen per block by the inner model, except under
 zero-bubble (its fill fraction depends on the mode, ``cost_models.pipeline``): there the outer
 loop enumerates one mode for every block. A pinned ``recompute`` applies to every block.
@@ -44,7 +47,13 @@ within τ*, take blocks off where the marginal time is largest, fastest mix per 
 Pruning (``search``): ``lower_bound`` (every block at its fastest allowed mode, slowest stage
 ≥ mean) orders the candidates; a candidate is then refined with its memory-aware bound:
 sum_weight · max(LP bound on Σ T_s, least Σ T_s of the tables (a min-plus convolution))
-+ max_weight · max(mean, τ*) + max(mean D, every stage's fixed tail plus its fewest blocks). Once the bound reaches
++ max_weight · max(mean, τ*) + max(mean D, every stage's fixed tail plus its fewest blocks).
+Offload candidates borrow the bound of their twin without offload (never faster) until popped.
+The other kept axis orders of a candidate wait behind one heap item keyed by an order-free
+bound: its costs with every axis in the best group any order gives it (adjacent ranks:
+``space.order_free_hardware``; every cost is monotone in the groups), refined with its memory
+rows (memory reads no order: no order fits when Megatron's does not); only when that LP bound
+is below the incumbent are the orders costed and pushed one by one. Once the bound reaches
 the incumbent (or the ``keep``-th best, for alternatives) the rest are pruned. A candidate whose
 greedy placement meets its bound is optimal without CP-SAT; otherwise CP-SAT, seeded with the
 greedy placement (``AddHint``), proves or improves it within ``search.EFFORT`` deterministic
@@ -52,7 +61,8 @@ seconds, after which the candidate keeps its best placement and its proven bound
 one is also the fallback when CP-SAT finds nothing). The plan's gap is measured against the
 least bound left open. A time limit stops the loop and returns the best plan with its proven
 gap. CP-SAT runs with one worker and a fixed seed and is capped in deterministic time, and ties
-keep the first candidate in the fixed order, so identical inputs give an identical plan. ``infeasible`` explains a search with no plan; ``explain`` a plan's choices.
+keep the first candidate in the fixed order (every candidate in Megatron's axis order before
+any in another), so identical inputs give an identical plan. ``infeasible`` explains a search with no plan; ``explain`` a plan's choices.
 """
 
 from autopar.solve.core import Placement, solve_placement

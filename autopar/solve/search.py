@@ -10,15 +10,28 @@ from dataclasses import dataclass, replace
 from autopar.errors import UserError
 from autopar.solve.core import solve_placement, stage_upper_bounds
 from autopar.solve.infeasible import does_not_fit, no_candidate_reason
-from autopar.solve.space import Candidate, Pins, outer_candidates
+from autopar.solve.space import Candidate, Pins, axis_orders, order_free_hardware, outer_candidates
 from autopar.solve.tables import StageTables, bottleneck, greedy, least_total, stage_tables
 from cost_models import HardwareProfile, ModelProfile, StageCosts, Strategy, estimate, stage_costs
-from cost_models.strategy import RECOMPUTE, Estimate
+from cost_models.estimate import parts_key
+from cost_models.pipeline import chunks
+from cost_models.strategy import AXIS_ORDER, RECOMPUTE, Estimate
 
 TIE = 1e-12
 """Relative difference below which two step times tie (the earlier candidate wins)."""
 EFFORT = 2.0
 """CP-SAT deterministic-time cap per candidate; past it the candidate keeps its bound."""
+LATER = 1 << 40
+"""Added to the fixed order of a candidate in a non-default axis order: ties keep Megatron's."""
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class _OtherOrders:
+    """A heap item standing for the other kept axis orders of candidate ``twin`` (its index
+    in Megatron's order), keyed by a bound valid for every order (``_order_free_blind``)."""
+
+    twin: int
+    orders: tuple[tuple[str, ...], ...]
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -129,24 +142,82 @@ def placed_strategy(strat: Strategy, loads: tuple[tuple[int, ...], ...]) -> Stra
                    stage_recompute=loads)
 
 
+def _order_free_base(model: ModelProfile, hw: HardwareProfile, strat: Strategy,
+                     cache: dict) -> StageCosts:
+    """``strat``'s costs as 1F1B with each axis in its best group, by ``parts_key`` up to the
+    order (``space.order_free_hardware``)."""
+    key = parts_key(replace(strat, axis_order=AXIS_ORDER))
+    base = cache.get(key)
+    if base is None:
+        hw_b, order = order_free_hardware(hw, strat.dp, strat.tp, strat.pp)
+        base = stage_costs(model, hw_b, replace(strat, axis_order=order, schedule="1f1b",
+                                                virtual_stages=1))
+        cache[key] = base
+    return base
+
+
+def _order_free_blind(base: StageCosts, strat: Strategy, c: StageCosts, layers: int,
+                      modes: tuple[int, ...]) -> float:
+    """``lower_bound`` with no cap of ``_order_free_costs`` (the same closed form: every
+    block at its fastest mode, the slowest stage at least the mean, D at least the mean)."""
+    times = (c.pp * base.p2p_time_s * chunks(strat) + base.first_time_s + base.last_time_s
+             + layers * min(base.mode_time_s[r] for r in modes))
+    dp = base.first_dp_time_s + base.last_dp_time_s + layers * min(base.mode_dp_time_s[r]
+                                                                   for r in modes)
+    return c.sum_weight * times + c.max_weight * times / c.pp + dp / c.pp
+
+
+def _order_free_costs(model: ModelProfile, hw: HardwareProfile, strat: Strategy, c: StageCosts,
+                      cache: dict) -> StageCosts:
+    """``c`` (the costs of ``strat``) with the time coefficients of ``strat`` under every axis
+    order at once: each axis in its best group (``space.order_free_hardware``; costs are
+    monotone in the groups), so every bound computed from them holds for every order. Memory
+    and the schedule weights read no order (the weights read compute only) and stay. The
+    coefficients are shared by the strategies with the same ``parts_key`` up to the order."""
+    base = _order_free_base(model, hw, strat, cache)
+    return replace(c, mode_time_s=base.mode_time_s, first_time_s=base.first_time_s,
+                   last_time_s=base.last_time_s, p2p_time_s=base.p2p_time_s * chunks(strat),
+                   mode_dp_time_s=base.mode_dp_time_s, first_dp_time_s=base.first_dp_time_s,
+                   last_dp_time_s=base.last_dp_time_s)
+
+
 def _ordered(model: ModelProfile, hw: HardwareProfile, gpus: int, global_batch: int,
-             dtype: str, pins: Pins) -> tuple[list[tuple[float, int, Candidate, StageCosts | None]], int]:
-    """Every outer candidate with its memory-blind bound (``lower_bound`` with no cap), in
-    (bound, order) order, and how many there are. Offload candidates borrow the bound of
-    their twin without offload (no ``StageCosts`` yet: None) and are costed when popped."""
-    scored, cache, twins = [], {}, {}
+             dtype: str, pins: Pins) -> tuple[list[tuple[float, int, Candidate, object]], int, dict]:
+    """Every outer candidate with its memory-blind bound (``lower_bound`` with no cap) and
+    fixed order, how many there are (other axis orders included), and the cost cache. Offload candidates borrow
+    the bound of their twin without offload (no ``StageCosts`` yet: None) and are costed when
+    popped. Unless the order is pinned, a candidate whose degrees have other kept axis orders
+    (``space.axis_orders``) is followed by one ``_OtherOrders`` item, with the order-free bound
+    of its twin without offload; its orders are costed only when it is popped."""
+    scored, cache, base_cache, twins, free, orders_of = [], {}, {}, {}, {}, {}
+    total = 0
     for order, cand in enumerate(outer_candidates(model, hw, gpus, global_batch, dtype, pins)):
-        twin = replace(cand.strategy, offload=False)
-        if cand.strategy.offload and twin in twins:
+        st = cand.strategy
+        twin = replace(st, offload=False)
+        total += 1
+        if st.offload and twin in twins:
             # Offload is never faster than its twin without it (CPU optimizer step, PCIe
             # copies on top), so the twin's bound holds; its own costs wait until popped.
             scored.append((twins[twin], order, cand, None))
+            key = twin
+        else:
+            c = stage_costs(model, hw, st, cache)
+            scored.append((lower_bound(c, model.layers, cand.modes), order, cand, c))
+            twins[st] = scored[-1][0]
+            key = st
+        if pins.axis_order is not None:
             continue
-        c = stage_costs(model, hw, cand.strategy, cache)
-        scored.append((lower_bound(c, model.layers, cand.modes), order, cand, c))
-        twins[cand.strategy] = scored[-1][0]
-    scored.sort(key=lambda x: (x[0], x[1]))
-    return scored, len(scored)
+        degrees = (st.dp, st.tp, st.pp)
+        if degrees not in orders_of:
+            orders_of[degrees] = tuple(axis_orders(hw, *degrees)[1:])
+        if orders_of[degrees]:
+            if key not in free:
+                free[key] = min(twins[key], _order_free_blind(
+                    _order_free_base(model, hw, st, base_cache), st, c, model.layers, cand.modes))
+            scored.append((free[key], LATER + 8 * order, cand,
+                           _OtherOrders(twin=len(scored) - 1, orders=orders_of[degrees])))
+            total += len(orders_of[degrees])
+    return scored, total, cache, base_cache
 
 
 @dataclass(frozen=True, kw_only=True, slots=True, eq=False)
@@ -159,10 +230,12 @@ class _Refined:
 
 
 def _refine(c: StageCosts, cand: Candidate, layers: int, cap: float,
-            ref: _Refined | None) -> _Refined:
+            ref: _Refined | None, upper: list[int] | None = None) -> _Refined:
     """The next memory-aware bound of a candidate (``inf`` when no placement fits): first the
-    LP bound (no tables), then with the per-stage tables and the exact bottleneck τ*."""
-    upper = stage_upper_bounds(c, layers, cap, cand.modes)
+    LP bound (no tables), then with the per-stage tables and the exact bottleneck τ*.
+    ``upper``: ``stage_upper_bounds`` of ``c`` when known (memory reads no axis order)."""
+    if upper is None:
+        upper = stage_upper_bounds(c, layers, cap, cand.modes)
     if min(upper) < cand.min_layers or sum(upper) < layers:
         return _Refined(bound=float("inf"))
     if ref is None:
@@ -207,11 +280,12 @@ def search(model: ModelProfile, hw: HardwareProfile, gpus: int, global_batch: in
     ``keep`` > 1 also proves the ``keep`` best outer candidates (``Solution.alternatives``)."""
     start = time.perf_counter()
     cap = hw.memory_bytes
-    scored, total = _ordered(model, hw, gpus, global_batch, dtype, pins)
+    scored, total, cache, free_cache = _ordered(model, hw, gpus, global_batch, dtype, pins)
     if total == 0:
         raise UserError(no_candidate_reason(model, hw, gpus, global_batch, pins))
     found: list[tuple[float, int, Strategy]] = []  # sorted best first, at most ``keep``
     solved, cut, open_bounds = 0, False, []
+    uppers, twin_of = {}, {}  # stage_upper_bounds by candidate in Megatron's order; its index
     # Best-first over (bound, order): a candidate is first popped with its memory-blind bound,
     # pushed back with its LP memory-aware one, then with its table bound (τ*), and solved
     # when popped a third time.
@@ -231,14 +305,33 @@ def search(model: ModelProfile, hw: HardwareProfile, gpus: int, global_batch: in
             break
         heapq.heappop(heap)
         _, _, cand, c = scored[i]
+        if isinstance(c, _OtherOrders):
+            # The other axis orders of a candidate, as one candidate costed under the order-free
+            # profile: refined like the others (memory reads no order), then expanded.
+            if ref is None:
+                tlb, tord, _, twin_c = scored[c.twin]
+                if twin_c is None:
+                    twin_c = stage_costs(model, hw, cand.strategy, cache)
+                    scored[c.twin] = (tlb, tord, cand, twin_c)
+                upper = _upper(uppers, c.twin, twin_c, cand, model.layers, cap)
+                if min(upper) < cand.min_layers or sum(upper) < model.layers:
+                    continue  # fits in no order
+                ref = _refine(_order_free_costs(model, hw, cand.strategy, twin_c, free_cache),
+                              cand, model.layers, cap, ref, upper)
+                heapq.heappush(heap, (max(lb, ref.bound), order, ref, i))
+                continue
+            for k in _expand_orders(model, hw, scored, heap, c, lb, order, cache):
+                twin_of[k] = c.twin
+            continue
         if c is None:  # an offload candidate bounded by its twin: cost it now
-            c = stage_costs(model, hw, cand.strategy)
+            c = stage_costs(model, hw, cand.strategy, cache)
             scored[i] = (lb, order, cand, c)
             heapq.heappush(heap, (max(lb, lower_bound(c, model.layers, cand.modes)), order,
                                   None, i))
             continue
         if ref is None or ref.tables is None:
-            ref = _refine(c, cand, model.layers, cap, ref)
+            ref = _refine(c, cand, model.layers, cap, ref,
+                          _upper(uppers, twin_of.get(i, i), c, cand, model.layers, cap))
             heapq.heappush(heap, (max(lb, ref.bound), order, ref, i))
             continue
         if remaining <= 0:  # out of time with no plan yet: greedy placements only, no CP-SAT
@@ -277,6 +370,29 @@ def search(model: ModelProfile, hw: HardwareProfile, gpus: int, global_batch: in
     return Solution(strategy=best, estimate=est, time_s=time.perf_counter() - start,
                     candidates=total, solved=solved, optimal=proven, gap=gap,
                     alternatives=alts)
+
+
+def _upper(uppers: dict, key: int, c: StageCosts, cand: Candidate, layers: int,
+           cap: float) -> list[int]:
+    """``stage_upper_bounds``, once per candidate in Megatron's order (``key``, its index):
+    memory reads no axis order, so its other orders share them."""
+    if key not in uppers:
+        uppers[key] = stage_upper_bounds(c, layers, cap, cand.modes)
+    return uppers[key]
+
+
+def _expand_orders(model: ModelProfile, hw: HardwareProfile, scored: list, heap: list,
+                   item: _OtherOrders, lb: float, order: int, cache: dict) -> list[int]:
+    """Push the candidate ``item.twin`` in each of ``item.orders``, keyed by its own bound
+    and ``lb`` (the order-free bound, valid for each); their indices in ``scored``."""
+    twin = scored[item.twin][2]
+    for k, axes in enumerate(item.orders):
+        cand = replace(twin, strategy=replace(twin.strategy, axis_order=axes))
+        co = stage_costs(model, hw, cand.strategy, cache)
+        scored.append((lb, order + 1 + k, cand, co))
+        heapq.heappush(heap, (max(lb, lower_bound(co, model.layers, cand.modes)), order + 1 + k,
+                              None, len(scored) - 1))
+    return list(range(len(scored) - len(item.orders), len(scored)))
 
 
 def _dedupe_ties(found: list) -> list:

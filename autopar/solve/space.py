@@ -6,14 +6,16 @@ Axis orders (``axis_orders``): of the 6 permutations of (pp, dp, tp), the cost m
 order only through the tier of each axis's group (``comm.axis_groups``), and every cost is
 non-increasing in a group's bandwidths and non-decreasing in its latency. So an order whose
 groups of degree > 1 are each no better than those of an order already kept (Megatron's first)
-is dropped: exact, and on one node every order collapses to Megatron's.
+is dropped: exact, and on one node every order collapses to Megatron's. ``outer_candidates``
+yields each candidate in Megatron's order (or the pinned one); the search adds the other kept
+orders of a candidate lazily, behind ``order_free_hardware``'s bound (``search``).
 Offload (CPU, ``Strategy.offload``) is tried with ZeRO >= 1 and dp > 1 where the profile gives
 host figures; it is never faster, so the bound ordering prunes it unless memory binds."""
 
 from __future__ import annotations
 
 import itertools
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Iterator
 
 from autopar.plan import runtime_unsupported
@@ -115,6 +117,29 @@ def axis_orders(hw: HardwareProfile, dp: int, tp: int, pp: int,
             continue
         kept.append((order, groups))
     return [order for order, _ in kept]
+
+
+def order_free_hardware(hw: HardwareProfile, dp: int, tp: int,
+                        pp: int) -> tuple[HardwareProfile, tuple[str, ...]]:
+    """(profile, order) under which every axis of degree > 1 gets the best group any order
+    gives it on ``hw``, so costs under them bound those of every order from below.
+
+    The best group of an axis is its group with ranks adjacent (``comm.group`` is monotone in
+    the stride): on NVLink when its degree n ≤ devices_per_node (D), else across nodes with
+    D members per node, bus bandwidth min(intra, D · inter). The order puts the axes with
+    n ≤ D innermost and the profile has nodes of S devices, S the product of their degrees,
+    so they stay on NVLink; each larger axis (stride ≥ S) crosses nodes with 1 member per
+    node, and its bus bandwidth is D times the NIC's, its p2p and latency the NIC's."""
+    degree = {"dp": dp, "tp": tp, "pp": pp}
+    small = [ax for ax in AXIS_ORDER if 1 < degree[ax] <= hw.devices_per_node]
+    order = tuple([ax for ax in AXIS_ORDER if ax not in small] + small)
+    inter = hw.inter_node
+    wide = replace(inter, bw_gbps=hw.devices_per_node * inter.bw_gbps,
+                   p2p_bw_gbps=inter.p2p_bw_gbps or inter.bw_gbps)
+    nodes = 1
+    for ax in small:
+        nodes *= degree[ax]
+    return replace(hw, devices_per_node=nodes, inter_node=wide), order
 
 
 def _offloads(pins: Pins, hw: HardwareProfile) -> list[bool]:
