@@ -32,7 +32,8 @@ def test_megatron_params_match_eq2(name, billions):
     assert abs(graph.params / 1e9 - billions) <= 0.05
 
 
-@pytest.mark.parametrize("name", ["llama3-8b", "llama3-70b", "llama3-405b", "gpt3-175b", "gpt2-xl"])
+@pytest.mark.parametrize("name", ["llama3-8b", "llama3-70b", "llama3-405b", "gpt3-175b", "gpt2", "gpt2-medium",
+                                  "gpt2-large", "gpt2-xl"])
 def test_presets_match_published_sizes(name):
     assert trace_spec(PRESETS[name]).params == pytest.approx(PUBLISHED_PARAMS[name], rel=0.005)
 
