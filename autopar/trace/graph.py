@@ -67,7 +67,8 @@ class LinearInfo:
     """A weight GEMM of a block and how it can be split."""
 
     name: str
-    """The weight's parameter name inside the block (``self_attn.q_proj.weight``)."""
+    """The weight's full parameter name in the block's first repeat
+    (``model.layers.0.self_attn.q_proj.weight``)."""
     in_features: int
     out_features: int
     split: str
