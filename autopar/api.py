@@ -24,6 +24,7 @@ from autopar.errors import UserError
 from autopar.model import Transformer
 from autopar.plan import Plan
 from autopar.runtime.context import build_context, init_distributed
+from autopar.runtime.models import runtime_state_dict
 from autopar.runtime.train import Program, TrainConfig, build_program, step_on_batch
 from autopar.spec import ModelSpec
 from autopar.workflow import make_plan, read_job
@@ -72,7 +73,7 @@ def model_spec_text(model: nn.Module, seq: int) -> str:
 
 def _load_weights(prog: Program, model: nn.Module) -> None:
     """Copy a real model's weights into this rank's shards (a full state dict per stage)."""
-    full = model.state_dict()
+    full = runtime_state_dict(model, prog.anatomy)
     for module in prog.modules:
         mine = get_model_state_dict(module).keys()
         missing = [k for k in mine if k not in full]

@@ -62,3 +62,25 @@ def test_example_under_torchrun_matches_plain_pytorch():
     printed = [float(x) for x in re.findall(r"step \d+: loss ([0-9.]+)", proc.stdout)]
     assert "plan: dp=" in proc.stdout and len(printed) == 5
     assert printed == pytest.approx(plain_torch_losses(5), abs=1e-4)
+
+
+def test_real_gpt2_weights_load_into_the_runtime_layout():
+    """HF GPT-2's Conv1D weights ([in, out], Q/K/V fused) are stored transposed and packed per
+    head by the runtime: a real model's weights, copied in, train exactly like HF's own model."""
+    import autopar
+    config = transformers.GPT2Config(n_layer=2, n_embd=64, n_head=4, vocab_size=128, n_positions=16,
+                                     resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)
+    torch.manual_seed(0)
+    model = transformers.GPT2LMHeadModel(config)
+    tokens = torch.randint(0, 128, (8, 17), generator=torch.Generator().manual_seed(1))
+    par = autopar.parallelize(model, (tokens[:4, :-1],), cluster="cpu-local", global_batch=8)
+    got = [par.step(tokens[:, :-1], tokens[:, 1:]) for _ in range(2)]
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3, weight_decay=0.0)
+    want = []
+    for _ in range(2):
+        loss = F.cross_entropy(model(input_ids=tokens[:, :-1]).logits.flatten(0, 1), tokens[:, 1:].flatten())
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+        want.append(loss.item())
+    assert got == pytest.approx(want, abs=1e-5)

@@ -4,9 +4,11 @@ one process (same seed, same global batch), losses and final weights.
 Tolerances. Each plan sums the same float32 products in another order (sharded matmuls,
 all-reduces, micro-batch accumulation), so values differ by float32 rounding: a few ulps of
 the loss (|Δ| ≈ 1e-7 on ~4.9; we allow 2e-6). Weights after 3 AdamW steps of lr 1e-3 agree
-within 5e-5, 5 % of one step: Adam's update g/√v is scale-free, so an entry whose gradient is
-tiny carries the gradient's relative rounding error into a step of size ~lr (measured worst:
-2.6e-5, HF GPT-2's last c_proj). A missing or doubled reduction moves weights by ~lr. A gradient that is exactly zero in exact arithmetic (the key
+within 1e-4, 10 % of one step. Adam's first step is lr·g/(|g| + ε), ε = 1e-8: an entry whose
+gradient is near ε carries the gradient's relative rounding error into a step of size ~lr
+(measured worst: 5.5e-5, one of 16384 entries of HF GPT-2's last c_proj under TP, whose first
+gradient is 2.9e-9 against a median of 1.3e-3; every other entry is within 8e-6). A missing or
+doubled reduction moves weights by ~lr. A gradient that is exactly zero in exact arithmetic (the key
 bias: softmax is invariant to it) becomes noise ÷ noise, an O(lr) step in a random direction:
 those entries are compared with 5 lr. bf16 plans (FSDP2's MixedPrecisionPolicy, or autocast
 without FSDP2) are compared with the fp32 run: loss within 5e-2, weights within 5 lr.
@@ -39,7 +41,7 @@ HF_LLAMA = ("hf:LlamaConfig:num_hidden_layers=4,hidden_size=64,num_attention_hea
 HF_GPT2 = "hf:GPT2Config:n_layer=4,n_embd=64,n_head=4,vocab_size=128,resid_pdrop=0,embd_pdrop=0,attn_pdrop=0,seq=16"
 STEPS = 3
 LOSS_TOL = 2e-6
-PARAM_TOL = 5e-5
+PARAM_TOL = 1e-4
 BF16_LOSS_TOL = 5e-2  # bf16 keeps 8 mantissa bits (~4e-3 relative per op); measured |Δloss| ≤ 2e-2
 ZERO_GRAD_PARAMS = ("attn.k.bias",)  # softmax(q kᵀ) does not depend on the key bias
 LR = TrainConfig().lr
@@ -86,8 +88,9 @@ PLANS_4 = {
     "hf llama pp2 interleaved x dp2 zero2": make_plan(HF_LLAMA, pp=2, dp=2, zero=2, mbs=1, m=4,
                                                       schedule="interleaved", v=2),
     "hf llama pp4 full recompute": make_plan(HF_LLAMA, pp=4, mbs=2, m=4, recompute="full"),
-    "hf gpt2 tied pp2 x dp2 ddp-like": make_plan(HF_GPT2, pp=2, dp=2, mbs=2, m=2, layers=(1, 3)),
-    "hf gpt2 ddp": make_plan(HF_GPT2, dp=4, mbs=1, m=2),
+    "hf gpt2 tied pp2 x tp2 full recompute": make_plan(HF_GPT2, pp=2, tp=2, mbs=2, m=4, layers=(1, 3),
+                                                       recompute="full"),
+    "hf gpt2 tp2 sp x dp2 zero2": make_plan(HF_GPT2, tp=2, dp=2, zero=2, sp=True, mbs=1, m=4),
 }
 PLANS_8 = {
     "gpt tied 3d pp2 dp2 tp2 sp zero2, pp innermost": make_plan(GPT_TIED, pp=2, dp=2, tp=2, sp=True, zero=2, mbs=1, m=4,
@@ -139,6 +142,7 @@ def runs_8(tmp_path_factory):
 def _assert_parity(name: str, plan: Plan, run, references) -> None:
     (result, state), (ref, ref_state) = run, references[plan.model]
     low = plan.dtype != "fp32"
+    assert plan.global_batch == 8, f"{name}: the reference trains on a global batch of 8"
     assert len(result.losses) == STEPS and len(result.step_times_s) == STEPS
     for step, (got, want) in enumerate(zip(result.losses, ref.losses)):
         assert abs(got - want) <= (BF16_LOSS_TOL if low else LOSS_TOL), f"{name}: step {step} loss {got} vs {want}"
@@ -208,17 +212,6 @@ def test_resume_on_other_plans(tmp_path, references):
 def test_refusals_name_the_fix():
     """What the runtime cannot run is refused before any process starts, naming the fix."""
     from autopar.runtime.context import check_plan
-    ctx = ParallelContext(mesh=None, device=torch.device("cpu"))
-    with pytest.raises(ValueError, match="use tp=1 for this model"):  # GPT-2's fused Conv1D q/k/v
-        from autopar.runtime.parallelize import apply_tensor_parallel
-        from autopar.runtime.anatomy import anatomy
-        from autopar.runtime.models import build_stage
-        from autopar.spec import parse_model_spec
-        from autopar.trace import build_spec_model, trace_module
-        spec = parse_model_spec(HF_GPT2)
-        whole, example = build_spec_model(spec)
-        anat = anatomy(trace_module(whole, example, capture="export"), whole, spec.vocab)
-        apply_tensor_parallel(build_stage(spec, anat, make_plan(HF_GPT2), 0, ctx.device, 0), ctx, False, anat)
     with pytest.raises(ValueError, match="--zero 2"):
         check_plan(make_plan(GPT, pp=2, dp=2, zero=3, mbs=1, m=2, schedule="zero-bubble"))
 

@@ -78,6 +78,8 @@ def test_hf_gpt2_and_its_dropout():
     # Conv1D weights (addmm): fused QKV is column-parallel, the projections row-parallel.
     assert [lin.split for lin in block.linears] == ["column", "row", "column", "row"]
     assert [lin.out_features for lin in block.linears] == [3 * 64, 64, 4 * 64, 64]
+    # The fused QKV's output is cut into three equal chunks: TP must shard each by heads.
+    assert [lin.packed for lin in block.linears] == [3, 1, 1, 1]
     # GPT-2 trains with attention dropout 0.1: the recipe keeps 5as in the core, as Korthikanti.
     assert block.recipe_activations.attn == 5 * spec.heads * spec.seq * graph.tokens
     # Narayanan Eq. 2 (plus the final LayerNorm), with GPT-2's tied head.

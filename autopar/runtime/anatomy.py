@@ -37,6 +37,9 @@ class Anatomy:
     """Column-parallel GEMMs of a block, relative to it."""
     row: tuple[str, ...]
     """Row-parallel GEMMs of a block, relative to it."""
+    packed: tuple[tuple[str, int], ...] = ()
+    """(column GEMM, chunks) of each GEMM whose output the block cuts into equal chunks
+    (GPT-2's fused Q/K/V: ``("attn.c_attn", 3)``)."""
     norms: tuple[str, ...]
     """Norms of a block, relative to it."""
 
@@ -79,4 +82,6 @@ def anatomy(graph: ModelGraph, model: nn.Module, vocab: int) -> Anatomy:
     first_extra = tuple(m for m in before if m != embed and m not in after_blocks)
     return Anatomy(blocks=block.names, container=_parent(first), embed=embed, first_extra=first_extra,
                    final_norm=after_blocks[-1] if after_blocks else "", head=head,
-                   column=tuple(rel.get("column", ())), row=tuple(rel.get("row", ())), norms=norms)
+                   column=tuple(rel.get("column", ())), row=tuple(rel.get("row", ())), norms=norms,
+                   packed=tuple((_parent(lin.name).removeprefix(first + "."), lin.packed)
+                                for lin in block.linears if lin.packed > 1))

@@ -21,6 +21,7 @@ from collections import OrderedDict
 
 import torch
 from torch import nn
+from torch.distributed.tensor import DTensor
 
 from autopar.hf import build_hf
 from autopar.model import build_model
@@ -87,6 +88,83 @@ def _rebuild_buffers(model: nn.Module, device: torch.device) -> None:
             getattr(mod, key).copy_(buf)
 
 
+def _unpack(y: torch.Tensor, chunks: int) -> torch.Tensor:
+    """[..., o·chunks + c] -> [..., c·width + o]: interleaved features back to whole chunks."""
+    return y.unflatten(-1, (-1, chunks)).transpose(-1, -2).flatten(-2)
+
+
+class PackedLinear(nn.Linear):
+    """A GEMM computing ``chunks`` projections at once (GPT-2's fused Q/K/V), its weight rows
+    stored interleaved — row ``o·chunks + c`` is feature ``o`` of chunk ``c`` — so that any
+    contiguous row shard (``ColwiseParallel``'s) holds the same features (heads) of every
+    chunk. ``forward`` returns the chunks one after another, as the model cuts them: [q | k | v]
+    of this rank's heads. The stored layout does not depend on the TP degree, so checkpoints
+    reshard across plans."""
+
+    def __init__(self, in_features: int, out_features: int, chunks: int, bias: bool = True,
+                 device: torch.device | None = None) -> None:
+        super().__init__(in_features, out_features, bias=bias, device=device)
+        self.chunks = chunks
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = super().forward(x)
+        if isinstance(y, DTensor):  # sharded over tp: reorder this rank's shard (TP then takes it local)
+            return DTensor.from_local(_unpack(y.to_local(), self.chunks), y.device_mesh, y.placements,
+                                      run_check=False, shape=y.shape, stride=y.stride())
+        return _unpack(y, self.chunks)
+
+
+def _to_pack(model: nn.Module, anat: Anatomy) -> list[tuple[str, nn.Module, int]]:
+    """(name, module, chunks) of each module the runtime stores in another layout: HF's
+    ``Conv1D`` (GPT-2: ``x @ W + b``, W [in, out]) and any packed ``nn.Linear``."""
+    from transformers.pytorch_utils import Conv1D
+    packed = dict(anat.packed)
+    found = []
+    for name, mod in model.named_modules():
+        block = next((b for b in anat.blocks if name.startswith(b + ".")), None)
+        chunks = packed.get(name.removeprefix(f"{block}."), 1) if block else 1
+        if isinstance(mod, Conv1D) or (chunks > 1 and type(mod) is nn.Linear):
+            found.append((name, mod, chunks))
+    return found
+
+
+def _runtime_layout(mod: nn.Module, chunks: int) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """(weight [out, in], bias) of ``mod`` as an ``nn.Linear`` stores them, each chunk's rows
+    interleaved when ``chunks`` > 1 (:class:`PackedLinear`)."""
+    from transformers.pytorch_utils import Conv1D
+    weight = mod.weight.T if isinstance(mod, Conv1D) else mod.weight
+    weight = weight.unflatten(0, (chunks, -1)).transpose(0, 1).flatten(0, 1)
+    bias = None if mod.bias is None else mod.bias.unflatten(0, (chunks, -1)).T.flatten()
+    return weight, bias
+
+
+@torch.no_grad()
+def _as_linear(model: nn.Module, anat: Anatomy) -> None:
+    """Every module of ``_to_pack`` becomes an ``nn.Linear`` (the form TP's styles shard), or a
+    :class:`PackedLinear` when packed, holding the same function."""
+    for name, mod, chunks in _to_pack(model, anat):
+        weight, bias = _runtime_layout(mod, chunks)
+        out_f, in_f = weight.shape
+        kw = dict(bias=bias is not None, device=weight.device)
+        new = PackedLinear(in_f, out_f, chunks, **kw) if chunks > 1 else nn.Linear(in_f, out_f, **kw)
+        new.weight.copy_(weight)
+        if bias is not None:
+            new.bias.copy_(bias)
+        _set(model, name, new)
+
+
+@torch.no_grad()
+def runtime_state_dict(model: nn.Module, anat: Anatomy) -> dict[str, torch.Tensor]:
+    """``model``'s state dict in the runtime's layout (what its stages load), same names."""
+    state = model.state_dict()
+    for name, mod, chunks in _to_pack(model, anat):
+        weight, bias = _runtime_layout(mod, chunks)
+        state[f"{name}.weight"] = weight.contiguous()
+        if bias is not None:
+            state[f"{name}.bias"] = bias.contiguous()
+    return state
+
+
 def _hf_forward(self: nn.Module, x: torch.Tensor) -> torch.Tensor:
     """tokens or hidden states [b, s(, h)] -> hidden states or logits, for one stage."""
     base = getattr(self, self.base_model_prefix)
@@ -132,6 +210,7 @@ def build_stage(spec: ModelSpec, anat: Anatomy, plan: Plan, stage: int, device: 
         model.tie_weights()
     aliases = {f"{anat.head}.weight": f"{anat.embed}.weight"} if spec.tied else {}
     _init_hf(model, seed, float(getattr(model.config, "initializer_range", 0.02)), aliases)
+    _as_linear(model, anat)
     _rebuild_buffers(model, device)
     model.forward = types.MethodType(_hf_forward, model)
     return model

@@ -26,6 +26,7 @@ wrapper — each with stock torch.distributed:
 from __future__ import annotations
 
 import copy
+from typing import Callable
 
 import torch
 from torch import nn
@@ -33,10 +34,9 @@ from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import Checkpoi
 from torch.utils.checkpoint import checkpoint
 from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
 from torch.distributed._composable.replicate_with_fsdp import replicate
-from torch.distributed.tensor import Replicate, Shard
+from torch.distributed.tensor import DTensor, Replicate, Shard
 from torch.distributed.tensor.parallel import (
     ColwiseParallel,
-    PrepareModuleInput,
     PrepareModuleOutput,
     RowwiseParallel,
     SequenceParallel,
@@ -78,10 +78,12 @@ def apply_tensor_parallel(model: nn.Module, ctx: ParallelContext, sp: bool, anat
     blocks = [b for b in anat.blocks if b in {n for n, _ in model.named_modules()}]
     for name in anat.column + anat.row:
         kind = type(model.get_submodule(f"{blocks[0]}.{name}"))
-        if kind is not nn.Linear:
-            raise ValueError(f"tensor parallelism needs nn.Linear projections; {name} is a {kind.__name__} "
-                             "(e.g. GPT-2's fused Conv1D q/k/v); use tp=1 for this model")
+        if not issubclass(kind, nn.Linear):
+            raise ValueError(f"tensor parallelism needs nn.Linear projections; {name} is a {kind.__name__}; "
+                             "use tp=1 for this model")
     mesh = ctx.submesh(Axis.TP)
+    for name in blocks:
+        _shard_packed_widths(model.get_submodule(name), anat, mesh.size())
     here = {n for n, _ in model.named_modules()}
     top: dict = {}
     if anat.embed in here:
@@ -92,12 +94,11 @@ def apply_tensor_parallel(model: nn.Module, ctx: ParallelContext, sp: bool, anat
         # Logits stay sharded over the vocabulary; the loss runs under ``loss_parallel``.
         top[anat.head] = ColwiseParallel(input_layouts=Shard(1) if sp else Replicate(), output_layouts=Shard(-1),
                                          use_local_output=False)
-    if sp and (anat.embed in here or whole_sequences_between_stages):
-        top[blocks[0]] = PrepareModuleInput(input_layouts=(Replicate(),), desired_input_layouts=(Shard(1),),
-                                            use_local_output=True)
     tied = anat.embed in here and anat.head in here and \
         model.get_submodule(anat.head).weight is model.get_submodule(anat.embed).weight
     parallelize_module(model, mesh, top)
+    if sp and (anat.embed in here or whole_sequences_between_stages):
+        model.get_submodule(blocks[0]).register_forward_pre_hook(_scatter_sequence(mesh))
     if tied:  # both sharded Shard(0) over the vocabulary: share the one DTensor again
         model.get_submodule(anat.head).weight = model.get_submodule(anat.embed).weight
     if sp and whole_sequences_between_stages and anat.head not in here:
@@ -106,6 +107,27 @@ def apply_tensor_parallel(model: nn.Module, ctx: ParallelContext, sp: bool, anat
     for name in blocks:
         for plan in _block_tp_plans(anat, sp):
             parallelize_module(model.get_submodule(name), mesh, plan)
+
+
+def _scatter_sequence(mesh) -> Callable:
+    """A forward pre-hook cutting a block's first input (replicated [b, s, h]) into this rank's
+    sequence shard (the backward all-gathers); HF blocks take more positional inputs, which
+    ``PrepareModuleInput`` would need counted."""
+    def hook(module: nn.Module, args: tuple) -> tuple:
+        x = DTensor.from_local(args[0], mesh, (Replicate(),), run_check=False)
+        return (x.redistribute(mesh, (Shard(1),)).to_local(), *args[1:])
+    return hook
+
+
+def _shard_packed_widths(block: nn.Module, anat: Anatomy, tp: int) -> None:
+    """A packed GEMM's consumer cuts this rank's share: HF GPT-2 splits by ``split_size`` (the
+    chunk width), which becomes the local width; ``chunk``-style consumers need nothing."""
+    for name, chunks in anat.packed:
+        gemm = block.get_submodule(name)
+        owner = block.get_submodule(name.rpartition(".")[0])
+        width = gemm.out_features // chunks
+        if getattr(owner, "split_size", None) == width:
+            owner.split_size = width // tp
 
 
 def apply_recompute(model: nn.Module, recompute: tuple[str, ...], anat: Anatomy) -> None:

@@ -139,8 +139,16 @@ def _sync_tied_grads(prog: Program) -> None:
         weight = _tied_weight(module, prog.anatomy)
         if weight is None or weight.grad is None:
             continue
-        grad = weight.grad.to_local() if isinstance(weight.grad, DTensor) else weight.grad
-        dist.all_reduce(grad, group=prog.tied_group)
+        grad = weight.grad
+        if not isinstance(grad, DTensor):
+            dist.all_reduce(grad, group=prog.tied_group)
+            continue
+        # A TP embedding's backward can leave its gradient replicated: take the weight's shard.
+        grad = grad.redistribute(weight.device_mesh, weight.placements)
+        local = grad.to_local()
+        dist.all_reduce(local, group=prog.tied_group)
+        weight.grad = DTensor.from_local(local, weight.device_mesh, weight.placements, run_check=False,
+                                         shape=weight.shape, stride=weight.stride())
 
 
 def _autocast(plan: Plan, ctx: ParallelContext):

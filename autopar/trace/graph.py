@@ -75,6 +75,9 @@ class LinearInfo:
     """One of ``SPLITS``."""
     experts: int = 0
     """Experts stacked in the weight's leading dimension (0: a dense weight)."""
+    packed: int = 1
+    """Equal chunks the model cuts this GEMM's output into along its last dimension (GPT-2's
+    fused Q/K/V: 3): a column split must shard each chunk."""
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)

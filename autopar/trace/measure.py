@@ -27,7 +27,7 @@ from __future__ import annotations
 import math
 import operator
 from collections import defaultdict
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, Callable
 
 import torch
@@ -181,6 +181,8 @@ class Recorder:
     state: dict[int, str] = field(default_factory=dict)
     producer: dict[int, str] = field(default_factory=dict)
     linears: dict[str, list[LinearInfo]] = field(default_factory=lambda: defaultdict(list))
+    linear_at: dict[str, tuple[str, int]] = field(default_factory=dict)
+    """Node name -> (segment, index in ``linears``) of each weight GEMM."""
     attention: dict[str, tuple[int, int, int, int]] = field(default_factory=dict)
     """Segment -> (heads, kv heads seen by the kernel, head dim, GEMMs before it) of its attention."""
     expert_counts: frozenset[int] = frozenset()
@@ -324,11 +326,14 @@ class MeasureRun(fx.Interpreter):
                 outputs = _tensors(result)
             name = rec.params[_key(w)][0] if _key(w) in rec.params else ""
             in_f = acts[0].shape[-1] if acts else w.shape[-1]
+            rec.linear_at[n.name] = (rec.segment, len(rec.linears[rec.segment]))
             rec.linears[rec.segment].append(LinearInfo(
                 name=name, in_features=int(in_f), out_features=int(out_f), split=split,
                 experts=int(w.shape[0]) if w.dim() == 3 else 0))
         elif n.target in (F.embedding, torch.ops.aten.embedding.default) or isinstance(mod, nn.Embedding):
             split = "vocab"
+        elif len(acts) == 1 and len(outputs) > 1:
+            _mark_packed(rec, acts[0], outputs)
         for t in outputs:
             key = _key(t)
             rec.producer.setdefault(key, n.name)
@@ -342,6 +347,24 @@ class MeasureRun(fx.Interpreter):
             flops=float(flops), params=sum(p.numel() for p in weights if isinstance(p, nn.Parameter)),
             saved_bytes=rec.saved_by(rec.segment, n.name), split=split))
         return result
+
+
+def _mark_packed(rec: Recorder, x: torch.Tensor, parts: list[torch.Tensor]) -> None:
+    """``x`` cut into equal chunks along its last dimension: if ``x`` is (a view of) a
+    column-parallel GEMM's output, that GEMM packs ``len(parts)`` projections (GPT-2's fused
+    Q/K/V, a fused gate/up), and TP must shard each chunk, not the whole output."""
+    gemm = rec.linear_at.get(rec.producer.get(_key(x), ""))
+    if gemm is None or x.dim() == 0:
+        return
+    shapes = {tuple(t.shape) for t in parts}
+    if len(shapes) != 1:
+        return
+    (shape,) = shapes
+    segment, index = gemm
+    info = rec.linears[segment][index]
+    if (info.split == "column" and shape[:-1] == tuple(x.shape[:-1]) and x.shape[-1] == info.out_features
+            and shape[-1] * len(parts) == x.shape[-1]):
+        rec.linears[segment][index] = replace(info, packed=len(parts))
 
 
 def _target_name(target: Any) -> str:
