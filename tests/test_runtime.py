@@ -175,6 +175,25 @@ def test_reference_learns():
     assert losses[-1] < losses[0] - 1.0
 
 
+def test_hf_buffers_are_hf_values():
+    """``to_empty`` leaves buffers uninitialised: each HF stage gets HF's values (RoPE
+    frequencies, Gemma's √h embedding scale — garbage there made every logit ~0), on any stage."""
+    import transformers
+    gemma = ("hf:GemmaConfig:num_hidden_layers=4,hidden_size=64,num_attention_heads=4,num_key_value_heads=2,"
+             "head_dim=16,intermediate_size=96,vocab_size=128,seq=16")
+    ctx = ParallelContext(mesh=None, device=torch.device("cpu"))
+    (stage,) = build_program(make_plan(gemma, mbs=8, m=1), ctx).modules
+    config = transformers.GemmaConfig(num_hidden_layers=4, hidden_size=64, num_attention_heads=4,
+                                      num_key_value_heads=2, head_dim=16, intermediate_size=96, vocab_size=128)
+    fresh = transformers.GemmaForCausalLM(config)
+    want = dict(fresh.named_buffers())
+    assert want.keys() == dict(stage.named_buffers()).keys() and want
+    for name, buf in stage.named_buffers():
+        assert torch.equal(buf, want[name]), name
+    x, y = synthetic_batch(make_plan(gemma, mbs=8, m=1), 0, 0)
+    assert stage(x).std() > 1e-3
+
+
 def test_failure_on_a_rank_is_one_line(tmp_path):
     """A plan the runtime refuses fails on every rank with one line naming the fix."""
     from autopar.errors import UserError
@@ -235,3 +254,15 @@ def test_recompute_keeps_fewer_activations(model):
             module(x)
         kept[mode] = sum(seen.values())
     assert kept["full"] < kept["selective"] < kept["none"]
+
+
+def test_single_device_benchmark_runs_on_cpu():
+    """benchmarks/single_device.py (the GPU MFU and peak-memory check) runs the same path here."""
+    import subprocess
+    import sys
+    root = Path(__file__).resolve().parent.parent
+    proc = subprocess.run([sys.executable, str(root / "benchmarks" / "single_device.py"), "--cluster", "cpu-local",
+                           "--model", "gpt:layers=2,hidden=64,heads=4,vocab=128,seq=16", "--global-batch", "8",
+                           "--dtype", "fp32", "--steps", "3"], capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert "measured/predicted" in proc.stdout and "MFU: predicted" in proc.stdout

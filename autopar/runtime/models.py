@@ -8,9 +8,11 @@ any layout holds exactly the single-process values.
 
 HF models run through their own base-model forward: the first stage embeds ``input_ids``,
 later stages pass hidden states as ``inputs_embeds`` (learned positions are added once, on the
-first stage), and only the last stage applies the final norm and the head. HF weights get
-autopar's init (normal(0, ``initializer_range``), norms 1, biases 0), not HF's ``_init_weights``,
-whose draws depend on the order of the whole model.
+first stage), and only the last stage applies the final norm and the head. HF models get HF's
+``_init_weights`` for everything that is not random (buffers, norms), and autopar's draws for
+the matrices (normal(0, ``initializer_range``) seeded by name; HF's draws depend on the order
+of the whole model). HF's GPT-2 ``Conv1D`` is stored as ``nn.Linear`` and packed GEMMs per
+head (``PackedLinear``), the form tensor parallelism shards.
 """
 
 from __future__ import annotations
@@ -63,29 +65,18 @@ def _seeded_normal_(p: torch.Tensor, name: str, seed: int, std: float) -> None:
 
 @torch.no_grad()
 def _init_hf(model: nn.Module, seed: int, std: float, aliases: dict[str, str]) -> None:
+    """HF's own ``_init_weights`` first, on a forked RNG: it computes what ``to_empty`` left
+    uninitialised besides parameters (RoPE frequencies, Gemma's embedding scale) and the norms'
+    values (1, or Gemma's 0 for its 1 + w). Then every matrix is redrawn from a generator seeded
+    by its name and biases are zeroed, so values do not depend on the layout."""
+    with torch.random.fork_rng(devices=[]):
+        for module in model.modules():
+            model._init_weights(module)
     for name, p in model.named_parameters():
         if p.dim() >= 2:
             _seeded_normal_(p, aliases.get(name, name), seed, std)
         elif name.endswith("bias"):
             p.zero_()
-        else:
-            p.fill_(1.0)
-
-
-@torch.no_grad()
-def _rebuild_buffers(model: nn.Module, device: torch.device) -> None:
-    """Recompute buffers ``to_empty`` left uninitialised (RoPE frequencies): each parameterless
-    module that owns buffers is constructed afresh from the model's config on the device."""
-    for name, mod in model.named_modules():
-        if not dict(mod.named_buffers(recurse=False)) or list(mod.parameters(recurse=False)):
-            continue
-        try:
-            with torch.device(device):
-                fresh = type(mod)(model.config)
-        except TypeError as exc:
-            raise ValueError(f"cannot rebuild the buffers of {name} ({type(mod).__name__}): {exc}") from None
-        for key, buf in fresh.named_buffers(recurse=False):
-            getattr(mod, key).copy_(buf)
 
 
 def _unpack(y: torch.Tensor, chunks: int) -> torch.Tensor:
@@ -211,6 +202,5 @@ def build_stage(spec: ModelSpec, anat: Anatomy, plan: Plan, stage: int, device: 
     aliases = {f"{anat.head}.weight": f"{anat.embed}.weight"} if spec.tied else {}
     _init_hf(model, seed, float(getattr(model.config, "initializer_range", 0.02)), aliases)
     _as_linear(model, anat)
-    _rebuild_buffers(model, device)
     model.forward = types.MethodType(_hf_forward, model)
     return model

@@ -92,6 +92,9 @@ def build_program(plan: Plan, ctx: ParallelContext, cfg: TrainConfig = TrainConf
     whole, example = build_spec_model(spec)
     anat = anatomy(trace_module(whole, example, spec.name, capture="fx" if spec.builtin else "export"),
                    whole, spec.vocab)
+    if plan.num_layers != len(anat.blocks) or len(plan.recompute) != len(anat.blocks):
+        raise ValueError(f"the plan places {plan.num_layers} layers but {spec.name} has {len(anat.blocks)}; "
+                         "make the plan for this model with autopar plan")
     ids = stage_ids(plan, ctx.pp_rank) if plan.mesh.pp > 1 else [0]
     modules: list[nn.Module] = []
     for sid in ids:
