@@ -33,7 +33,7 @@ from autopar.runtime.train import build_program, synthetic_batch, train, train_s
 from autopar.runtime.state import full_state
 
 GPT = "gpt:layers=4,hidden=64,heads=4,vocab=128,seq=16,tied=0"
-GPT_TIED = "gpt:layers=4,hidden=64,heads=4,vocab=128,seq=16,tied=1"
+GPT_TIED = "gpt:layers=4,hidden=64,heads=4,vocab=131,seq=16,tied=1"  # odd, like GPT-2's 50257: uneven vocab shards
 LLAMA = "llama:layers=4,hidden=64,heads=4,kv_heads=2,ffn=96,vocab=128,seq=16"
 HF_LLAMA = ("hf:LlamaConfig:num_hidden_layers=4,hidden_size=64,num_attention_heads=4,num_key_value_heads=2,"
             "intermediate_size=96,vocab_size=128,seq=16")

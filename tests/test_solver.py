@@ -262,6 +262,8 @@ def test_axis_orders_prune_exactly_and_dp_inside_the_node_can_win():
     assert free.estimate.step_time_s == pytest.approx(sol.estimate.step_time_s, rel=1e-12)
     assert free.estimate.step_time_s < pinned.estimate.step_time_s
     assert free.candidates > pinned.candidates
+    from autopar.solve.explain import describe
+    assert describe(free.strategy).endswith(" order=pp>tp>dp") and "order=" not in describe(pinned.strategy)
 
 
 def test_ties_between_axis_orders_keep_megatrons():

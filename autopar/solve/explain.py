@@ -10,6 +10,7 @@ from autopar.errors import UserError
 from autopar.solve.search import Alternative, search
 from autopar.solve.space import Pins, candidates
 from cost_models import HardwareProfile, ModelProfile, Strategy
+from cost_models.strategy import AXIS_ORDER
 
 DIMENSIONS = (("tp", "tp"), ("pp", "pp"), ("zero", "zero"), ("micro_batch", "micro_batch"),
               ("schedule", "schedule"), ("virtual_stages", "virtual_stages"),
@@ -50,7 +51,8 @@ def describe(s: Strategy) -> str:
         rc = "/".join(f"{n}{m[0]}" for n, m in zip(totals, ("none", "sel", "full")) if n)
     return (f"dp={s.dp} tp={s.tp} pp={s.pp} zero={s.zero} mbs={s.micro_batch} "
             f"m={s.num_microbatches} {s.schedule}{f' v={s.virtual_stages}' if s.virtual_stages > 1 else ''} "
-            f"sp={int(s.sequence_parallel)} rc={rc}")
+            f"sp={int(s.sequence_parallel)} rc={rc}"
+            f"{' order=' + '>'.join(s.axis_order) if s.axis_order != AXIS_ORDER else ''}")
 
 
 def _value(s: Strategy, field: str):
