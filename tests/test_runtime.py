@@ -39,6 +39,12 @@ HF_LLAMA = ("hf:LlamaConfig:num_hidden_layers=4,hidden_size=64,num_attention_hea
             "intermediate_size=96,vocab_size=128,seq=16")
 # GPT-2 with its dropouts off (a dropout mask cannot match across layouts); tied head.
 HF_GPT2 = "hf:GPT2Config:n_layer=4,n_embd=64,n_head=4,vocab_size=128,resid_pdrop=0,embd_pdrop=0,attn_pdrop=0,seq=16"
+# Two more HF families: Gemma (√h-scaled embedding buffer, 1 + w norms, tied head) and Phi
+# (attention and MLP in parallel off one LayerNorm, partial rotary, biases everywhere).
+HF_GEMMA = ("hf:GemmaConfig:num_hidden_layers=4,hidden_size=64,num_attention_heads=4,num_key_value_heads=2,"
+            "head_dim=16,intermediate_size=96,vocab_size=128,seq=16")
+HF_PHI = ("hf:PhiConfig:num_hidden_layers=4,hidden_size=64,num_attention_heads=4,intermediate_size=96,"
+          "vocab_size=128,resid_pdrop=0,embd_pdrop=0,attention_dropout=0,seq=16")
 STEPS = 3
 LOSS_TOL = 2e-6
 PARAM_TOL = 1e-4
@@ -91,6 +97,8 @@ PLANS_4 = {
     "hf gpt2 tied pp2 x tp2 full recompute": make_plan(HF_GPT2, pp=2, tp=2, mbs=2, m=4, layers=(1, 3),
                                                        recompute="full"),
     "hf gpt2 tp2 sp x dp2 zero2": make_plan(HF_GPT2, tp=2, dp=2, zero=2, sp=True, mbs=1, m=4),
+    "hf gemma tp2 sp x dp2 zero3": make_plan(HF_GEMMA, tp=2, dp=2, zero=3, sp=True, mbs=2, m=2),
+    "hf phi pp2 x tp2 sp": make_plan(HF_PHI, pp=2, tp=2, sp=True, mbs=2, m=4),
 }
 PLANS_8 = {
     "gpt tied 3d pp2 dp2 tp2 sp zero2, pp innermost": make_plan(GPT_TIED, pp=2, dp=2, tp=2, sp=True, zero=2, mbs=1, m=4,
@@ -112,7 +120,7 @@ def reference(model: str, steps: int = STEPS) -> tuple[RunResult, dict[str, torc
 
 @pytest.fixture(scope="module")
 def references():
-    return {m: reference(m) for m in (GPT, GPT_TIED, LLAMA, HF_LLAMA, HF_GPT2)}
+    return {m: reference(m) for m in sorted({p.model for p in (*PLANS_4.values(), *PLANS_8.values())})}
 
 
 def dumped(tmp: Path, name: str) -> dict[str, torch.Tensor]:
@@ -179,8 +187,7 @@ def test_hf_buffers_are_hf_values():
     """``to_empty`` leaves buffers uninitialised: each HF stage gets HF's values (RoPE
     frequencies, Gemma's √h embedding scale — garbage there made every logit ~0), on any stage."""
     import transformers
-    gemma = ("hf:GemmaConfig:num_hidden_layers=4,hidden_size=64,num_attention_heads=4,num_key_value_heads=2,"
-             "head_dim=16,intermediate_size=96,vocab_size=128,seq=16")
+    gemma = HF_GEMMA
     ctx = ParallelContext(mesh=None, device=torch.device("cpu"))
     (stage,) = build_program(make_plan(gemma, mbs=8, m=1), ctx).modules
     config = transformers.GemmaConfig(num_hidden_layers=4, hidden_size=64, num_attention_heads=4,

@@ -69,7 +69,8 @@ def _init_hf(model: nn.Module, seed: int, std: float, aliases: dict[str, str]) -
     uninitialised besides parameters (RoPE frequencies, Gemma's embedding scale) and the norms'
     values (1, or Gemma's 0 for its 1 + w). Then every matrix is redrawn from a generator seeded
     by its name and biases are zeroed, so values do not depend on the layout."""
-    with torch.random.fork_rng(devices=[]):
+    device = next(model.parameters()).device
+    with torch.random.fork_rng(devices=[device.index or 0] if device.type == "cuda" else []):
         for module in model.modules():
             model._init_weights(module)
     for name, p in model.named_parameters():
@@ -105,16 +106,25 @@ class PackedLinear(nn.Linear):
         return _unpack(y, self.chunks)
 
 
+def _conv1d() -> tuple[type, ...]:
+    """HF's ``Conv1D`` class, when transformers is installed."""
+    try:
+        from transformers.pytorch_utils import Conv1D
+    except ImportError:
+        return ()
+    return (Conv1D,)
+
+
 def _to_pack(model: nn.Module, anat: Anatomy) -> list[tuple[str, nn.Module, int]]:
     """(name, module, chunks) of each module the runtime stores in another layout: HF's
     ``Conv1D`` (GPT-2: ``x @ W + b``, W [in, out]) and any packed ``nn.Linear``."""
-    from transformers.pytorch_utils import Conv1D
+    conv1d = _conv1d()
     packed = dict(anat.packed)
     found = []
     for name, mod in model.named_modules():
         block = next((b for b in anat.blocks if name.startswith(b + ".")), None)
         chunks = packed.get(name.removeprefix(f"{block}."), 1) if block else 1
-        if isinstance(mod, Conv1D) or (chunks > 1 and type(mod) is nn.Linear):
+        if isinstance(mod, conv1d) or (chunks > 1 and type(mod) is nn.Linear):
             found.append((name, mod, chunks))
     return found
 
@@ -122,8 +132,7 @@ def _to_pack(model: nn.Module, anat: Anatomy) -> list[tuple[str, nn.Module, int]
 def _runtime_layout(mod: nn.Module, chunks: int) -> tuple[torch.Tensor, torch.Tensor | None]:
     """(weight [out, in], bias) of ``mod`` as an ``nn.Linear`` stores them, each chunk's rows
     interleaved when ``chunks`` > 1 (:class:`PackedLinear`)."""
-    from transformers.pytorch_utils import Conv1D
-    weight = mod.weight.T if isinstance(mod, Conv1D) else mod.weight
+    weight = mod.weight.T if isinstance(mod, _conv1d()) else mod.weight
     weight = weight.unflatten(0, (chunks, -1)).transpose(0, 1).flatten(0, 1)
     bias = None if mod.bias is None else mod.bias.unflatten(0, (chunks, -1)).T.flatten()
     return weight, bias
