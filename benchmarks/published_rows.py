@@ -1,0 +1,175 @@
+"""Published measured training runs (``benchmarks/published/*.json``) as typed records.
+
+    from benchmarks.published_rows import load_sources
+    for src in load_sources():
+        for row in src.rows: ...
+
+One JSON file per source; each carries its citation, the framework that ran it, notes common to
+its rows, and rows giving a complete configuration (model spec for ``autopar.spec.parse_model_spec``,
+device, parallel layout, batch, recompute, precision) and one measured value. ``assumed`` says what
+the source left unstated and what was chosen; ``needs`` lists features autopar cannot express yet
+(``cp``, ``fp8``, ``moe``, ``async_tp``, ``torch_compile``, ``a100_40g``, ``h100_96g``,
+``cpu_offload``), so a validator can skip those rows until they are supported.
+
+Pure data: no torch, no autopar import.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+PUBLISHED_DIR = Path(__file__).resolve().parent / "published"
+
+FRAMEWORKS = ("megatron-2021", "megatron-core", "deepspeed", "torchtitan", "llm-foundry", "nemo")
+METRICS = ("tokens_per_s_per_gpu", "step_time_s", "tflops_per_gpu", "mfu")
+RECOMPUTE = ("none", "selective", "full")
+FLOPS_CONVENTIONS = ("model", "hardware")
+NEEDS = ("cp", "fp8", "moe", "async_tp", "torch_compile", "a100_40g", "h100_96g", "cpu_offload")
+
+
+class PublishedDataError(ValueError):
+    """A published-data file is malformed; the message names the file and row."""
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class Row:
+    """One measured run: its configuration and one published value."""
+
+    id: str
+    model: str
+    """An autopar model spec (preset name or ``gpt:``/``llama:`` form)."""
+    device: str
+    cluster: str
+    """An autopar hardware profile name where one exists, else a suggested name."""
+    gpus: int
+    seq_len: int
+    global_batch: int
+    """Sequences per optimizer step."""
+    micro_batch: int
+    dp: int
+    tp: int
+    pp: int
+    cp: int
+    ep: int
+    vpp: int
+    """Model chunks per pipeline rank (1: no interleaving)."""
+    zero: int
+    """0 (plain DP), 1 (optimizer states sharded / distributed optimizer), 2, 3 (FSDP full shard)."""
+    sequence_parallel: bool
+    recompute: str
+    recompute_layers: int | None
+    """Blocks recomputed with ``recompute`` (the others none); None: all blocks."""
+    dtype: str
+    fp8: bool
+    metric: str
+    value: float
+    flops_convention: str | None
+    """For ``tflops_per_gpu``/``mfu`` only: ``model`` or ``hardware`` (counts recompute)."""
+    assumed: str
+    needs: tuple[str, ...]
+
+    @property
+    def supported(self) -> bool:
+        """Nothing in ``needs``: autopar can express the whole configuration."""
+        return not self.needs
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class Source:
+    """One published table (one JSON file)."""
+
+    source: str
+    title: str
+    cite: str
+    framework: str
+    notes: str
+    rows: tuple[Row, ...]
+    path: Path
+
+
+_SOURCE_KEYS = {"source": str, "title": str, "cite": str, "framework": str, "notes": str, "rows": list}
+_ROW_KEYS: dict[str, type | tuple[type, ...]] = {
+    "id": str, "model": str, "device": str, "cluster": str, "gpus": int, "seq_len": int,
+    "global_batch": int, "micro_batch": int, "dp": int, "tp": int, "pp": int, "cp": int, "ep": int,
+    "vpp": int, "zero": int, "sequence_parallel": bool, "recompute": str,
+    "recompute_layers": (int, type(None)), "dtype": str, "fp8": bool, "metric": str,
+    "value": (int, float), "assumed": str, "needs": list,
+}
+_OPTIONAL_ROW_KEYS: dict[str, type | tuple[type, ...]] = {"flops_convention": (str, type(None))}
+
+
+def _is(value: object, types: type | tuple[type, ...]) -> bool:
+    # bool is an int subclass: keep True out of integer fields and 1 out of bool fields.
+    if isinstance(value, bool):
+        return (types is bool) or (isinstance(types, tuple) and bool in types)
+    return isinstance(value, types)
+
+
+def _row(data: object, where: str) -> Row:
+    if not isinstance(data, dict):
+        raise PublishedDataError(f"{where}: a row must be a JSON object")
+    missing = [k for k in _ROW_KEYS if k not in data]
+    if missing:
+        raise PublishedDataError(f"{where}: missing key(s) {', '.join(missing)}")
+    unknown = sorted(set(data) - set(_ROW_KEYS) - set(_OPTIONAL_ROW_KEYS))
+    if unknown:
+        raise PublishedDataError(f"{where}: unknown key(s) {', '.join(unknown)}")
+    for key, types in {**_ROW_KEYS, **_OPTIONAL_ROW_KEYS}.items():
+        if key in data and not _is(data[key], types):
+            raise PublishedDataError(f"{where}: {key}={data[key]!r} has the wrong type")
+    if data["metric"] not in METRICS:
+        raise PublishedDataError(f"{where}: metric {data['metric']!r} is not one of {', '.join(METRICS)}")
+    if data["recompute"] not in RECOMPUTE:
+        raise PublishedDataError(f"{where}: recompute {data['recompute']!r} is not one of {', '.join(RECOMPUTE)}")
+    conv = data.get("flops_convention")
+    if data["metric"] in ("tflops_per_gpu", "mfu") and conv not in FLOPS_CONVENTIONS:
+        raise PublishedDataError(f"{where}: metric {data['metric']} needs flops_convention model or hardware")
+    bad = [n for n in data["needs"] if n not in NEEDS]
+    if bad:
+        raise PublishedDataError(f"{where}: unknown need(s) {bad}; known: {', '.join(NEEDS)}")
+    return Row(**{**data, "value": float(data["value"]), "flops_convention": conv,
+                  "needs": tuple(data["needs"])})
+
+
+def load_source(path: Path) -> Source:
+    """One file; :class:`PublishedDataError` names the file (and row) of any problem."""
+    try:
+        data = json.loads(Path(path).read_text())
+    except json.JSONDecodeError as exc:
+        raise PublishedDataError(f"{path}: not valid JSON: {exc}") from None
+    if not isinstance(data, dict):
+        raise PublishedDataError(f"{path}: the top level must be a JSON object")
+    for key, typ in _SOURCE_KEYS.items():
+        if key not in data:
+            raise PublishedDataError(f"{path}: missing key {key}")
+        if not isinstance(data[key], typ):
+            raise PublishedDataError(f"{path}: {key} has the wrong type")
+    unknown = sorted(set(data) - set(_SOURCE_KEYS))
+    if unknown:
+        raise PublishedDataError(f"{path}: unknown key(s) {', '.join(unknown)}")
+    if data["source"] != Path(path).stem:
+        raise PublishedDataError(f"{path}: source {data['source']!r} differs from the file stem")
+    if data["framework"] not in FRAMEWORKS:
+        raise PublishedDataError(f"{path}: framework {data['framework']!r} is not one of {', '.join(FRAMEWORKS)}")
+    rows = []
+    for i, r in enumerate(data["rows"]):
+        rid = r.get("id", f"#{i}") if isinstance(r, dict) else f"#{i}"
+        rows.append(_row(r, f"{path}: row {rid}"))
+    return Source(source=data["source"], title=data["title"], cite=data["cite"], framework=data["framework"],
+                  notes=data["notes"], rows=tuple(rows), path=Path(path))
+
+
+def load_sources(directory: Path = PUBLISHED_DIR) -> list[Source]:
+    """Every ``*.json`` under ``directory``, sorted by file name."""
+    return [load_source(p) for p in sorted(Path(directory).glob("*.json"))]
+
+
+if __name__ == "__main__":
+    total = supported = 0
+    for src in load_sources():
+        n_ok = sum(r.supported for r in src.rows)
+        total, supported = total + len(src.rows), supported + n_ok
+        print(f"{src.source:<22} {len(src.rows):>4} rows, {n_ok:>4} supported  {src.title}")
+    print(f"{'total':<22} {total:>4} rows, {supported:>4} supported")
