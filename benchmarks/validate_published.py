@@ -14,6 +14,8 @@ per row:
   selective recompute + SP (the figure counts the layers, not the embedding and head);
 - Rajbhandari et al. 2020 Table 1: model-state GB per device (16 bytes per parameter).
 
+Each source runs under its execution recipe (``cost_models/recipes``): Narayanan Table 1 and
+the ZeRO table under ``megatron-2021``, Korthikanti's under ``megatron-core``.
 Assumptions where the papers are silent, the same rule for every row:
 - Narayanan Table 1 runs as NVIDIA's own script for it (Megatron-LM examples/sc21/
   run_table_1.sh) sets it: micro-batch 16, 16, 16, 8, 4, 2, 2, 1, 1, 1 and blocks per
@@ -44,7 +46,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from cost_models import (HardwareProfile, ModelProfile, Strategy, estimate, load_profile,  # noqa: E402
                          stage_costs)
 from cost_models.estimate import layer_pass_times  # noqa: E402
-from cost_models.memory import RECIPES, state_bytes  # noqa: E402
+from cost_models.memory import state_bytes  # noqa: E402
+from cost_models.recipe import load_recipe  # noqa: E402
 
 V, S = 51200, 2048
 
@@ -109,7 +112,11 @@ def gpt(layers: int, hidden: int, heads: int, vocab: int = V, seq: int = S) -> M
         embed_params=(vocab + seq) * h, head_params=2 * h + vocab * h,
         block_matmul_flops_per_token=24.0 * h * h, block_attn_flops_per_token=4.0 * seq * h,
         head_flops_per_token=2.0 * vocab * h, block_act_bytes_replicated_per_token=10.0 * h,
-        block_act_bytes_sharded_per_token=24.0 * h, block_act_bytes_attn_per_token=5.0 * heads * seq)
+        block_act_bytes_sharded_per_token=24.0 * h, block_act_bytes_attn_per_token=5.0 * heads * seq,
+        # FlashAttention: the dropout masks of attention probabilities and scores go, a float32
+        # log-sum-exp per head stays (Q, K, V and the output are in the 24h already).
+        fused_act_bytes_replicated_per_token=10.0 * h, fused_act_bytes_sharded_per_token=24.0 * h,
+        fused_act_bytes_attn_per_token=4.0 * heads)
 
 
 def _schedule(pp: int, chunks: int) -> dict:
@@ -122,14 +129,13 @@ def narayanan_strategy(row: tuple) -> Strategy:
     _, _, _, _, tp, pp, gpus, batch, mbs, chunks, _ = row
     dp = gpus // (tp * pp)
     return Strategy(dp=dp, tp=tp, pp=pp, micro_batch=mbs, num_microbatches=batch // (dp * mbs),
-                    recompute="full", precision="zero", dp_overlap=pp == 1, **_schedule(pp, chunks))
+                    recompute="full", recipe=load_recipe("megatron-2021"), **_schedule(pp, chunks))
 
 
 def korthikanti_strategy(row: tuple, recompute: str, sp: bool) -> Strategy:
     _, _, _, _, tp, pp, batch, mbs, chunks, _, _ = row
     return Strategy(tp=tp, pp=pp, micro_batch=mbs, num_microbatches=batch // mbs,
-                    recompute=recompute, sequence_parallel=sp, tp_overlap=True,
-                    grad_accum_fusion=True,
+                    recompute=recompute, sequence_parallel=sp, recipe=load_recipe("megatron-core"),
                     **_schedule(pp, chunks))
 
 
@@ -173,9 +179,10 @@ def memory_rows(hw: HardwareProfile) -> list[Row]:
                            else c.inflight[0] * c.layer_act_bytes)
             rows.append(Row(source="Korthikanti F1 GiB", row=f"{name} {label}", published=pub,
                             predicted=nbytes / 2**30))
-    rec = RECIPES["zero"]
+    zero = load_recipe("megatron-2021")  # the ZeRO paper's fp16 layout, 2 + 2 + 12
     rows += [Row(source="ZeRO T1 GB", row=f"{p / 1e9:g}B dp{dp} z{z}", published=gb,
-                 predicted=state_bytes(p, rec, z, dp).total / 1e9) for p, dp, z, gb in ZERO_T1]
+                 predicted=state_bytes(p, Strategy(dp=dp, zero=z, recipe=zero)).total / 1e9)
+             for p, dp, z, gb in ZERO_T1]
     return rows
 
 

@@ -16,6 +16,16 @@ redundantly on every tp rank unless sequence parallelism splits it (Korthikanti 
 Backward runs each GEMM twice (input and weight gradients) and the element-wise backward
 kernels. Recompute repeats, per block, the whole forward (full) or the attention core's
 QKᵀ, softmax, dropout and AV (selective).
+
+The execution recipe (``Strategy.recipe``) sets what runs: with fused attention the core is
+one FlashAttention-style kernel that skips the masked causal blocks (it executes
+``(s + FLASH_TILE) / 2s`` of the QKᵀ and AV FLOPs) at the profile's ``attention_efficiency``
+of its kernel family, moves no s x s bytes, and runs its backward as 2.5 times the forward's
+FLOPs (FlashAttention-2 recomputes QKᵀ and the probabilities: five GEMMs against two);
+``elementwise_traffic`` scales the element-wise bytes (eager unfused norms and activations move
+more than Megatron's fused kernels). A pass of a block can be no faster than the host
+dispatching its kernels: ``kernels_per_block`` (backward twice as many) times the profile's
+``kernel_dispatch_us``, which is what bounds small micro-batches and wide TP of small models.
 """
 
 from __future__ import annotations
@@ -24,7 +34,13 @@ from dataclasses import dataclass
 
 from cost_models.hardware import HardwareProfile, ProfileError
 from cost_models.model_profile import ModelProfile
+from cost_models.recipe import Attention
 from cost_models.strategy import Strategy
+
+FLASH_TILE = 128
+"""Query/key tile of FlashAttention-2's causal kernels: the diagonal tiles run whole."""
+FLASH_BWD_RATIO = 2.5
+"""FlashAttention's backward FLOPs over its forward's (Dao 2023, Sec. 3.1: five GEMMs vs two)."""
 
 FWD_TRAFFIC = (2.2, 2 / 3, 1.8)
 """Element-wise forward bytes moved per saved byte: (replicated, tp-sharded, attention core).
@@ -95,11 +111,12 @@ def memory_s(nbytes: float, hw: HardwareProfile) -> float:
     return nbytes / (hw.hbm_bw_gbps * 1e9 * hw.memory_efficiency)
 
 
-def optimizer_memory_s(nbytes: float, hw: HardwareProfile) -> float:
+def optimizer_memory_s(nbytes: float, hw: HardwareProfile, fused: bool = True) -> float:
     """Optimizer-step time of ``nbytes`` of device-memory traffic: large fused multi-tensor
-    kernels (apex ``multi_tensor_adam``/``scale``/``l2norm``) at
-    ``optimizer_memory_efficiency`` (``memory_efficiency`` where the profile leaves it 0)."""
-    eff = hw.optimizer_memory_efficiency or hw.memory_efficiency
+    kernels (apex ``multi_tensor_adam``/``scale``/``l2norm``, torch's foreach/fused AdamW) at
+    ``optimizer_memory_efficiency`` (``memory_efficiency`` where the profile leaves it 0 or
+    the recipe's optimizer is not ``fused``)."""
+    eff = (hw.optimizer_memory_efficiency if fused else 0.0) or hw.memory_efficiency
     return nbytes / (hw.hbm_bw_gbps * 1e9 * eff)
 
 
@@ -145,22 +162,44 @@ def _scaled_s(gemms: list[Gemm], flops: float, hw: HardwareProfile, strat: Strat
     return sum(gemm_s(g, hw, strat.dtype, elem_bytes(strat)) for g in gemms) * flops / shape_flops
 
 
+def fused(strat: Strategy) -> bool:
+    return strat.recipe.attention == Attention.FUSED
+
+
+def causal_fraction(seq: int) -> float:
+    """Share of the full QKᵀ/AV FLOPs a causal FlashAttention kernel executes."""
+    return min(1.0, (seq + FLASH_TILE) / (2.0 * seq))
+
+
 def block_gemm_s(model: ModelProfile, hw: HardwareProfile, strat: Strategy) -> tuple[float, float]:
-    """(weight GEMMs, attention core GEMMs) forward seconds of one block, one micro-batch."""
+    """(weight GEMMs, attention core) forward seconds of one block, one micro-batch."""
     tokens = strat.micro_batch * model.seq
     weights, core = block_gemms(model, strat)
+    attn_flops = tokens * model.block_attn_flops_per_token / strat.tp
+    if fused(strat):
+        eff = hw.attention_eff(strat.recipe.attention_kernel)
+        core_s = attn_flops * causal_fraction(model.seq) / (hw.peak_flops(strat.dtype) * eff)
+    else:
+        core_s = _scaled_s(core, attn_flops, hw, strat)
     return (_scaled_s(weights, tokens * model.block_matmul_flops_per_token / strat.tp, hw, strat),
-            _scaled_s(core, tokens * model.block_attn_flops_per_token / strat.tp, hw, strat))
+            core_s)
 
 
 def block_elementwise_bytes(model: ModelProfile, strat: Strategy,
                             traffic: tuple[float, float, float]) -> tuple[float, float]:
-    """(non-attention, attention-core) element-wise bytes of one block on one tp rank."""
-    scale = elem_bytes(strat) / 2 * strat.micro_batch * model.seq
+    """(non-attention, attention-core) element-wise bytes of one block on one tp rank; a fused
+    attention kernel moves no s x s bytes."""
+    scale = elem_bytes(strat) / 2 * strat.micro_batch * model.seq * strat.recipe.elementwise_traffic
     sp = strat.tp if strat.sequence_parallel else 1
-    rest = (traffic[0] * model.block_act_bytes_replicated_per_token / sp
-            + traffic[1] * model.block_act_bytes_sharded_per_token / strat.tp)
-    return scale * rest, scale * traffic[2] * model.block_act_bytes_attn_per_token / strat.tp
+    repl, sharded, attn = model.act_bytes_per_token(fused(strat))
+    rest = traffic[0] * repl / sp + traffic[1] * sharded / strat.tp
+    core = 0.0 if fused(strat) else traffic[2] * attn / strat.tp
+    return scale * rest, scale * core
+
+
+def dispatch_s(hw: HardwareProfile, strat: Strategy) -> float:
+    """Host time to dispatch one block's forward kernels, s."""
+    return strat.recipe.kernels_per_block * hw.kernel_dispatch_us * 1e-6
 
 
 def block_times(model: ModelProfile, hw: HardwareProfile, strat: Strategy) -> PassTimes:
@@ -168,8 +207,10 @@ def block_times(model: ModelProfile, hw: HardwareProfile, strat: Strategy) -> Pa
     weights_s, core_s = block_gemm_s(model, hw, strat)
     fwd_rest, fwd_core = block_elementwise_bytes(model, strat, FWD_TRAFFIC)
     bwd_rest, bwd_core = block_elementwise_bytes(model, strat, BWD_TRAFFIC)
-    fwd = weights_s + core_s + memory_s(fwd_rest + fwd_core, hw)
-    bwd = 2 * (weights_s + core_s) + memory_s(bwd_rest + bwd_core, hw)
+    core_bwd = FLASH_BWD_RATIO * core_s if fused(strat) else 2 * core_s
+    host = dispatch_s(hw, strat)
+    fwd = max(host, weights_s + core_s + memory_s(fwd_rest + fwd_core, hw))
+    bwd = max(2 * host, 2 * weights_s + core_bwd + memory_s(bwd_rest + bwd_core, hw))
     if strat.recompute == "full":
         rc = fwd
     elif strat.recompute == "selective":

@@ -1,19 +1,22 @@
 """StageCosts for a strategy, and the Estimate that evaluates exactly them.
 
 Per micro-batch and stage, T_s = compute (forward + recompute + backward, ``compute``)
-+ tensor-parallel collectives (``tp_comm``, on the critical path: Megatron does not overlap
-them) + pipeline sends (``p2p``) + ZeRO-2/3's per-micro-batch collectives (ZeRO-2 reduce-scatters
-the gradients in every backward since it keeps only a shard; ZeRO-3 also all-gathers the
-weights in the forward and again in the backward: 1.5x the all-reduce volume, ZeRO paper).
-Once per step, D_s = the data-parallel gradient reduction (ZeRO 0: all-reduce; ZeRO 1:
-reduce-scatter + all-gather of the updated weights; ZeRO 2: that all-gather), plus the
-optimizer step (memory-bound), plus, with a tied head on pp > 1, the all-reduce of the
-embedding gradient between the first and last stage.
++ tensor-parallel collectives (``tp_comm``; the recipe's ``tp_overlap`` hides the backward's
+column-parallel ones behind weight-gradient GEMMs) + pipeline sends (``p2p``) + the exposed
+part of ZeRO-2/3's per-micro-batch collectives (ZeRO-2 reduce-scatters the gradients in every
+backward since it keeps only a shard; ZeRO-3 also all-gathers the weights in the forward and
+again in the backward: 1.5x the all-reduce volume, ZeRO paper). Once per step, D_s = the
+data-parallel gradient reduction (ZeRO 0: all-reduce; ZeRO 1: reduce-scatter + all-gather of
+the updated weights; ZeRO 2: that all-gather), plus the optimizer step (memory-bound), plus,
+with a tied head on pp > 1, the all-reduce of the embedding gradient between the first and
+last stage.
 
-No data-parallel collective is taken as overlapped with compute, as in Megatron-LM 2021 (the
-published figures), which reduces gradients after the pipeline flush. DDP/FSDP overlap would
-hide part of them; modelling that is left to calibration. A consequence: for equal memory the
-ZeRO stages order by time 0 <= 1 <= 2 <= 3, which is what makes the solver pick ZeRO only to fit.
+What overlaps follows the execution recipe (``Strategy.recipe``): with ``dp_overlap`` each
+data-parallel collective hides behind the pass it serves and only its excess is exposed
+(``_piece``); without it (Megatron-LM 2021's local DDP under a pipeline) all of it is. Under
+a pipeline, recipes that run FSDP2 through torch.distributed.pipelining keep the stage's
+weights gathered and gradients unsharded until the last backward
+(``memory.holds_unsharded``), which changes both the collectives and the memory.
 """
 
 from __future__ import annotations
@@ -77,7 +80,7 @@ class _Parts:
     p2p_s: float
 
 
-def optimizer_bytes_per_param(rec: memory.Recipe) -> float:
+def optimizer_bytes_per_param(rec: memory.StateLayout) -> float:
     """Device-memory traffic of the optimizer step per (sharded) parameter: the gradient-norm
     read and the clipping scale (read, write), Adam (read gradient, states and weights, write
     states and weights), the copy of fp32 master weights into the 16-bit weights, and zeroing
@@ -87,17 +90,17 @@ def optimizer_bytes_per_param(rec: memory.Recipe) -> float:
     return 5 * rec.grad + states + master
 
 
-def grad_accum_bytes_per_param(rec: memory.Recipe, strat: Strategy) -> float:
+def grad_accum_bytes_per_param(rec: memory.StateLayout, strat: Strategy) -> float:
     """Device-memory traffic per parameter and micro-batch of adding the backward's fresh
     gradient into the gradient buffer, unless the weight-gradient GEMMs accumulate in place
     (``grad_accum_fusion``): read the 16-bit gradient, read and write the buffer's element
     (Megatron-LM 2021's local DDP hook ``param.main_grad.add_(param.grad)``, run for every
     parameter in every micro-batch's backward: 2 + 2 + 2 = 6 bytes with 16-bit gradients,
     2 + 4 + 4 = 10 with fp32 ones). ZeRO 2/3 add the reduce-scattered shard into theirs."""
-    if strat.grad_accum_fusion:
+    if strat.recipe.grad_accum_fusion:
         return 0.0
-    per = rec.weight + 2 * rec.grad
-    return per / strat.dp if strat.zero >= 2 else per
+    per = (memory.compute_copy_bytes(strat) or rec.weight) + 2 * rec.grad
+    return per / strat.dp if strat.zero >= 2 and not memory.holds_unsharded(strat) else per
 
 
 def _piece(params: float, passes: compute.PassTimes, tp_s: float, act: float,
@@ -112,8 +115,8 @@ def _piece(params: float, passes: compute.PassTimes, tp_s: float, act: float,
     of the same piece unless ``reduced_last`` (the embedding's gradient is the last to be
     ready); the all-gather of updated weights (ZeRO 1/2) behind the next forward.
     """
-    rec = memory.recipe(strat)
-    grads, weights = params * rec.grad, params * rec.weight
+    rec = memory.state_layout(strat)
+    grads, weights = params * rec.grad, params * memory.gather_bytes(strat)
     rs, ag = comm.reduce_scatter_s(grads, groups.dp), comm.all_gather_s(weights, groups.dp)
     fwd, bwd = passes.forward_s, passes.recompute_s + passes.backward_s
     if not strat.dp_overlap:
@@ -125,6 +128,15 @@ def _piece(params: float, passes: compute.PassTimes, tp_s: float, act: float,
         tail = hide(comm.best_all_reduce_s(grads, groups.dp), bwd_window)
     elif strat.zero == 1:
         tail = hide(rs, bwd_window) + hide(ag, fwd)
+    elif memory.holds_unsharded(strat):
+        # Gathered weights and unsharded gradients through the pipeline: one reduce-scatter
+        # per step; ZeRO-3 re-gathers once per micro-batch (the forward reshards, the
+        # backward does not), ZeRO-2 once after the step.
+        tail = hide(rs, bwd_window)
+        if strat.zero == 2:
+            tail += hide(ag, fwd)
+        else:
+            exposed = hide(ag, bwd)
     elif strat.zero == 2:
         exposed, tail = hide(rs, bwd), hide(ag, fwd)
     else:
@@ -143,14 +155,13 @@ def _piece(params: float, passes: compute.PassTimes, tp_s: float, act: float,
         else:
             tail += down
     else:
-        opt = compute.optimizer_memory_s(sharded * optimizer_bytes_per_param(rec), hw)
+        opt = compute.optimizer_memory_s(sharded * optimizer_bytes_per_param(rec), hw,
+                                         strat.recipe.fused_optimizer)
     accum = compute.memory_s(params * grad_accum_bytes_per_param(rec, strat), hw)
     return _Piece(compute_s=passes.total_s + accum, tp_s=tp_s, dp_exposed_s=exposed, dp_tail_s=tail,
                   optimizer_s=opt,
-                  state=memory.state_bytes(params, rec, strat.zero, strat.dp, strat.offload),
-                  act_bytes=act,
-                  host_bytes=memory.host_state_bytes(params, rec, strat.zero, strat.dp,
-                                                     strat.offload))
+                  state=memory.state_bytes(params, strat), act_bytes=act,
+                  host_bytes=memory.host_state_bytes(params, strat))
 
 
 def _tp_unit_s(model: ModelProfile, strat: Strategy, g: comm.Group) -> float:
@@ -179,7 +190,7 @@ def block_tp_s(model: ModelProfile, hw: HardwareProfile, strat: Strategy,
     if strat.tp == 1:
         return compute.PassTimes(forward_s=0.0, recompute_s=0.0, backward_s=0.0)
     bwd = 2 * unit
-    if strat.tp_overlap:
+    if strat.recipe.tp_overlap:
         window = compute.wgrad_window_s(model, hw, strat)
         if strat.sequence_parallel:
             vol = strat.micro_batch * model.seq * model.hidden * compute.elem_bytes(strat)
@@ -235,8 +246,8 @@ def _parts(model: ModelProfile, hw: HardwareProfile, strat: Strategy) -> _Parts:
         # flush (Megatron's embedding all-reduce), exposed on both stages.
         pair = comm.Group(size=2, bw_bytes_s=groups.pp.bw_bytes_s, p2p_bytes_s=groups.pp.p2p_bytes_s,
                           latency_s=groups.pp.latency_s, inter_node=groups.pp.inter_node)
-        sync = comm.all_reduce_s(model.vocab * model.hidden / strat.tp * memory.recipe(strat).grad,
-                                 pair)
+        sync = comm.all_reduce_s(model.vocab * model.hidden / strat.tp
+                                 * memory.state_layout(strat).grad, pair)
         first = replace(first, dp_tail_s=first.dp_tail_s + sync)
         last = replace(last, dp_tail_s=last.dp_tail_s + sync)
     return _Parts(layers=tuple(layers), passes=tuple(passes), first=first, last=last,
@@ -247,8 +258,7 @@ def parts_key(strat: Strategy) -> tuple:
     """What ``_parts`` depends on: strategies with equal keys share their per-piece costs
     (schedule, chunks and the nominal recompute mode enter only ``stage_costs``)."""
     return (strat.dp, strat.tp, strat.pp, strat.zero, strat.micro_batch, strat.sequence_parallel,
-            strat.dp_overlap, strat.tp_overlap, strat.grad_accum_fusion, strat.dtype,
-            strat.precision, strat.offload, strat.axis_order)
+            strat.dtype, strat.recipe, strat.offload, strat.axis_order)
 
 
 def stage_costs(model: ModelProfile, hw: HardwareProfile, strat: Strategy,

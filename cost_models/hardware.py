@@ -56,7 +56,20 @@ class HardwareProfile:
     """Calibrated fraction of ``hbm_bw_gbps`` reached by the optimizer step's fused
     multi-tensor kernels (Adam, gradient-norm, clipping scale); 0: ``memory_efficiency``."""
     reserve_gib: float = 0.0
-    """Memory not available to tensors: runtime context plus allocator fragmentation, GiB."""
+    """Device memory no tensor gets: CUDA context, cuBLAS/cuDNN workspaces, GiB."""
+    nccl_gib_per_group: float = 0.0
+    """Device memory of one collective communicator (NCCL channel buffers), GiB; a rank
+    holds one per mesh axis of degree > 1 plus the default group."""
+    allocator_headroom: float = 0.0
+    """Fraction of the device memory left to the caching allocator's fragmentation and
+    rounding: plans keep their peak of live tensors below ``memory_bytes``."""
+    attention_efficiency: dict[str, float] = field(default_factory=dict)
+    """Fraction of dense peak a fused attention kernel family reaches on its executed FLOPs,
+    forward and backward alike (``flash2``: FlashAttention-2 as torch SDPA dispatches it,
+    ``cudnn``: cuDNN / FlashAttention-3-class fused attention)."""
+    kernel_dispatch_us: float = 0.0
+    """Host time to dispatch one kernel from eager PyTorch (Python, dispatcher, launch), µs:
+    a pass of k kernels takes at least k times this (0: never host-bound)."""
     host_memory_gib: float = 0.0
     """Host (CPU) memory available per device for offloaded training state, GiB: the node's
     memory divided by ``devices_per_node``, less what the OS and the process need; 0: no
@@ -76,10 +89,20 @@ class HardwareProfile:
             raise ProfileError(f"profile {self.name!r}: devices_per_node must be positive")
         if not self.peak_tflops:
             raise ProfileError(f"profile {self.name!r}: peak_tflops needs at least one dtype")
+        if not 0.0 <= self.allocator_headroom < 1.0:
+            raise ProfileError(f"profile {self.name!r}: allocator_headroom must be in [0, 1)")
+        if any(not 0.0 < e <= 1.0 for e in self.attention_efficiency.values()):
+            raise ProfileError(f"profile {self.name!r}: attention_efficiency values must be in (0, 1]")
 
     @property
     def memory_bytes(self) -> float:
-        return self.memory_gib * 2**30
+        """What a plan may fill with tensors: the device memory less the allocator headroom."""
+        return self.memory_gib * 2**30 * (1.0 - self.allocator_headroom)
+
+    def attention_eff(self, kernel: str) -> float:
+        """``attention_efficiency`` of a fused kernel family; a profile without it prices
+        fused attention at ``matmul_efficiency``."""
+        return self.attention_efficiency.get(kernel, self.matmul_efficiency)
 
     @property
     def host_memory_bytes(self) -> float:

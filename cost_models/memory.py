@@ -1,12 +1,16 @@
-"""Bytes on one device: model states (precision recipe, ZeRO sharding), activations, buffers.
+"""Bytes on one device: model states (state layout, ZeRO sharding), activations, buffers.
 
-Model states per parameter (``RECIPES``; weights + gradients + optimizer):
+Model states per parameter (``STATE_LAYOUTS``, chosen by the execution recipe; weights +
+gradients + optimizer):
 - ``megatron`` 2 + 4 + 12 = 18: 16-bit weights, fp32 gradients, fp32 master weights and Adam's
   two moments (Korthikanti et al. Fig. 1: 45.56 GiB for the 22B model at TP 8);
 - ``zero`` 2 + 2 + 12 = 16: the ZeRO paper's fp16 gradients (Rajbhandari et al., Table 1);
-- ``fp32`` 4 + 4 + 8 = 16: fp32 weights are the master weights, plus the two moments.
+- ``fp32`` 4 + 4 + 8 = 16: fp32 weights are the master weights, plus the two moments; 16-bit
+  training computes on 16-bit copies (FSDP2's gathered ``param_dtype`` weights, autocast's
+  cast cache: 2 more bytes per parameter while held, ``compute_copy_bytes``).
 ZeRO stage 1 shards the optimizer states (master included) over dp, 2 also the gradients,
-3 also the weights. Tensor parallelism divides all block, embedding (vocab-parallel) and head
+3 also the weights (``state_bytes`` has the exact rule, including the pipeline's unsharded
+accumulation under FSDP2). Tensor parallelism divides all block, embedding (vocab-parallel) and head
 parameters by tp; the few norm and bias parameters Megatron replicates (4h of 12h² + 13h per
 block) are divided too, an error below 0.1 % for h ≥ 1024.
 
@@ -16,8 +20,10 @@ memory: the weight, gradient and optimizer shards (fp32 master included) leave t
 ZeRO 1/2 (ZeRO 3: only the buffers' two gathered blocks) and the unsharded accumulated
 gradients under ZeRO 1 (ZeRO 2: one block's before its reduce-scatter, in the buffers).
 
-Activations follow Korthikanti et al. Table 2 from the ModelProfile's three per-token fields
-(16-bit activations, 1-byte masks; doubled for fp32 training). Sizes in bytes.
+Activations follow Korthikanti et al. Table 2 from the ModelProfile's three per-token fields in
+the recipe's attention accounting (unfused: scores, softmax and dropout kept; fused: a float32
+log-sum-exp per head), 16-bit activations and 1-byte masks, doubled for fp32 training.
+Sizes in bytes.
 """
 
 from __future__ import annotations
@@ -26,6 +32,7 @@ from dataclasses import dataclass
 
 from cost_models.hardware import HardwareProfile
 from cost_models.model_profile import ModelProfile
+from cost_models.recipe import Attention
 from cost_models.strategy import Strategy
 
 DDP_BUCKET_BYTES = 25e6
@@ -33,7 +40,7 @@ DDP_BUCKET_BYTES = 25e6
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
-class Recipe:
+class StateLayout:
     """Bytes per parameter of each part of the training state, before ZeRO sharding."""
 
     weight: float
@@ -41,21 +48,42 @@ class Recipe:
     optimizer: float
     """Optimizer states, fp32 master weights included when kept apart from the weights."""
     master_copy: bool
-    """The optimizer keeps fp32 master weights apart from the (16-bit) model weights."""
+    """The optimizer keeps fp32 master weights apart from the (16-bit) model weights; False:
+    the weights are the master (fp32), and 16-bit training computes on gathered or cast
+    copies."""
 
 
-RECIPES = {
-    "megatron": Recipe(weight=2, grad=4, optimizer=12, master_copy=True),
-    "zero": Recipe(weight=2, grad=2, optimizer=12, master_copy=True),
-    "fp32": Recipe(weight=4, grad=4, optimizer=8, master_copy=False),
+STATE_LAYOUTS = {
+    "megatron": StateLayout(weight=2, grad=4, optimizer=12, master_copy=True),
+    "zero": StateLayout(weight=2, grad=2, optimizer=12, master_copy=True),
+    "fp32": StateLayout(weight=4, grad=4, optimizer=8, master_copy=False),
 }
 
 
-def recipe(strat: Strategy) -> Recipe:
-    """The strategy's recipe; ``auto`` picks fp32 for fp32 training, else megatron."""
-    if strat.precision != "auto":
-        return RECIPES[strat.precision]
-    return RECIPES["fp32" if strat.dtype == "fp32" else "megatron"]
+def state_layout(strat: Strategy) -> StateLayout:
+    """The recipe's layout; fp32 training keeps ``fp32`` whatever the recipe."""
+    return STATE_LAYOUTS["fp32" if strat.dtype == "fp32" else strat.recipe.state]
+
+
+def compute_copy_bytes(strat: Strategy) -> float:
+    """Bytes per parameter of the 16-bit copy a layout whose weights are the fp32 master
+    computes on (FSDP2's gathered ``param_dtype`` weights, autocast's cast cache); 0 when the
+    weights are used as stored."""
+    lay = state_layout(strat)
+    elem = 4 if strat.dtype == "fp32" else 2
+    return 0.0 if lay.master_copy or lay.weight <= elem else float(elem)
+
+
+def gather_bytes(strat: Strategy) -> float:
+    """Bytes per parameter a ZeRO all-gather moves: the weights in their compute dtype."""
+    return compute_copy_bytes(strat) or state_layout(strat).weight
+
+
+def holds_unsharded(strat: Strategy) -> bool:
+    """ZeRO-2/3 under a pipeline keep the stage's weights gathered and gradients unsharded
+    until the last backward (``ExecutionRecipe.pp_unsharded_accumulation``)."""
+    return strat.recipe.pp_unsharded_accumulation and strat.pp > 1 and strat.zero >= 2 \
+        and strat.dp > 1
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -71,24 +99,38 @@ class StateBytes:
         return self.params + self.grads + self.optimizer
 
 
-def state_bytes(params: float, rec: Recipe, zero: int, dp: int,
-                offload: bool = False) -> StateBytes:
-    """Model states of ``params`` parameters (already divided by tp) on one of ``dp`` ranks,
-    in device memory (with ``offload``, what stays on the device)."""
-    if offload:
-        return StateBytes(params=0.0 if zero >= 3 else params * rec.weight,
-                          grads=params * rec.grad if zero == 1 else 0.0, optimizer=0.0)
-    return StateBytes(params=params * rec.weight / (dp if zero >= 3 else 1),
-                      grads=params * rec.grad / (dp if zero >= 2 else 1),
-                      optimizer=params * rec.optimizer / (dp if zero >= 1 else 1))
+def state_bytes(params: float, strat: Strategy) -> StateBytes:
+    """Model states of ``params`` parameters (already divided by tp) on one of ``strat.dp``
+    ranks, in device memory (with ``offload``, what stays on the device).
+
+    The weights are sharded by ZeRO-3, or by ZeRO >= 1 where they are the fp32 master; a
+    layout computing on 16-bit copies holds them unsharded under ZeRO 0-2 (and ZeRO-3 when the
+    pipeline keeps them gathered), the gradients are sharded by ZeRO >= 2 unless the pipeline
+    accumulates them unsharded, the optimizer states by ZeRO >= 1.
+    """
+    lay, zero, dp = state_layout(strat), strat.zero, strat.dp
+    copy = compute_copy_bytes(strat)
+    hold = holds_unsharded(strat)
+    copy_held = copy if (zero < 3 or hold) else 0.0
+    if strat.offload:
+        return StateBytes(params=(0.0 if zero >= 3 and not hold else params * (copy or lay.weight)),
+                          grads=params * lay.grad if zero == 1 or hold else 0.0, optimizer=0.0)
+    master_sharded = not lay.master_copy and zero >= 1
+    weight = lay.weight / (dp if zero >= 3 or master_sharded else 1)
+    if lay.master_copy and hold:
+        weight = lay.weight
+    return StateBytes(params=params * (weight + copy_held),
+                      grads=params * lay.grad / (dp if zero >= 2 and not hold else 1),
+                      optimizer=params * lay.optimizer / (dp if zero >= 1 else 1))
 
 
-def host_state_bytes(params: float, rec: Recipe, zero: int, dp: int, offload: bool) -> float:
-    """Bytes of host memory the offloaded shards of ``params`` parameters take on one of ``dp``
-    ranks: weight, gradient and optimizer shards (0 without ``offload``)."""
-    if not offload:
+def host_state_bytes(params: float, strat: Strategy) -> float:
+    """Bytes of host memory the offloaded shards of ``params`` parameters take on one of
+    ``strat.dp`` ranks: weight, gradient and optimizer shards (0 without ``offload``)."""
+    if not strat.offload:
         return 0.0
-    return params * (rec.weight + rec.grad + rec.optimizer) / dp
+    lay = state_layout(strat)
+    return params * (lay.weight + lay.grad + lay.optimizer) / strat.dp
 
 
 def layer_params(model: ModelProfile, strat: Strategy) -> float:
@@ -113,8 +155,13 @@ def act_scale(strat: Strategy) -> float:
     return 2.0 if strat.dtype == "fp32" else 1.0
 
 
+def fused_attention(strat: Strategy) -> bool:
+    return strat.recipe.attention == Attention.FUSED
+
+
 def block_act_bytes(model: ModelProfile, strat: Strategy, recompute: str | None = None) -> float:
-    """Bytes one block keeps for backward per micro-batch (Korthikanti et al. Table 2).
+    """Bytes one block keeps for backward per micro-batch (Korthikanti et al. Table 2, in the
+    recipe's attention accounting).
 
     none: s b (repl / (tp if SP else 1) + sharded / tp + attn / tp); selective: without attn;
     full: the block input only, 2 s b h (/ tp with SP).
@@ -124,17 +171,18 @@ def block_act_bytes(model: ModelProfile, strat: Strategy, recompute: str | None 
     sp = strat.tp if strat.sequence_parallel else 1
     if recompute == "full":
         return act_scale(strat) * tokens * 2 * model.hidden / sp
-    per_token = (model.block_act_bytes_replicated_per_token / sp
-                 + model.block_act_bytes_sharded_per_token / strat.tp)
+    repl, sharded, attn = model.act_bytes_per_token(fused_attention(strat))
+    per_token = repl / sp + sharded / strat.tp
     if recompute == "none":
-        per_token += model.block_act_bytes_attn_per_token / strat.tp
+        per_token += attn / strat.tp
     return act_scale(strat) * tokens * per_token
 
 
 def block_attn_act_bytes(model: ModelProfile, strat: Strategy) -> float:
     """The attention-core part of ``block_act_bytes`` (what selective recompute drops)."""
     tokens = strat.micro_batch * model.seq
-    return act_scale(strat) * tokens * model.block_act_bytes_attn_per_token / strat.tp
+    attn = model.act_bytes_per_token(fused_attention(strat))[2]
+    return act_scale(strat) * tokens * attn / strat.tp
 
 
 def first_act_bytes(model: ModelProfile, strat: Strategy) -> float:
@@ -144,32 +192,42 @@ def first_act_bytes(model: ModelProfile, strat: Strategy) -> float:
 
 
 def last_act_bytes(model: ModelProfile, strat: Strategy) -> float:
-    """Head: inputs of the final norm and of the projection, 4 s b h (/ tp with SP), and the
-    logits kept in fp32 for the loss, 4 s b V / tp (Korthikanti et al. Sec. 4.3)."""
+    """Head: inputs of the final norm and of the projection, 4 s b h (/ tp with SP), and what
+    the loss keeps per logit (``ExecutionRecipe.logits_bytes``: Megatron's fp32 logits, 4,
+    Korthikanti et al. Sec. 4.3; eager cross-entropy under autocast, 16-bit logits and fp32
+    log-probabilities, 6), s b V / tp."""
     tokens = strat.micro_batch * model.seq
     sp = strat.tp if strat.sequence_parallel else 1
-    return act_scale(strat) * tokens * 4 * model.hidden / sp + tokens * 4 * model.vocab / strat.tp
+    return (act_scale(strat) * tokens * 4 * model.hidden / sp
+            + tokens * strat.recipe.logits_bytes * model.vocab / strat.tp)
+
+
+def communicators(strat: Strategy) -> int:
+    """Collective communicators a rank holds: one per mesh axis of degree > 1, and the
+    default group."""
+    return 1 + sum(d > 1 for d in (strat.dp, strat.tp, strat.pp))
 
 
 def base_buffer_bytes(model: ModelProfile, hw: HardwareProfile, strat: Strategy) -> float:
     """Bytes every device needs besides states, saved activations and recompute workspace:
 
-    - hw.reserve_gib (CUDA context, allocator fragmentation);
+    - hw.reserve_gib (CUDA context, library workspaces) and hw.nccl_gib_per_group per
+      communicator;
     - data-parallel buffers: two 25 MB DDP buckets (ZeRO 0-2, dp > 1), or for ZeRO-3 the
-      unsharded weights of two blocks (current and prefetched) and the unsharded gradients of
-      one block before its reduce-scatter;
+      gathered compute-dtype weights of two blocks (current and prefetched) and the unsharded
+      gradients of one block before its reduce-scatter;
     - with offload under ZeRO 2, the unsharded gradients of one block before their
       reduce-scatter and copy to the host.
     """
-    rec = recipe(strat)
-    total = hw.reserve_gib * 2**30
+    lay = state_layout(strat)
+    total = (hw.reserve_gib + hw.nccl_gib_per_group * communicators(strat)) * 2**30
     if strat.dp > 1:
         if strat.zero >= 3:
-            total += layer_params(model, strat) * (2 * rec.weight + rec.grad)
+            total += layer_params(model, strat) * (2 * gather_bytes(strat) + lay.grad)
         else:
             total += 2 * DDP_BUCKET_BYTES
             if strat.offload and strat.zero == 2:
-                total += layer_params(model, strat) * rec.grad
+                total += layer_params(model, strat) * lay.grad
     return total
 
 

@@ -2,7 +2,9 @@
 
 A model is an embedding (first pipeline stage), ``layers`` identical transformer blocks, and a
 head (final norm, output projection and loss; last stage). Counts are per block and per token at
-sequence length ``seq``; bytes of activations assume 16-bit activations and 1-byte dropout masks.
+sequence length ``seq``; bytes of activations assume 16-bit activations and 1-byte dropout masks,
+in two accountings: unfused core attention with Megatron's dropout (Korthikanti et al. 2022) and
+a fused attention kernel (``fused_*``), which the execution recipe chooses between.
 """
 
 from __future__ import annotations
@@ -43,12 +45,25 @@ class ModelProfile:
     block_act_bytes_attn_per_token: float
     """Saved-for-backward bytes per token of the attention core (scores, softmax, dropout):
     split by TP, dropped by selective recompute."""
+    fused_act_bytes_replicated_per_token: float
+    """The three figures above when attention runs as one fused kernel (FlashAttention: no
+    scores kept, a float32 log-sum-exp per head instead) and the model's own dropout."""
+    fused_act_bytes_sharded_per_token: float
+    fused_act_bytes_attn_per_token: float
 
     @property
     def params(self) -> int:
         """Total trainable parameters (a tied head counted once)."""
         tied = self.vocab * self.hidden if self.tied else 0
         return self.embed_params + self.layers * self.block_params + self.head_params - tied
+
+    def act_bytes_per_token(self, fused: bool) -> tuple[float, float, float]:
+        """(replicated, sharded, attention core) saved bytes per token in one accounting."""
+        if fused:
+            return (self.fused_act_bytes_replicated_per_token,
+                    self.fused_act_bytes_sharded_per_token, self.fused_act_bytes_attn_per_token)
+        return (self.block_act_bytes_replicated_per_token, self.block_act_bytes_sharded_per_token,
+                self.block_act_bytes_attn_per_token)
 
     def model_flops_per_token(self) -> float:
         """Training FLOPs per token (forward + backward = 3x forward, no recompute)."""

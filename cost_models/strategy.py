@@ -4,9 +4,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from cost_models.recipe import DpOverlap, ExecutionRecipe, load_recipe
+
 SCHEDULES = ("gpipe", "1f1b", "interleaved", "zero-bubble")
 RECOMPUTE = ("none", "selective", "full")
-PRECISIONS = ("auto", "megatron", "zero", "fp32")
 AXIS_ORDER = ("pp", "dp", "tp")
 """Megatron's rank order of the mesh axes, outermost (largest rank stride) first."""
 
@@ -33,19 +34,6 @@ class Strategy:
     stage_recompute: tuple[tuple[int, ...], ...] = ()
     """Per pipeline stage, its blocks with recompute none, selective and full (``RECOMPUTE``
     order; they sum to ``stage_layers``); empty means every block uses ``recompute``."""
-    dp_overlap: bool = True
-    """The runtime reduces gradients during the last micro-batch's backward (DDP buckets,
-    FSDP2 hooks) and prefetches ZeRO-3 weights during compute; False: after the pipeline
-    flush, exposed (Megatron-LM's local DDP of 2021)."""
-    tp_overlap: bool = False
-    """The runtime overlaps the backward's tensor-parallel collectives of column-parallel
-    layers with their weight-gradient GEMMs (Megatron-LM's async all-reduce, 2022); False:
-    every collective is on the critical path (DTensor TP, Megatron-LM 2021)."""
-    grad_accum_fusion: bool = False
-    """The weight-gradient GEMMs accumulate straight into the gradient buffer (Megatron-LM's
-    ``--gradient-accumulation-fusion``, 2022); False: every micro-batch's backward writes a fresh
-    16-bit gradient that a separate element-wise pass adds into the buffer (Megatron-LM 2021's
-    local DDP hook ``main_grad.add_(grad)``, PyTorch's AccumulateGrad and DDP bucket copy)."""
     offload: bool = False
     """ZeRO's sharded weights, gradients and optimizer states (fp32 master included) live in
     host memory and the optimizer step runs on the CPU (FSDP2's ``CPUOffloadPolicy``); needs
@@ -54,11 +42,9 @@ class Strategy:
     """The mesh axes from outermost (largest rank stride) to innermost (consecutive ranks,
     which share a node first); ``comm.axis_groups`` derives each axis's tier from it."""
     dtype: str = "bf16"
-    precision: str = "auto"
-    """Bytes per parameter of the training state (see ``cost_models.memory.RECIPES``):
-    ``megatron`` 2 + 4 + 12 (16-bit weights, fp32 grads, fp32 master + Adam moments),
-    ``zero`` 2 + 2 + 12 (the ZeRO paper's fp16 gradients), ``fp32`` 4 + 4 + 8;
-    ``auto`` is ``fp32`` when ``dtype`` is fp32, else ``megatron``."""
+    recipe: ExecutionRecipe = field(default_factory=load_recipe)
+    """The program priced (``cost_models.recipe``): attention kernel, training-state layout,
+    what overlaps; default ``autopar``, the program autopar's runtime generates."""
 
     def __post_init__(self) -> None:
         for name in ("dp", "tp", "pp", "micro_batch", "num_microbatches", "virtual_stages"):
@@ -70,8 +56,6 @@ class Strategy:
             raise ValueError(f"unknown schedule {self.schedule!r}; use one of {', '.join(SCHEDULES)}")
         if self.recompute not in RECOMPUTE:
             raise ValueError(f"unknown recompute {self.recompute!r}; use one of {', '.join(RECOMPUTE)}")
-        if self.precision not in PRECISIONS:
-            raise ValueError(f"unknown precision {self.precision!r}; use one of {', '.join(PRECISIONS)}")
         if sorted(self.axis_order) != sorted(AXIS_ORDER):
             raise ValueError(f"axis_order must be a permutation of {AXIS_ORDER}, got {self.axis_order}")
         if self.offload and self.zero < 1:
@@ -97,6 +81,12 @@ class Strategy:
         if q < 1:
             raise ValueError(f"cannot split {layers} layers over {self.pp} pipeline stages")
         return tuple(q + (1 if s < r else 0) for s in range(self.pp))
+
+    @property
+    def dp_overlap(self) -> bool:
+        """Data-parallel collectives overlap with compute (the recipe's rule at this pp)."""
+        rule = self.recipe.dp_overlap
+        return rule == DpOverlap.ALWAYS or (rule == DpOverlap.UNPIPELINED and self.pp == 1)
 
     @property
     def devices(self) -> int:

@@ -23,7 +23,9 @@ def gpt_profile(layers: int, hidden: int, heads: int, vocab: int, seq: int) -> M
         embed_params=(vocab + seq) * h, head_params=2 * h + vocab * h,
         block_matmul_flops_per_token=24.0 * h * h, block_attn_flops_per_token=4.0 * seq * h,
         head_flops_per_token=2.0 * vocab * h, block_act_bytes_replicated_per_token=10.0 * h,
-        block_act_bytes_sharded_per_token=24.0 * h, block_act_bytes_attn_per_token=5.0 * heads * seq)
+        block_act_bytes_sharded_per_token=24.0 * h, block_act_bytes_attn_per_token=5.0 * heads * seq,
+        fused_act_bytes_replicated_per_token=10.0 * h, fused_act_bytes_sharded_per_token=24.0 * h,
+        fused_act_bytes_attn_per_token=4.0 * heads)
 
 
 def stage_loads(n: int, modes: tuple[int, ...]):

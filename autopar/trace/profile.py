@@ -1,14 +1,15 @@
 """The cost model's view of a traced model (``cost_models.ModelProfile``), and the published
 activation formula it is checked against.
 
-Activation bytes in the profile are the *Megatron-recipe* measurement of one block
+Activation bytes come in both accountings the execution recipes choose between. The
+``block_act_bytes_*`` fields are the *Megatron-recipe* measurement of one block
 (``BlockInfo.recipe_activations``): unfused core attention with its softmax, dropout mask and
-dropped probabilities kept, hidden dropout after each row-parallel GEMM (gpt models: p = 0.1).
-That is the accounting of Korthikanti et al. 2022, which the cost model's memory terms and
-calibration follow, so the profile's fields keep their meaning; for the built-in GPT it equals
-Table 2's ``sbh(34 + 5as/h)`` up to the LayerNorm statistics (16 bytes per token). What the
-model keeps when run with FlashAttention and no dropout is ``BlockInfo.activations`` (shown by
-``autopar inspect``): ``32 sbh`` plus a float32 logsumexp per head instead of ``5as`` per token.
+dropped probabilities kept, hidden dropout after each row-parallel GEMM (gpt models: p = 0.1),
+the accounting of Korthikanti et al. 2022; for the built-in GPT it equals Table 2's
+``sbh(34 + 5as/h)`` up to the LayerNorm statistics (16 bytes per token). The ``fused_*``
+fields are what the model keeps when run as written with FlashAttention
+(``BlockInfo.activations``, shown by ``autopar inspect``): a float32 log-sum-exp per head
+instead of ``5as`` per token.
 """
 
 from __future__ import annotations
@@ -40,7 +41,7 @@ def profile_from_graph(graph: ModelGraph, spec: ModelSpec) -> ModelProfile:
                         f"{block.experts} experts per {block.kind}); `autopar inspect` works")
     tokens = graph.tokens
     matmul = sum(n.flops for n in block.nodes if n.split)
-    act = block.recipe_activations
+    act, fused = block.recipe_activations, block.activations
     return ModelProfile(
         name=graph.name, layers=block.count, hidden=spec.hidden, heads=spec.heads,
         kv_heads=spec.num_kv_heads, ffn=spec.ffn_hidden, vocab=spec.vocab, seq=spec.seq,
@@ -51,7 +52,10 @@ def profile_from_graph(graph: ModelGraph, spec: ModelSpec) -> ModelProfile:
         head_flops_per_token=sum(n.flops for n in graph.post) / tokens,
         block_act_bytes_replicated_per_token=act.replicated / tokens,
         block_act_bytes_sharded_per_token=act.sharded / tokens,
-        block_act_bytes_attn_per_token=act.attn / tokens)
+        block_act_bytes_attn_per_token=act.attn / tokens,
+        fused_act_bytes_replicated_per_token=fused.replicated / tokens,
+        fused_act_bytes_sharded_per_token=fused.sharded / tokens,
+        fused_act_bytes_attn_per_token=fused.attn / tokens)
 
 
 def profile_spec(spec: ModelSpec) -> ModelProfile:

@@ -1,0 +1,147 @@
+"""Execution recipes: the program being priced, as data.
+
+The same strategy (degrees, ZeRO stage, micro-batch, schedule, recompute) runs as different
+programs in different frameworks: Megatron-LM 2021 keeps the s x s attention scores and
+reduces gradients after the pipeline flush; Megatron-Core overlaps its tensor-parallel
+collectives with the weight-gradient GEMMs; FSDP2 programs (autopar's own runtime,
+torchtitan) call FlashAttention through SDPA, keep fp32 sharded weights and gather bf16
+copies. A recipe names those choices so the cost model prices the program that runs. The
+shipped recipes are JSON files in ``cost_models/recipes/`` (``autopar`` is the default: the
+program autopar's own runtime generates); ``load_recipe`` also takes a path to a file of the
+same form.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field, fields
+from enum import Enum
+from functools import lru_cache
+from pathlib import Path
+
+RECIPE_DIR = Path(__file__).resolve().parent / "recipes"
+DEFAULT_RECIPE = "autopar"
+
+
+class RecipeError(ValueError):
+    """A recipe that cannot be found or read; the message names the fix."""
+
+
+class Attention(str, Enum):
+    """How the attention core runs."""
+
+    FUSED = "fused"
+    """One FlashAttention-style kernel: no s x s scores in memory, only the log-sum-exp kept for
+    backward, masked causal blocks skipped (about half the QKᵀ and AV FLOPs executed)."""
+    UNFUSED = "unfused"
+    """QKᵀ, scale-mask-softmax, dropout and AV as separate kernels; scores, softmax output and
+    dropout mask kept for backward (Korthikanti et al. 2022's 5as per token)."""
+
+
+class DpOverlap(str, Enum):
+    """When data-parallel collectives overlap with compute."""
+
+    ALWAYS = "always"
+    """Gradient reduction during the (last micro-batch's) backward, ZeRO-3 weight prefetch
+    during compute (DDP buckets, FSDP2 hooks, Megatron-Core's overlap_grad_reduce)."""
+    UNPIPELINED = "unpipelined"
+    """Overlapped (PyTorch DDP) without a pipeline; after the flush, exposed, with one
+    (Megatron-LM 2021's local DDP)."""
+    NEVER = "never"
+    """Every data-parallel collective on the critical path."""
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class ExecutionRecipe:
+    """How a framework runs a strategy: the switches the cost model prices (see module)."""
+
+    name: str
+    description: str
+    attention: Attention
+    attention_kernel: str = "flash2"
+    """The fused kernel family (a key of the profile's ``attention_efficiency``): ``flash2``
+    (FlashAttention-2, what torch SDPA runs on CUDA) or ``cudnn`` (cuDNN / FA3-class)."""
+    state: str
+    """Training-state layout (``cost_models.memory.STATE_LAYOUTS``): ``megatron`` 16-bit
+    weights + fp32 gradients + fp32 master and moments (2 + 4 + 12 bytes per parameter),
+    ``zero`` 16-bit gradients (2 + 2 + 12), ``fp32`` fp32 weights that are the master, fp32
+    gradients, two moments (4 + 4 + 8; 16-bit copies gathered or cast for compute: FSDP2's
+    MixedPrecisionPolicy, torch.autocast). fp32 training uses ``fp32`` whatever the recipe."""
+    dp_overlap: DpOverlap
+    tp_overlap: bool
+    """The backward's column-parallel collectives hide behind the weight-gradient GEMMs
+    (Megatron's async tensor-parallel all-reduce); False: every TP collective is exposed
+    (DTensor TP without async TP, Megatron-LM 2021)."""
+    grad_accum_fusion: bool
+    """Weight-gradient GEMMs accumulate straight into the gradient buffer (Megatron's
+    ``--gradient-accumulation-fusion``); False: every micro-batch's backward writes a fresh
+    gradient that a separate element-wise pass adds in (PyTorch AccumulateGrad)."""
+    fused_optimizer: bool
+    """The optimizer step runs as large multi-tensor kernels (apex/Megatron, torch ``fused``
+    or ``foreach`` AdamW) at the profile's ``optimizer_memory_efficiency``; False: per-tensor
+    kernels at ``memory_efficiency``."""
+    pp_unsharded_accumulation: bool
+    """Under a pipeline, ZeRO-2/3 keep the stage's weights gathered and its gradients unsharded
+    until the last micro-batch's backward (torch.distributed.pipelining turns off FSDP2's
+    ``reshard_after_backward`` and gradient sync for every backward but the last); the
+    gradients are reduce-scattered once per step."""
+    logits_bytes: float = 4.0
+    """Bytes per logit the loss keeps for backward: 4 for Megatron's fp32 logits, 6 for eager
+    cross-entropy under autocast (16-bit logits and fp32 log-probabilities)."""
+    elementwise_traffic: float = 1.0
+    """Element-wise device-memory traffic relative to Megatron-LM's fused kernels (fused
+    LayerNorm, bias-GeLU, bias-dropout-add, scale-mask-softmax): above 1 for eager unfused
+    norms and activations."""
+    kernels_per_block: int = 0
+    """Kernels one transformer block's forward launches (backward about twice as many); with
+    the profile's ``kernel_dispatch_us``, a pass can be no faster than its host dispatch."""
+    notes: dict[str, str] = field(default_factory=dict, compare=False, hash=False)
+    """Where each switch comes from (framework source, documentation)."""
+
+    def __post_init__(self) -> None:
+        if self.elementwise_traffic <= 0:
+            raise RecipeError(f"recipe {self.name!r}: elementwise_traffic must be positive")
+        if self.kernels_per_block < 0:
+            raise RecipeError(f"recipe {self.name!r}: kernels_per_block must be >= 0")
+
+
+def available_recipes() -> list[str]:
+    return sorted(p.stem for p in RECIPE_DIR.glob("*.json"))
+
+
+def recipe_from_dict(data: object, where: str) -> ExecutionRecipe:
+    """Build a recipe from parsed JSON; any problem is a ``RecipeError`` naming ``where``."""
+    if not isinstance(data, dict):
+        raise RecipeError(f"recipe {where} must be a JSON object")
+    known = {f.name for f in fields(ExecutionRecipe)}
+    unknown = sorted(set(data) - known)
+    if unknown:
+        raise RecipeError(f"recipe {where} has unknown keys {unknown}; known: {', '.join(sorted(known))}")
+    try:
+        kw = dict(data)
+        kw["attention"] = Attention(kw.get("attention"))
+        kw["dp_overlap"] = DpOverlap(kw.get("dp_overlap"))
+        recipe = ExecutionRecipe(**kw)
+    except (TypeError, ValueError) as exc:
+        raise RecipeError(f"recipe {where} is malformed: {exc}") from None
+    from cost_models.memory import STATE_LAYOUTS  # memory imports strategy, which imports us
+    if recipe.state not in STATE_LAYOUTS:
+        raise RecipeError(f"recipe {where}: state {recipe.state!r} is not one of "
+                          f"{', '.join(STATE_LAYOUTS)}")
+    return recipe
+
+
+@lru_cache(maxsize=64)
+def load_recipe(name_or_path: str = DEFAULT_RECIPE) -> ExecutionRecipe:
+    """A shipped recipe by name (``megatron-core``) or a JSON file by path (immutable, cached)."""
+    path = Path(name_or_path)
+    if not path.suffix:
+        path = RECIPE_DIR / f"{name_or_path}.json"
+    if not path.is_file():
+        raise RecipeError(f"unknown recipe {name_or_path!r}; use one of "
+                          f"{', '.join(available_recipes())} or a path to a recipe .json file")
+    try:
+        data = json.loads(path.read_text(encoding="utf-8"))
+    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        raise RecipeError(f"recipe file {path} is not valid JSON: {exc}") from None
+    return recipe_from_dict(data, str(path))
