@@ -67,6 +67,9 @@ BATCH = typer.Option(..., "--global-batch", help="Sequences per optimizer step")
 SEQ = typer.Option(None, "--seq-len", help="Training sequence length (default: the model's)")
 DTYPE = typer.Option(None, "--dtype", help="bf16, fp16 or fp32 (default: bf16 where the profile has it)")
 JSON = typer.Option(False, "--json", help="Print JSON instead of tables")
+RECIPE = typer.Option(None, "--recipe", help="Execution recipe priced: autopar (default: the program "
+                      "autopar runs), torchtitan, megatron-2021, megatron-core, megatron-core-te, "
+                      "deepspeed, llm-foundry, or a path to a recipe .json")
 
 
 def _estimate_dict(est: Estimate) -> dict:
@@ -101,6 +104,7 @@ def _print_plan(plan: Plan) -> None:
     table.add_row("sequence parallel", str(plan.sequence_parallel))
     table.add_row("cpu offload", str(plan.offload))
     table.add_row("mesh axis order", " > ".join(plan.axis_order) + " (outermost first)")
+    table.add_row("execution recipe", plan.recipe)
     table.add_row("stage layers", " ".join(map(str, plan.stage_layers)))
     table.add_row("recompute", ", ".join(f"{mode} x{plan.recompute.count(mode)}"
                                          for mode in ("none", "selective", "full") if mode in plan.recompute))
@@ -144,12 +148,12 @@ def plan(model: str = MODEL, cluster: str = CLUSTER, gpus: int = GPUS, global_ba
                                                   help="Pin the mesh axis order, outermost first, e.g. pp,dp,tp"),
          out: Optional[Path] = typer.Option(None, "--out", help="Write the plan JSON here"),
          time_limit: float = typer.Option(60.0, "--time-limit", help="Search time limit, s"),
-         as_json: bool = JSON) -> None:
+         recipe: Optional[str] = RECIPE, as_json: bool = JSON) -> None:
     """Search the best plan for a model on a cluster."""
     _check_cp(cp)
 
     def body() -> None:
-        job = read_job(model, cluster, gpus, global_batch, seq_len, dtype)
+        job = read_job(model, cluster, gpus, global_batch, seq_len, dtype, recipe)
         pins = Pins(dp=dp, tp=tp, pp=pp, zero=zero, micro_batch=mbs,
                     schedule=schedule.value if schedule else None, virtual_stages=vpp,
                     sequence_parallel=sp, recompute=recompute.value if recompute else None,
@@ -187,12 +191,12 @@ def estimate(model: str = MODEL, cluster: str = CLUSTER, gpus: int = GPUS, globa
              cp: int = typer.Option(1, "--cp", help="Context-parallel degree (1 only for now)"),
              sp: bool = typer.Option(False, "--sp/--no-sp"),
              recompute: Recompute = typer.Option(Recompute.none, "--recompute"),
-             as_json: bool = JSON) -> None:
+             recipe: Optional[str] = RECIPE, as_json: bool = JSON) -> None:
     """Evaluate one fixed strategy with the cost model the planner uses."""
     _check_cp(cp)
 
     def body() -> None:
-        job = read_job(model, cluster, gpus, global_batch, seq_len, dtype)
+        job = read_job(model, cluster, gpus, global_batch, seq_len, dtype, recipe)
         strat = fixed_strategy(job, tp=tp, pp=pp, dp=dp, zero=zero, micro_batch=mbs,
                                schedule=schedule.value, sequence_parallel=sp,
                                recompute=recompute.value, virtual_stages=vpp)
@@ -208,13 +212,18 @@ def estimate(model: str = MODEL, cluster: str = CLUSTER, gpus: int = GPUS, globa
 def explain(plan_file: Path = typer.Argument(..., help="A plan JSON from `autopar plan --out`"),
             top_k: int = typer.Option(5, "--top-k", min=1, help="Alternatives to list"),
             time_limit: float = typer.Option(10.0, "--time-limit", help="Time limit per search, s"),
+            recipe: Optional[str] = typer.Option(None, "--recipe", help="Price under this execution "
+                                                 "recipe instead of the plan's own"),
             as_json: bool = JSON) -> None:
     """Why this plan: the top alternatives and, per dimension, the best plan at each neighbour."""
     def body() -> None:
         from autopar.trace import profile_spec
         the_plan = load_plan(plan_file)
+        if recipe is not None:
+            dataclasses.replace(the_plan, recipe=recipe).execution_recipe()  # one-line error if bad
+            the_plan = dataclasses.replace(the_plan, recipe=recipe)
         job = read_job(the_plan.model, the_plan.cluster, the_plan.gpus, the_plan.global_batch,
-                       the_plan.seq_len, the_plan.dtype)
+                       the_plan.seq_len, the_plan.dtype, the_plan.recipe)
         prof = profile_spec(job.spec)
         info = explanation_dict(explain_plan(prof, job.hw, job.gpus, job.global_batch, job.dtype,
                                              the_plan.strategy(), top_k, time_limit))

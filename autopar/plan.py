@@ -14,6 +14,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from autopar.errors import UserError
+from cost_models.recipe import ExecutionRecipe, RecipeError, load_recipe
 from cost_models.strategy import RECOMPUTE, Estimate, Strategy
 
 PLAN_VERSION = 1
@@ -67,6 +68,8 @@ class Plan:
     axis_order: tuple[str, ...] = AXES
     """Mesh axes from outermost to innermost: ranks that differ only in the last axis are
     consecutive (share a node first). Megatron's order is pp, dp, tp."""
+    recipe: str = "autopar"
+    """The execution recipe the estimate priced (``cost_models/recipes`` name or a path)."""
     estimate: Estimate | None = None
 
     def __post_init__(self) -> None:
@@ -111,7 +114,14 @@ class Plan:
                         schedule=self.schedule, virtual_stages=self.virtual_stages,
                         sequence_parallel=self.sequence_parallel, recompute=nominal,
                         stage_layers=tuple(map(sum, per_rank)), stage_recompute=tuple(per_rank),
-                        dtype=self.dtype)
+                        dtype=self.dtype, recipe=self.execution_recipe())
+
+    def execution_recipe(self) -> ExecutionRecipe:
+        """The plan's recipe, loaded; an unknown one is a ``UserError`` naming the fix."""
+        try:
+            return load_recipe(self.recipe)
+        except RecipeError as exc:
+            raise UserError(f"plan recipe: {exc}") from None
 
     def to_json(self) -> str:
         """Canonical JSON: sorted keys, so identical plans are identical bytes."""

@@ -5,7 +5,7 @@ One-way: spec + profile -> trace -> cost -> solve -> Plan. Nothing here touches 
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from autopar.errors import UserError
 from autopar.plan import Mesh, Plan
@@ -14,6 +14,7 @@ from autopar.spec import ModelSpec, parse_model_spec, with_seq
 from autopar.trace import profile_spec
 from cost_models import HardwareProfile, ModelProfile, ProfileError, Strategy, estimate, load_profile
 from cost_models.estimate import even_stage_layers
+from cost_models.recipe import DEFAULT_RECIPE, ExecutionRecipe, RecipeError, load_recipe
 from cost_models.strategy import RECOMPUTE, Estimate
 
 
@@ -28,14 +29,26 @@ class Job:
     gpus: int
     global_batch: int
     dtype: str
+    recipe: ExecutionRecipe
+    recipe_name: str
+    """The recipe as the user named it (shipped name or path), recorded in the plan."""
 
     @property
     def seq_len(self) -> int:
         return self.spec.seq
 
 
+def read_recipe(name: str | None) -> ExecutionRecipe:
+    """The execution recipe by name or path; a bad one is a ``UserError`` naming the fix."""
+    try:
+        return load_recipe(name or DEFAULT_RECIPE)
+    except RecipeError as exc:
+        raise UserError(str(exc)) from None
+
+
 def read_job(model: str, cluster: str, gpus: int, global_batch: int,
-             seq_len: int | None = None, dtype: str | None = None) -> Job:
+             seq_len: int | None = None, dtype: str | None = None,
+             recipe: str | None = None) -> Job:
     """Parse and check the inputs; every problem is a ``UserError`` naming the fix."""
     spec = parse_model_spec(model)
     if seq_len is not None:
@@ -57,7 +70,8 @@ def read_job(model: str, cluster: str, gpus: int, global_batch: int,
     if dtype not in hw.peak_tflops:
         raise UserError(f"--dtype {dtype} has no peak in profile {hw.name}; use one of "
                         f"{', '.join(sorted(hw.peak_tflops))}")
-    return Job(spec=spec, hw=hw, cluster=cluster, gpus=gpus, global_batch=global_batch, dtype=dtype)
+    return Job(spec=spec, hw=hw, cluster=cluster, gpus=gpus, global_batch=global_batch, dtype=dtype,
+               recipe=read_recipe(recipe), recipe_name=recipe or DEFAULT_RECIPE)
 
 
 def layer_layout(strat: Strategy, layers: int) -> tuple[tuple[int, ...], tuple[str, ...]]:
@@ -98,7 +112,7 @@ def plan_from_strategy(job: Job, strat: Strategy, est: Estimate | None) -> Plan:
                 schedule=strat.schedule, virtual_stages=strat.virtual_stages,
                 sequence_parallel=strat.sequence_parallel, stage_layers=stage_layers,
                 recompute=recompute, offload=strat.offload,
-                axis_order=strat.axis_order, estimate=est)
+                axis_order=strat.axis_order, recipe=job.recipe_name, estimate=est)
 
 
 def make_plan(job: Job, pins: Pins = Pins(), time_limit_s: float = 60.0,
@@ -107,6 +121,7 @@ def make_plan(job: Job, pins: Pins = Pins(), time_limit_s: float = 60.0,
     if time_limit_s <= 0:
         raise UserError(f"--time-limit must be positive, got {time_limit_s}")
     profile = profile or profile_spec(job.spec)
+    pins = replace(pins, recipe=job.recipe)
     sol = search(profile, job.hw, job.gpus, job.global_batch, job.dtype, pins, time_limit_s)
     return plan_from_strategy(job, sol.strategy, sol.estimate), sol
 
@@ -141,7 +156,7 @@ def fixed_strategy(job: Job, *, tp: int, pp: int, dp: int | None, zero: int, mic
                         num_microbatches=job.global_batch // (dp * micro_batch),
                         schedule=schedule, virtual_stages=virtual_stages,
                         sequence_parallel=sequence_parallel and tp > 1,
-                        recompute=recompute, dtype=job.dtype)
+                        recompute=recompute, dtype=job.dtype, recipe=job.recipe)
     except ValueError as exc:
         raise UserError(str(exc)) from None
 

@@ -74,8 +74,9 @@ def _neighbours(values: list, chosen) -> list:
 def explain(model: ModelProfile, hw: HardwareProfile, gpus: int, global_batch: int, dtype: str,
             plan: Strategy, top_k: int = 5, time_limit_s: float = 10.0) -> Explanation:
     """Alternatives and per-dimension neighbours of ``plan`` under the same cost model."""
-    best = search(model, hw, gpus, global_batch, dtype, time_limit_s=time_limit_s, keep=top_k)
-    space = list(candidates(model, hw, gpus, global_batch, dtype))
+    base = Pins(recipe=plan.recipe)
+    best = search(model, hw, gpus, global_batch, dtype, base, time_limit_s=time_limit_s, keep=top_k)
+    space = list(candidates(model, hw, gpus, global_batch, dtype, base))
     dims = []
     for field, pin in DIMENSIONS:
         values = sorted({getattr(s, field) for s in space}, key=lambda v: (str(type(v)), v))
@@ -85,7 +86,7 @@ def explain(model: ModelProfile, hw: HardwareProfile, gpus: int, global_batch: i
         out = []
         for value in _neighbours(values, chosen):
             try:
-                sol = search(model, hw, gpus, global_batch, dtype, Pins(**{pin: value}),
+                sol = search(model, hw, gpus, global_batch, dtype, Pins(**{pin: value}, recipe=plan.recipe),
                              time_limit_s=time_limit_s)
                 out.append(Neighbour(value=str(value), step_time_s=sol.estimate.step_time_s,
                                      note=describe(sol.strategy)))

@@ -22,7 +22,7 @@ def no_candidate_reason(model: ModelProfile, hw: HardwareProfile, gpus: int,
                 f"{hw.name}; tensor parallelism stays inside a node")
     if pins.virtual_stages and pins.virtual_stages > 1 and pins.schedule not in (None, "interleaved"):
         return f"--vpp {pins.virtual_stages} needs --schedule interleaved"
-    if pins != Pins():
+    if pins != pins.base():
         return (f"no strategy with the pinned options splits {gpus} devices, {model.layers} layers "
                 f"and global batch {global_batch}; check that dp x tp x pp = --gpus, that dp x mbs "
                 f"divides the batch, and that pipelined schedules have pp > 1 (interleaved: "
@@ -50,19 +50,19 @@ def does_not_fit(model: ModelProfile, hw: HardwareProfile, gpus: int, global_bat
     from autopar.solve.search import fits_anywhere
     head = (f"{model.name} does not fit on {gpus} x {hw.device} ({hw.memory_gib:g} GiB) at "
             f"global batch {global_batch}")
-    if pins != Pins():
+    if pins != pins.base():
         fix = _describe_fix(model, hw, gpus, global_batch, dtype, pins)
         if fix is None and fits_anywhere(model, hw, gpus, global_batch, dtype,
-                                         Pins(zero=3, recompute="full")):
+                                         Pins(zero=3, recompute="full", recipe=pins.recipe)):
             fix = "fits with ZeRO-3 + full recompute: drop the pins (--zero 3 --recompute full)"
-        if fix is None and fits_anywhere(model, hw, gpus, global_batch, dtype, Pins()):
+        if fix is None and fits_anywhere(model, hw, gpus, global_batch, dtype, pins.base()):
             fix = "drop the pins (--tp/--pp/--zero/--recompute/...) to let the planner choose"
         if fix:
             return f"{head} with the pinned options; {fix}"
     lo, hi = gpus, None
     for _ in range(24):
         more = lo * 2
-        if fits_anywhere(model, hw, more, global_batch, dtype, Pins()):
+        if fits_anywhere(model, hw, more, global_batch, dtype, pins.base()):
             hi = more
             break
         lo = more
@@ -70,7 +70,7 @@ def does_not_fit(model: ModelProfile, hw: HardwareProfile, gpus: int, global_bat
         return head + ": no device count up to 2^24 fits; use a device with more memory"
     step = max(hw.devices_per_node, (hi - lo) // 16)
     for n in range(lo + step, hi, step):
-        if fits_anywhere(model, hw, n, global_batch, dtype, Pins()):
+        if fits_anywhere(model, hw, n, global_batch, dtype, pins.base()):
             hi = n
             break
     return head + (f": needs >= {hi} devices of {hw.memory_gib:g} GiB at this batch "

@@ -21,6 +21,7 @@ from typing import Iterator
 from autopar.plan import runtime_unsupported
 from cost_models import HardwareProfile, ModelProfile, Strategy
 from cost_models.comm import Group, axis_groups
+from cost_models.recipe import ExecutionRecipe, load_recipe
 from cost_models.strategy import AXIS_ORDER, RECOMPUTE
 
 
@@ -43,6 +44,13 @@ class Pins:
     """CPU offload of ZeRO's shards and the optimizer step."""
     axis_order: tuple[str, ...] | None = None
     """Mesh axes outermost first (``Strategy.axis_order``)."""
+    recipe: ExecutionRecipe | None = None
+    """The execution recipe every candidate is priced under (an input, never searched);
+    None: ``autopar``, the program autopar's runtime generates."""
+
+    def base(self) -> "Pins":
+        """No dimension pinned, the same recipe."""
+        return Pins(recipe=self.recipe)
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -149,6 +157,7 @@ def _offloads(pins: Pins, hw: HardwareProfile) -> list[bool]:
 def outer_candidates(model: ModelProfile, hw: HardwareProfile, gpus: int, global_batch: int,
                      dtype: str, pins: Pins = Pins()) -> Iterator[Candidate]:
     """Every outer candidate the runtime can run, in a fixed order."""
+    recipe = pins.recipe or load_recipe()
     for tp in _choices(pins.tp, _divisors(gpus)):
         if hw.devices_per_node % tp or model.heads % tp or model.kv_heads % tp or gpus % tp:
             continue
@@ -181,7 +190,7 @@ def outer_candidates(model: ModelProfile, hw: HardwareProfile, gpus: int, global
                                         dp=dp, tp=tp, pp=pp, zero=zero, micro_batch=b,
                                         num_microbatches=m, schedule=sched, virtual_stages=v,
                                         sequence_parallel=sp, recompute=nominal, dtype=dtype,
-                                        offload=off, axis_order=order)
+                                        offload=off, axis_order=order, recipe=recipe)
                                     yield Candidate(strategy=strat, modes=modes, min_layers=v)
 
 
