@@ -9,7 +9,7 @@ its rows, and rows giving a complete configuration (model spec for ``autopar.spe
 device, parallel layout, batch, recompute, precision) and one measured value. ``assumed`` says what
 the source left unstated and what was chosen; ``needs`` lists features autopar cannot express yet
 (``cp``, ``fp8``, ``moe``, ``async_tp``, ``torch_compile``, ``a100_40g``, ``h100_96g``,
-``cpu_offload``), so a validator can skip those rows until they are supported.
+``cpu_offload``, ``per_op_sac``: torchtitan's per-operator selective checkpointing), so a validator can skip those rows until they are supported.
 
 Pure data: no torch, no autopar import.
 """
@@ -26,7 +26,8 @@ FRAMEWORKS = ("megatron-2021", "megatron-core", "deepspeed", "torchtitan", "llm-
 METRICS = ("tokens_per_s_per_gpu", "step_time_s", "tflops_per_gpu", "mfu")
 RECOMPUTE = ("none", "selective", "full")
 FLOPS_CONVENTIONS = ("model", "hardware")
-NEEDS = ("cp", "fp8", "moe", "async_tp", "torch_compile", "a100_40g", "h100_96g", "cpu_offload")
+NEEDS = ("cp", "fp8", "moe", "async_tp", "torch_compile", "a100_40g", "h100_96g", "cpu_offload",
+         "per_op_sac")
 
 
 class PublishedDataError(ValueError):

@@ -66,7 +66,8 @@ class HardwareProfile:
     attention_efficiency: dict[str, float] = field(default_factory=dict)
     """Fraction of dense peak a fused attention kernel family reaches on its executed FLOPs,
     forward and backward alike (``flash2``: FlashAttention-2 as torch SDPA dispatches it,
-    ``cudnn``: cuDNN / FlashAttention-3-class fused attention)."""
+    ``cudnn``: cuDNN / FlashAttention-3-class fused attention, ``triton``: FlashAttention's
+    Triton kernel as MPT/llm-foundry ran it)."""
     kernel_dispatch_us: float = 0.0
     """Host time to dispatch one kernel from eager PyTorch (Python, dispatcher, launch), µs:
     a pass of k kernels takes at least k times this (0: never host-bound)."""
