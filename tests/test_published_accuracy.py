@@ -1,0 +1,94 @@
+"""The cost model against every published run we hold (benchmarks/published), priced through the
+CLI's own path under each framework's execution recipe (benchmarks/validate_rows.py).
+
+Thresholds of the cost-model issue: over all rows median |error| <= 5 % and max <= 15 %;
+leave-one-source-out median <= 8 %; every run a source reports must be predicted to fit;
+Korthikanti et al. Table 5 from the CLI with ``--recipe megatron-core``: mean <= 2 %, max <= 4 %.
+The max threshold is not met yet: ``test_worst_row_within_15_percent`` is a strict xfail that
+names the rows over it, so the day they come under it this file says so.
+"""
+
+import json
+import statistics
+import sys
+from pathlib import Path
+
+import pytest
+from typer.testing import CliRunner
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "benchmarks"))
+import validate_rows as validate  # noqa: E402
+
+from autopar.cli import app  # noqa: E402
+
+SOURCES = validate.load_sources()
+MODELS = validate.Models()
+
+
+@pytest.fixture(scope="module")
+def in_sample():
+    return validate.evaluate(SOURCES, {}, MODELS)
+
+
+def test_every_expressible_row_is_priced_and_the_rest_say_why(in_sample):
+    priced = validate.priced(in_sample)
+    assert len(priced) >= 230
+    assert all(r.why for r in in_sample if r.predicted is None)
+    assert not [r for r in in_sample if r.why.startswith("error")]
+
+
+def test_every_published_run_is_predicted_to_fit(in_sample):
+    nofit = [f"{r.source} {r.row.id}" for r in validate.priced(in_sample) if not r.fits]
+    assert nofit == []
+
+
+def test_median_error_over_all_rows_within_5_percent(in_sample):
+    errors = [abs(r.error) for r in validate.priced(in_sample)]
+    assert statistics.median(errors) <= 5.0
+
+
+@pytest.mark.xfail(strict=True, reason="known misses: llm-foundry MPT-13B/30B/70B rows with small "
+                   "micro-batches under FSDP (up to +47 %) and MT-NLG (-17 %); see the issue's note")
+def test_worst_row_within_15_percent(in_sample):
+    worst = max(validate.priced(in_sample), key=lambda r: abs(r.error))
+    assert abs(worst.error) <= 15.0, f"{worst.source} {worst.row.id}: {worst.error:+.1f} %"
+
+
+def test_shipped_constants_are_the_fit():
+    """``validate_rows.py --fit`` reproduces the profiles' fitted constants (so a change to
+    the model or the data that moves the fit fails here until the profiles are refitted)."""
+    hws = validate.fit(SOURCES, MODELS)
+    for names in validate.FAMILIES.values():
+        shipped = validate.constants(validate.load_profile(names[0]))
+        refit = validate.constants(hws[names[0]])
+        assert refit == pytest.approx(shipped), names[0]
+
+
+@pytest.mark.slow
+def test_leave_one_source_out_median_within_8_percent():
+    results = validate.loso([s for s in SOURCES if any(not validate.skip_reason(s, r) for r in s.rows)],
+                            MODELS)
+    errors = [abs(r.error) for r in validate.priced(results)]
+    assert statistics.median(errors) <= 8.0
+
+
+KORTHIKANTI = [  # Table 3 / Table 5: layers, hidden, heads, tp, pp, batch, mbs, vpp, full s, sel+SP s
+    (48, 6144, 64, 8, 1, 4, 4, 1, 1.42, 1.10), (96, 12288, 96, 8, 8, 64, 1, 3, 18.13, 13.75),
+    (105, 20480, 128, 8, 35, 280, 1, 3, 49.05, 37.83), (128, 25600, 160, 8, 64, 512, 1, 1, 94.42, 71.49),
+]
+
+
+def test_korthikanti_table5_from_the_cli_with_the_megatron_core_recipe():
+    runner, errors = CliRunner(), []
+    for layers, h, a, tp, pp, batch, mbs, vpp, full_s, sel_s in KORTHIKANTI:
+        for rc, sp, published in (("full", "--no-sp", full_s), ("selective", "--sp", sel_s)):
+            args = ["estimate", "--model", f"gpt:layers={layers},hidden={h},heads={a},vocab=51200,seq=2048",
+                    "--cluster", "dgx-a100-80g", "--gpus", str(tp * pp), "--global-batch", str(batch),
+                    "--tp", str(tp), "--pp", str(pp), "--mbs", str(mbs), "--recompute", rc, sp,
+                    "--recipe", "megatron-core", "--json"]
+            if vpp > 1:
+                args += ["--schedule", "interleaved", "--vpp", str(vpp)]
+            out = runner.invoke(app, args)
+            assert out.exit_code == 0, out.output
+            errors.append(abs(json.loads(out.output)["step_time_s"] / published - 1) * 100)
+    assert statistics.fmean(errors) <= 2.0 and max(errors) <= 4.0, errors
