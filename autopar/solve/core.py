@@ -10,12 +10,14 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-
-from ortools.sat.python import cp_model
+from typing import TYPE_CHECKING
 
 from cost_models import StageCosts
 from autopar.solve.tables import StageTables
 from cost_models.strategy import RECOMPUTE
+
+if TYPE_CHECKING:  # imported when a placement needs CP-SAT (ortools takes ~0.3 s to import)
+    from ortools.sat.python import cp_model
 
 NS = 1e9
 """Integer time unit: nanoseconds."""
@@ -155,6 +157,8 @@ def solve_placement(c: StageCosts, layers: int, cap: float, modes: tuple[int, ..
         load = tuple(layers if i == modes[0] else 0 for i in range(len(RECOMPUTE)))
         step = c.step_time_s((load,))
         return Placement(loads=(load,), optimal=True, bound_s=step)
+    from ortools.sat.python import cp_model
+
     m = cp_model.CpModel()
     n = _add_count_vars(m, c.pp, layers, upper, modes, min_layers)
     _add_memory(m, c, n, cap, layers)
