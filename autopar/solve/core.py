@@ -48,7 +48,8 @@ def stage_upper_bounds(c: StageCosts, layers: int, cap: float, modes: tuple[int,
             if spare >= 0:
                 per = c.layer_static_bytes + k * c.mode_act_bytes[r]
                 best = max(best, min(layers, math.floor(spare / per)) if per > 0 else layers)
-        bounds.append(min(best, c.host_upper_bound(s, layers)))
+        # without offload (no host cap) the host row holds every block: skip it
+        bounds.append(best if c.host_cap_bytes == math.inf else min(best, c.host_upper_bound(s, layers)))
     return bounds
 
 
