@@ -66,9 +66,10 @@ class CoreAttention(nn.Module):
 
 class Attention(nn.Module):
     """Causal self-attention with separate q/k/v projections (column-parallel) and an output
-    projection (row-parallel)."""
+    projection (row-parallel). ``rope``: the model's (cos, sin) tables (``rotary_tables``),
+    computed once for all blocks; computed here when not given."""
 
-    def __init__(self, spec: ModelSpec) -> None:
+    def __init__(self, spec: ModelSpec, rope: tuple[torch.Tensor, torch.Tensor] | None = None) -> None:
         super().__init__()
         bias = spec.arch == "gpt"
         kv = spec.num_kv_heads * spec.head_dim
@@ -80,7 +81,7 @@ class Attention(nn.Module):
         self.core = CoreAttention()
         self.rotary = spec.arch == "llama"
         if self.rotary:
-            cos, sin = rotary_tables(spec.seq, spec.head_dim)
+            cos, sin = rope if rope is not None else rotary_tables(spec.seq, spec.head_dim)
             self.register_buffer("cos", cos, persistent=False)
             self.register_buffer("sin", sin, persistent=False)
 
@@ -127,10 +128,10 @@ def _norm(spec: ModelSpec) -> nn.Module:
 class Block(nn.Module):
     """Pre-norm transformer block: x + attn(norm(x)), then + mlp(norm(.))."""
 
-    def __init__(self, spec: ModelSpec) -> None:
+    def __init__(self, spec: ModelSpec, rope: tuple[torch.Tensor, torch.Tensor] | None = None) -> None:
         super().__init__()
         self.attn_norm = _norm(spec)
-        self.attn = Attention(spec)
+        self.attn = Attention(spec, rope)
         self.mlp_norm = _norm(spec)
         self.mlp = MLP(spec)
 
@@ -146,7 +147,10 @@ class Transformer(nn.Module):
         super().__init__()
         self.spec = spec
         self.embed: Embedding | None = Embedding(spec)
-        self.layers = nn.ModuleDict({str(i): Block(spec) for i in range(spec.layers)})
+        # One RoPE table for every block (the same values; non-persistent buffers that
+        # ``to``/``to_empty`` replace per module and ``reset_buffers`` rewrites in place).
+        rope = rotary_tables(spec.seq, spec.head_dim) if spec.arch == "llama" else None
+        self.layers = nn.ModuleDict({str(i): Block(spec, rope) for i in range(spec.layers)})
         self.norm: nn.Module | None = _norm(spec)
         self.output: nn.Linear | None = nn.Linear(spec.hidden, spec.vocab, bias=False)
         self.tie_weights()

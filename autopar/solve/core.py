@@ -10,12 +10,14 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-
-from ortools.sat.python import cp_model
+from typing import TYPE_CHECKING
 
 from cost_models import StageCosts
 from autopar.solve.tables import StageTables
 from cost_models.strategy import RECOMPUTE
+
+if TYPE_CHECKING:  # imported when a placement needs CP-SAT (ortools takes ~0.3 s to import)
+    from ortools.sat.python import cp_model
 
 NS = 1e9
 """Integer time unit: nanoseconds."""
@@ -46,7 +48,8 @@ def stage_upper_bounds(c: StageCosts, layers: int, cap: float, modes: tuple[int,
             if spare >= 0:
                 per = c.layer_static_bytes + k * c.mode_act_bytes[r]
                 best = max(best, min(layers, math.floor(spare / per)) if per > 0 else layers)
-        bounds.append(min(best, c.host_upper_bound(s, layers)))
+        # without offload (no host cap) the host row holds every block: skip it
+        bounds.append(best if c.host_cap_bytes == math.inf else min(best, c.host_upper_bound(s, layers)))
     return bounds
 
 
@@ -155,6 +158,8 @@ def solve_placement(c: StageCosts, layers: int, cap: float, modes: tuple[int, ..
         load = tuple(layers if i == modes[0] else 0 for i in range(len(RECOMPUTE)))
         step = c.step_time_s((load,))
         return Placement(loads=(load,), optimal=True, bound_s=step)
+    from ortools.sat.python import cp_model
+
     m = cp_model.CpModel()
     n = _add_count_vars(m, c.pp, layers, upper, modes, min_layers)
     _add_memory(m, c, n, cap, layers)

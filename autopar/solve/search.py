@@ -110,8 +110,13 @@ def lower_bound(c: StageCosts, layers: int, modes: tuple[int, ...], cap: float =
         blocks = layers * min(c.mode_time_s[r] for r in modes)
     else:
         upper = upper or [layers] * c.pp
-        segs = sorted(seg for s in range(c.pp)
-                      for seg in _stage_segments(c, s, modes, cap, upper[s]))
+        segs, seen = [], {}
+        for s in range(c.pp):  # stages alike in memory (k_s, fixed bytes, bound) share pieces
+            key = (c.inflight[s], c.stage_fixed_bytes(s), upper[s])
+            if key not in seen:
+                seen[key] = _stage_segments(c, s, modes, cap, upper[s])
+            segs.extend(seen[key])
+        segs.sort()
         blocks, left = 0.0, float(layers)
         for slope, width in segs:
             take = min(width, left)
@@ -146,7 +151,8 @@ def _order_free_base(model: ModelProfile, hw: HardwareProfile, strat: Strategy,
                      cache: dict) -> StageCosts:
     """``strat``'s costs as 1F1B with each axis in its best group, by ``parts_key`` up to the
     order (``space.order_free_hardware``)."""
-    key = parts_key(replace(strat, axis_order=AXIS_ORDER))
+    # (candidates come in Megatron's order: no copy of the strategy just to name the key)
+    key = parts_key(strat if strat.axis_order == AXIS_ORDER else replace(strat, axis_order=AXIS_ORDER))
     base = cache.get(key)
     if base is None:
         hw_b, order = order_free_hardware(hw, strat.dp, strat.tp, strat.pp)
@@ -193,7 +199,7 @@ def _ordered(model: ModelProfile, hw: HardwareProfile, gpus: int, global_batch: 
     total = 0
     for order, cand in enumerate(outer_candidates(model, hw, gpus, global_batch, dtype, pins)):
         st = cand.strategy
-        twin = replace(st, offload=False)
+        twin = replace(st, offload=False) if st.offload else st
         total += 1
         if st.offload and twin in twins:
             # Offload is never faster than its twin without it (CPU optimizer step, PCIe

@@ -198,7 +198,12 @@ class Recorder:
     blocks_started: bool = False
 
     @classmethod
-    def for_module(cls, module: nn.Module, recipe: Recipe) -> "Recorder":
+    def for_module(cls, module: nn.Module, recipe: Recipe,
+                   like: "Recorder | None" = None) -> "Recorder":
+        """A recorder of ``module``'s run; ``like``: an earlier one of the same module, whose
+        parameter and buffer lookup it shares (read-only; storage keys are slow to take)."""
+        if like is not None:
+            return cls(recipe=recipe, params=like.params, expert_counts=like.expert_counts)
         params = {_key(p): (n, p) for n, p in module.named_parameters(remove_duplicate=False)}
         params.update({_key(b): (n, b) for n, b in module.named_buffers(remove_duplicate=False)})
         experts = frozenset(p.shape[0] for p in module.parameters() if p.dim() == 3)

@@ -4,6 +4,7 @@ count. See ``capture`` (how graphs are captured) and ``measure`` (what each node
 
 from __future__ import annotations
 
+from contextlib import nullcontext
 from typing import Any
 
 import torch
@@ -17,6 +18,7 @@ from autopar.trace.capture import (Capture, _culprit, _first_line, export_captur
                                    fx_capture, outer_groups)
 from autopar.trace.graph import BlockInfo, ModelGraph
 from autopar.trace.measure import MeasureRun, Recipe, Recorder, flop_mapping
+from autopar.trace.nodynamo import without_dynamo
 
 MEGATRON_GPT_DROPOUT = 0.1
 """Attention and hidden dropout of Megatron-LM's GPT recipe (Shoeybi et al. 2019; Korthikanti et
@@ -40,9 +42,11 @@ def _segment_finder(cap: Capture):
     return segment_of
 
 
-def _run(model: nn.Module, cap: Capture, inputs: tuple, recipe: Recipe) -> Recorder:
-    """One measured run of the capture on meta; every block kind runs once."""
-    rec = Recorder.for_module(model, recipe)
+def _run(model: nn.Module, cap: Capture, inputs: tuple, recipe: Recipe,
+         like: Recorder | None = None) -> Recorder:
+    """One measured run of the capture on meta; every block kind runs once (``like``: an
+    earlier run's recorder, whose parameter lookup this one shares)."""
+    rec = Recorder.for_module(model, recipe, like)
     with torch.autograd.graph.saved_tensors_hooks(rec.pack, lambda t: t), \
             FlopCounterMode(display=False, custom_mapping=flop_mapping()) as counter:
         if cap.how == "torch.fx":
@@ -97,8 +101,11 @@ def trace_module(model: nn.Module, example: torch.Tensor | tuple[torch.Tensor, .
                 cap = export_capture(model, inputs, groups)
             except UserError as exc:
                 raise UserError(f"{exc} (and {fx_error})") from None
-    measured = _run(model, cap, inputs, Recipe(attention="fused"))
-    recipe = _run(model, cap, inputs, Recipe(attention="unfused", dropout=recipe_dropout))
+    # fx runs need no dynamo (torch.export has imported it already): skip its import.
+    with without_dynamo() if cap.how == "torch.fx" else nullcontext():
+        measured = _run(model, cap, inputs, Recipe(attention="fused"))
+        recipe = _run(model, cap, inputs, Recipe(attention="unfused", dropout=recipe_dropout),
+                      measured)
     blocks = []
     for names in cap.blocks:
         rep = names[0]
@@ -138,7 +145,8 @@ def build_spec_model(spec: ModelSpec, micro_batch: int = 1) -> tuple[nn.Module, 
     tokens = torch.zeros(micro_batch, spec.seq, dtype=torch.long, device="meta")
     if spec.builtin:
         from autopar.model import build_model
-        return build_model(spec, device="meta"), (tokens,)
+        with without_dynamo():  # building on meta compiles nothing: skip dynamo's import
+            return build_model(spec, device="meta"), (tokens,)
     if spec.arch == "module":
         from autopar.usermodel import load_user_model
         return load_user_model(spec)
