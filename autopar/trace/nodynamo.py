@@ -16,6 +16,7 @@ model's build and fx tracing on meta only (``torch.export`` imports dynamo anywa
 
 from __future__ import annotations
 
+import functools
 import importlib
 import sys
 from contextlib import contextmanager
@@ -27,19 +28,16 @@ _MODULES = ("torch._refs", "torch._refs.nn.functional", "torch._refs.special", "
             "torch._refs.fft", "torch._prims", "torch._decomp.decompositions", "torch._meta_registrations",
             "torch.utils.flop_counter", "torch.nn.functional")
 _ATTR = "__dynamo_disable"
-_found: list | None = None
 
 
 def _inner_code():
     return torch._disable_dynamo(lambda: None).__code__
 
 
-def _wrapped_functions() -> list:
+@functools.cache
+def _wrapped_functions() -> tuple:
     """The functions wrapped by ``torch._disable_dynamo`` reachable from ``_MODULES``
     (module and class attributes, along ``__wrapped__`` and closures)."""
-    global _found
-    if _found is not None:
-        return _found
     code, found = _inner_code(), {}
 
     seen: set[int] = set()
@@ -73,8 +71,7 @@ def _wrapped_functions() -> list:
                     visit(attr)
             elif callable(value):
                 visit(value)
-    _found = list(found.values())
-    return _found
+    return tuple(found.values())
 
 
 @contextmanager
