@@ -315,14 +315,19 @@ def test_even_stage_layers():
         even_stage_layers(2, 3)
 
 
-@pytest.mark.parametrize("name", ["dgx-a100-80g", "dgx-h100", "dgx-h200"])
+BF16_DENSE_PEAK_TFLOPS = {"dgx-a100-80g": 312.0, "dgx-h100": 989.0, "dgx-h200": 989.0,
+                          "grand-teton-h100-96g": 989.0, "dgx-b200": 2250.0}
+"""Datasheet dense bf16 peaks (sparsity halved) of the shipped 8-GPU profiles."""
+
+
+@pytest.mark.parametrize("name", sorted(BF16_DENSE_PEAK_TFLOPS))
 def test_shipped_profiles_name_their_sources(name):
     hw = load_profile(name)
     assert hw.devices_per_node == 8 and hw.launcher == "nccl"
     for key in ("peak_tflops", "hbm_bw_gbps", "intra_node", "inter_node", "matmul_efficiency",
                 "memory_efficiency", "reserve_gib", "memory_gib"):
         assert hw.notes.get(key), f"{name}: no note for {key}"
-    assert math.isclose(hw.peak_flops("bf16"), {"dgx-a100-80g": 312e12}.get(name, 989e12))
+    assert math.isclose(hw.peak_flops("bf16"), BF16_DENSE_PEAK_TFLOPS[name] * 1e12)
 
 
 def test_unfused_gradient_accumulation_costs_a_memory_pass_per_micro_batch():
