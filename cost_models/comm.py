@@ -80,6 +80,14 @@ def axis_groups(hw: HardwareProfile, strat: Strategy) -> AxisGroups:
                       pp=group(hw, strat.pp, k["pp"]))
 
 
+def exposed_s(comm_s: float, window_s: float, hw: HardwareProfile) -> float:
+    """Critical-path time of a collective of ``comm_s`` overlapped with ``window_s`` of
+    compute: the part longer than the window, plus ``hw.overlap_penalty`` of the overlapped
+    part (NCCL's kernels take SMs and HBM bandwidth from the compute they hide behind)."""
+    hidden = min(comm_s, window_s)
+    return max(0.0, comm_s - window_s) + hw.overlap_penalty * max(0.0, hidden)
+
+
 def all_reduce_s(nbytes: float, g: Group) -> float:
     """Ring all-reduce of an ``nbytes`` buffer: 2(n-1)/n · bytes / bw + 2(n-1) α."""
     n = g.size

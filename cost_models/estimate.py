@@ -103,6 +103,29 @@ def grad_accum_bytes_per_param(rec: memory.StateLayout, strat: Strategy) -> floa
     return per / strat.dp if strat.zero >= 2 and not memory.holds_unsharded(strat) else per
 
 
+def fsdp_copy_bytes_per_param(strat: Strategy) -> float:
+    """Device-memory traffic per parameter and micro-batch of FSDP's buffer copies, where
+    the recipe has them (``ExecutionRecipe.fsdp_copies``): each all-gather copies the
+    gathered 16-bit weights out of its flat buffer into the parameters (read and write), each
+    reduce-scatter copies the 16-bit gradients into its buffer in the reduce dtype. ZeRO-3
+    gathers twice and reduces once per micro-batch (once per micro-batch and per step under a
+    pipeline that holds them, ``memory.holds_unsharded``); ZeRO-2 reduces per micro-batch and
+    gathers per step; ZeRO-1 both per step (spread over the micro-batches here)."""
+    if not strat.recipe.fsdp_copies or strat.dp == 1 or strat.zero == 0:
+        return 0.0
+    rec = memory.state_layout(strat)
+    gather = 2 * memory.gather_bytes(strat)
+    reduce = (memory.compute_copy_bytes(strat) or rec.weight) + rec.grad
+    m = strat.num_microbatches
+    if strat.zero == 3 and not memory.holds_unsharded(strat):
+        return 2 * gather + reduce
+    if strat.zero == 3:
+        return gather + reduce / m
+    if strat.zero == 2 and not memory.holds_unsharded(strat):
+        return reduce + gather / m
+    return (gather + reduce) / m
+
+
 def _piece(params: float, passes: compute.PassTimes, tp_s: float, act: float,
            hw: HardwareProfile, strat: Strategy, groups: comm.AxisGroups, *,
            reduced_last: bool = False) -> _Piece:
@@ -122,7 +145,7 @@ def _piece(params: float, passes: compute.PassTimes, tp_s: float, act: float,
     if not strat.dp_overlap:
         fwd = bwd = 0.0
     bwd_window = 0.0 if reduced_last else bwd
-    hide = lambda comm_s, window_s: max(0.0, comm_s - window_s)  # noqa: E731
+    hide = lambda comm_s, window_s: comm.exposed_s(comm_s, window_s, hw)  # noqa: E731
     exposed, tail = 0.0, 0.0
     if strat.zero == 0:
         tail = hide(comm.best_all_reduce_s(grads, groups.dp), bwd_window)
@@ -157,7 +180,8 @@ def _piece(params: float, passes: compute.PassTimes, tp_s: float, act: float,
     else:
         opt = compute.optimizer_memory_s(sharded * optimizer_bytes_per_param(rec), hw,
                                          strat.recipe.fused_optimizer)
-    accum = compute.memory_s(params * grad_accum_bytes_per_param(rec, strat), hw)
+    accum = compute.memory_s(params * (grad_accum_bytes_per_param(rec, strat)
+                                       + fsdp_copy_bytes_per_param(strat)), hw)
     return _Piece(compute_s=passes.total_s + accum, tp_s=tp_s, dp_exposed_s=exposed, dp_tail_s=tail,
                   optimizer_s=opt,
                   state=memory.state_bytes(params, strat), act_bytes=act,
@@ -195,9 +219,9 @@ def block_tp_s(model: ModelProfile, hw: HardwareProfile, strat: Strategy,
         if strat.sequence_parallel:
             vol = strat.micro_batch * model.seq * model.hidden * compute.elem_bytes(strat)
             gather = comm.all_gather_s(vol, g)
-            bwd = 4 * gather + max(0.0, 2 * unit - 2 * gather - window)
+            bwd = 4 * gather + comm.exposed_s(2 * unit - 2 * gather, window, hw)
         else:
-            bwd = max(0.0, bwd - window)
+            bwd = comm.exposed_s(bwd, window, hw)
     return compute.PassTimes(forward_s=2 * unit, recompute_s=2 * unit if strat.recompute == "full"
                              else 0.0, backward_s=bwd)
 
@@ -214,13 +238,17 @@ def layer_pass_times(model: ModelProfile, hw: HardwareProfile, strat: Strategy) 
 
 def p2p_s(model: ModelProfile, strat: Strategy, groups: comm.AxisGroups) -> float:
     """Pipeline sends per micro-batch on a stage's critical path: an activation forward and
-    a gradient backward per model chunk. With scatter/gather (Narayanan et al.) each of the
-    tp ranks sends b s h / tp over its own link, and the receiver all-gathers the pieces
-    inside its tp group."""
+    a gradient backward per model chunk. With scatter/gather (Narayanan et al.; the recipe's
+    ``pp_scatter_gather``) each of the tp ranks sends b s h / tp over its own link, and the
+    receiver all-gathers the pieces inside its tp group; without it every tp rank sends the
+    whole b s h (DeepSpeed's pipeline engine)."""
     if strat.pp == 1:
         return 0.0
     vol = strat.micro_batch * model.seq * model.hidden * compute.elem_bytes(strat)
-    one = comm.p2p_s(vol / strat.tp, groups.pp) + comm.all_gather_s(vol, groups.tp)
+    if strat.recipe.pp_scatter_gather:
+        one = comm.p2p_s(vol / strat.tp, groups.pp) + comm.all_gather_s(vol, groups.tp)
+    else:
+        one = comm.p2p_s(vol, groups.pp)
     return pipeline.chunks(strat) * 2 * one
 
 

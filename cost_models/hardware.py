@@ -68,6 +68,9 @@ class HardwareProfile:
     forward and backward alike (``flash2``: FlashAttention-2 as torch SDPA dispatches it,
     ``cudnn``: cuDNN / FlashAttention-3-class fused attention, ``triton``: FlashAttention's
     Triton kernel as MPT/llm-foundry ran it)."""
+    overlap_penalty: float = 0.0
+    """Fraction of a collective's time that still costs the compute it overlaps with (its
+    kernels occupy SMs and HBM bandwidth): 0 is perfect overlap, 1 none."""
     kernel_dispatch_us: float = 0.0
     """Host time to dispatch one kernel from eager PyTorch (Python, dispatcher, launch), µs:
     a pass of k kernels takes at least k times this (0: never host-bound)."""
@@ -92,6 +95,8 @@ class HardwareProfile:
             raise ProfileError(f"profile {self.name!r}: peak_tflops needs at least one dtype")
         if not 0.0 <= self.allocator_headroom < 1.0:
             raise ProfileError(f"profile {self.name!r}: allocator_headroom must be in [0, 1)")
+        if not 0.0 <= self.overlap_penalty <= 1.0:
+            raise ProfileError(f"profile {self.name!r}: overlap_penalty must be in [0, 1]")
         if any(not 0.0 < e <= 1.0 for e in self.attention_efficiency.values()):
             raise ProfileError(f"profile {self.name!r}: attention_efficiency values must be in (0, 1]")
 

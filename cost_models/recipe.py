@@ -86,6 +86,14 @@ class ExecutionRecipe:
     until the last micro-batch's backward (torch.distributed.pipelining turns off FSDP2's
     ``reshard_after_backward`` and gradient sync for every backward but the last); the
     gradients are reduce-scattered once per step."""
+    fsdp_copies: bool = False
+    """ZeRO's collectives go through flat buffers the parameters and gradients are copied
+    out of and into (FSDP1's FlatParameter, FSDP2's foreach copy-in/copy-out); False: the
+    parameters are views into the communication buffers (Megatron's distributed optimizer)."""
+    pp_scatter_gather: bool = True
+    """Pipeline sends split over the tp ranks and all-gathered by the receiver (Megatron's
+    scatter/gather, Narayanan et al. 2021); False: every tp rank sends the whole activation
+    (DeepSpeed's pipeline engine)."""
     logits_bytes: float = 4.0
     """Bytes per logit the loss keeps for backward: 4 for Megatron's fp32 logits, 6 for eager
     cross-entropy under autocast (16-bit logits and fp32 log-probabilities)."""

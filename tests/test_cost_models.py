@@ -33,6 +33,7 @@ def gpt(layers: int, hidden: int, heads: int, vocab: int = 51200, seq: int = 204
 
 
 A100 = load_profile("dgx-a100-80g")
+A0 = dataclasses.replace(A100, overlap_penalty=0.0)  # perfect overlap, for the hiding laws
 G22B = gpt(48, 6144, 64)  # Korthikanti et al. Table 3
 
 
@@ -169,33 +170,41 @@ def test_gemm_shape_law_and_roofline():
 
 
 def test_tensor_parallel_overlap_and_sequence_parallel_gathers():
-    g = comm.axis_groups(A100, Strategy(recipe=MC, tp=8)).tp
+    g = comm.axis_groups(A0, Strategy(recipe=MC, tp=8)).tp
     base = Strategy(recipe=M21, tp=8, micro_batch=4)  # 2021: no TP overlap
-    plain = estimate_mod.block_tp_s(G22B, A100, base, g)
+    plain = estimate_mod.block_tp_s(G22B, A0, base, g)
     unit = comm.all_reduce_s(4 * 2048 * 6144 * 2, g)
     assert plain.forward_s == pytest.approx(2 * unit) and plain.backward_s == pytest.approx(2 * unit)
-    hidden = estimate_mod.block_tp_s(G22B, A100, dataclasses.replace(base, recipe=MC), g)
+    hidden = estimate_mod.block_tp_s(G22B, A0, dataclasses.replace(base, recipe=MC), g)
     assert hidden.backward_s == 0.0  # the all-reduce is shorter than the weight-gradient GEMMs
-    sp = estimate_mod.block_tp_s(G22B, A100, dataclasses.replace(base, recipe=MC,
+    sp = estimate_mod.block_tp_s(G22B, A0, dataclasses.replace(base, recipe=MC,
                                                                    sequence_parallel=True), g)
     assert sp.backward_s == pytest.approx(4 * comm.all_gather_s(4 * 2048 * 6144 * 2, g))
-    full = estimate_mod.block_tp_s(G22B, A100, dataclasses.replace(base, recompute="full"), g)
+    full = estimate_mod.block_tp_s(G22B, A0, dataclasses.replace(base, recompute="full"), g)
     assert full.recompute_s == pytest.approx(2 * unit)
 
 
 def test_data_parallel_reduction_hides_behind_the_backward_when_overlapped():
     model = gpt(24, 2048, 16)
-    over = stage_costs(model, A100, Strategy(dp=8, num_microbatches=4, recipe=MC))
-    after = stage_costs(model, A100, Strategy(dp=8, pp=1, num_microbatches=4,
+    over = stage_costs(model, A0, Strategy(dp=8, num_microbatches=4, recipe=MC))
+    after = stage_costs(model, A0, Strategy(dp=8, pp=1, num_microbatches=4,
                                               recipe=dataclasses.replace(MC, dp_overlap="never")))
-    opt = compute.optimizer_memory_s(memory.layer_params(model, Strategy(recipe=MC)) * 50, A100)
+    opt = compute.optimizer_memory_s(memory.layer_params(model, Strategy(recipe=MC)) * 50, A0)
     assert over.layer_dp_time_s == pytest.approx(opt)  # the all-reduce is hidden, Adam is not
     assert after.layer_dp_time_s > over.layer_dp_time_s
     assert after.first_dp_time_s == pytest.approx(over.first_dp_time_s)  # embedding goes last
-    z3 = stage_costs(model, A100, Strategy(dp=8, zero=3, num_microbatches=4, recipe=MC))
-    z3_exposed = stage_costs(model, A100, Strategy(dp=8, zero=3, num_microbatches=4,
+    z3 = stage_costs(model, A0, Strategy(dp=8, zero=3, num_microbatches=4, recipe=MC))
+    z3_exposed = stage_costs(model, A0, Strategy(dp=8, zero=3, num_microbatches=4,
                                                    recipe=dataclasses.replace(MC, dp_overlap="never")))
     assert z3.layer_time_s < z3_exposed.layer_time_s
+
+
+def test_overlapped_communication_costs_its_overlap_penalty():
+    """What overlap hides still costs ``overlap_penalty`` of itself (NCCL shares the SMs)."""
+    hw = dataclasses.replace(A100, overlap_penalty=0.2)
+    assert comm.exposed_s(1.0, 3.0, hw) == pytest.approx(0.2)   # hidden: 20 % of it shows
+    assert comm.exposed_s(3.0, 1.0, hw) == pytest.approx(2.0 + 0.2)  # excess + 20 % of the window
+    assert comm.exposed_s(1.0, 3.0, A0) == 0.0
 
 
 def test_optimizer_traffic_per_parameter():
