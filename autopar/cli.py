@@ -191,6 +191,8 @@ def estimate(model: str = MODEL, cluster: str = CLUSTER, gpus: int = GPUS, globa
              cp: int = typer.Option(1, "--cp", help="Context-parallel degree (1 only for now)"),
              sp: bool = typer.Option(False, "--sp/--no-sp"),
              recompute: Recompute = typer.Option(Recompute.none, "--recompute"),
+             fp8: bool = typer.Option(False, "--fp8/--no-fp8", help="Float8 weight GEMMs (priced "
+                                      "only: the runtime has no Float8 linears yet)"),
              recipe: Optional[str] = RECIPE, as_json: bool = JSON) -> None:
     """Evaluate one fixed strategy with the cost model the planner uses."""
     _check_cp(cp)
@@ -199,7 +201,7 @@ def estimate(model: str = MODEL, cluster: str = CLUSTER, gpus: int = GPUS, globa
         job = read_job(model, cluster, gpus, global_batch, seq_len, dtype, recipe)
         strat = fixed_strategy(job, tp=tp, pp=pp, dp=dp, zero=zero, micro_batch=mbs,
                                schedule=schedule.value, sequence_parallel=sp,
-                               recompute=recompute.value, virtual_stages=vpp)
+                               recompute=recompute.value, virtual_stages=vpp, fp8=fp8)
         est = estimate_strategy(job, strat)
         if as_json:
             typer.echo(json.dumps(_estimate_dict(est), indent=2, sort_keys=True))

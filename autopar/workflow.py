@@ -128,7 +128,7 @@ def make_plan(job: Job, pins: Pins = Pins(), time_limit_s: float = 60.0,
 
 def fixed_strategy(job: Job, *, tp: int, pp: int, dp: int | None, zero: int, micro_batch: int,
                    schedule: str, sequence_parallel: bool, recompute: str,
-                   virtual_stages: int = 1) -> Strategy:
+                   virtual_stages: int = 1, fp8: bool = False) -> Strategy:
     """The one strategy ``estimate`` evaluates, checked against the job."""
     for name, value in (("tp", tp), ("pp", pp), ("mbs", micro_batch), ("vpp", virtual_stages)):
         if value <= 0:
@@ -138,6 +138,9 @@ def fixed_strategy(job: Job, *, tp: int, pp: int, dp: int | None, zero: int, mic
     dp = dp or job.gpus // (tp * pp)
     if dp * tp * pp != job.gpus:
         raise UserError(f"dp x tp x pp = {dp * tp * pp} but --gpus is {job.gpus}")
+    if fp8 and "fp8" not in job.hw.peak_tflops:
+        raise UserError(f"--fp8: profile {job.hw.name} ({job.hw.device}) has no fp8 peak; Float8 "
+                        "linears need an H100, H200 or B200 profile")
     if job.global_batch % (dp * micro_batch):
         raise UserError(f"--global-batch {job.global_batch} is not divisible by dp x mbs = "
                         f"{dp * micro_batch}")
@@ -156,7 +159,7 @@ def fixed_strategy(job: Job, *, tp: int, pp: int, dp: int | None, zero: int, mic
                         num_microbatches=job.global_batch // (dp * micro_batch),
                         schedule=schedule, virtual_stages=virtual_stages,
                         sequence_parallel=sequence_parallel and tp > 1,
-                        recompute=recompute, dtype=job.dtype, recipe=job.recipe)
+                        recompute=recompute, dtype=job.dtype, fp8=fp8, recipe=job.recipe)
     except ValueError as exc:
         raise UserError(str(exc)) from None
 

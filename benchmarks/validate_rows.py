@@ -50,7 +50,7 @@ SOURCE_RECIPE = {
     "megatron_bridge_h100": "megatron-core-te",
 }
 """The execution recipe of each source's framework (``cost_models/recipes``)."""
-SUPPORTED = frozenset({"a100_40g", "h100_96g"})
+SUPPORTED = frozenset({"a100_40g", "h100_96g", "fp8"})
 """Needs (``published_rows.NEEDS``) autopar can express now."""
 FAMILIES = {"A100": ("dgx-a100-80g", "dgx-a100-40g"), "H100": ("dgx-h100",)}
 """Profiles sharing one chip: the fitted fractions of peak are common to them. Grand Teton's
@@ -62,13 +62,15 @@ GRID = {
     "memory_efficiency": [x / 100 for x in range(30, 81, 3)],
     "attention_efficiency:flash2": [x / 100 for x in range(12, 61, 2)],
     "attention_efficiency:triton": [x / 100 for x in range(12, 61, 2)],
+    "attention_efficiency:cudnn": [x / 100 for x in range(20, 81, 2)],
+    "fp8_matmul_efficiency": [x / 100 for x in range(30, 81, 2)],
     "overlap_penalty": [x / 100 for x in range(0, 101, 5)],
 }
 """The constants ``fit`` may choose and their grids."""
 FIT_KEYS = {
     "A100": ("attention_efficiency:flash2", "attention_efficiency:triton", "overlap_penalty"),
     "H100": ("matmul_efficiency", "memory_efficiency", "attention_efficiency:triton",
-             "overlap_penalty"),
+             "attention_efficiency:cudnn", "fp8_matmul_efficiency", "overlap_penalty"),
 }
 """What is fitted per family. A100's GEMM and element-wise efficiencies stay as the Megatron
 fit of Narayanan Table 1 and Korthikanti Tables 4-5 (``validate_published.py --fit``): refit
@@ -122,7 +124,7 @@ def row_strategy(row: DataRow, layers: int, recipe: str) -> Strategy:
     strat = Strategy(dp=row.dp, tp=row.tp, pp=row.pp, zero=row.zero, micro_batch=row.micro_batch,
                      num_microbatches=row.global_batch // (row.dp * row.micro_batch),
                      sequence_parallel=row.sequence_parallel, recompute=row.recompute,
-                     dtype=row.dtype, recipe=load_recipe(recipe), **sched)
+                     dtype=row.dtype, fp8=row.fp8, recipe=load_recipe(recipe), **sched)
     if row.recompute_layers is None:
         return strat
     # ``recompute_layers`` blocks recomputed (spread over the stages), the rest none.
@@ -224,8 +226,10 @@ def with_constants(hw: HardwareProfile, values: dict[str, float]) -> HardwarePro
 
 def constants(hw: HardwareProfile) -> dict[str, float]:
     """The values of ``GRID``'s keys in ``hw``."""
-    return {key: (hw.attention_eff(key.split(":", 1)[1]) if key.startswith("attention_efficiency:")
-                  else getattr(hw, key)) for key in GRID}
+    out = {key: (hw.attention_eff(key.split(":", 1)[1]) if key.startswith("attention_efficiency:")
+                 else getattr(hw, key)) for key in GRID}
+    out["fp8_matmul_efficiency"] = hw.fp8_matmul_efficiency or hw.matmul_efficiency
+    return out
 
 
 def _kernels(sources: list[Source]) -> set[str]:
@@ -277,7 +281,7 @@ def summary(results: list[Result]) -> dict[str, tuple[int, float, float]]:
     return out
 
 
-DOCUMENTED = {"dgx-h100": ("flash2", "cudnn"), "dgx-a100-80g": ("cudnn",), "dgx-a100-40g": ("cudnn",)}
+DOCUMENTED = {"dgx-h100": ("flash2",), "dgx-a100-80g": ("cudnn",), "dgx-a100-40g": ("cudnn",)}
 """Kernels whose ``attention_efficiency`` a profile takes from documentation, not from a fit
 (its notes say which): usable as out-of-sample priors."""
 

@@ -89,14 +89,16 @@ def elem_bytes(strat: Strategy) -> int:
     return 4 if strat.dtype == "fp32" else 2
 
 
-def gemm_efficiency(n_min: float, hw: HardwareProfile) -> float:
-    """Fraction of dense peak a GEMM whose smallest dimension is ``n_min`` reaches."""
-    return hw.matmul_efficiency * n_min / (n_min + hw.matmul_half_dim)
+def gemm_efficiency(n_min: float, hw: HardwareProfile, dtype: str = "bf16") -> float:
+    """Fraction of dense peak a GEMM whose smallest dimension is ``n_min`` reaches (fp8
+    GEMMs at ``fp8_matmul_efficiency`` of the fp8 peak where the profile gives it)."""
+    base = (hw.fp8_matmul_efficiency or hw.matmul_efficiency) if dtype == "fp8" else hw.matmul_efficiency
+    return base * n_min / (n_min + hw.matmul_half_dim)
 
 
 def gemm_s(g: Gemm, hw: HardwareProfile, dtype: str, elem: float) -> float:
     """Roofline time of one GEMM: FLOPs at its shape's efficiency, or its operand bytes."""
-    eff = gemm_efficiency(min(g.m, g.n, g.k), hw)
+    eff = gemm_efficiency(min(g.m, g.n, g.k), hw, dtype)
     return max(g.flops / (hw.peak_flops(dtype) * eff), memory_s(g.nbytes(elem), hw))
 
 
@@ -154,12 +156,29 @@ def block_gemms(model: ModelProfile, strat: Strategy) -> tuple[list[Gemm], list[
     return weights, core
 
 
-def _scaled_s(gemms: list[Gemm], flops: float, hw: HardwareProfile, strat: Strategy) -> float:
+def _scaled_s(gemms: list[Gemm], flops: float, hw: HardwareProfile, strat: Strategy,
+              dtype: str | None = None) -> float:
     """Time of ``gemms`` rescaled to ``flops`` (the traced count) at their own efficiency."""
     shape_flops = sum(g.flops for g in gemms)
     if shape_flops <= 0 or flops <= 0:
         return 0.0
-    return sum(gemm_s(g, hw, strat.dtype, elem_bytes(strat)) for g in gemms) * flops / shape_flops
+    elem = 1 if dtype == "fp8" else elem_bytes(strat)
+    return sum(gemm_s(g, hw, dtype or strat.dtype, elem) for g in gemms) * flops / shape_flops
+
+
+def fp8_cast_bytes(model: ModelProfile, strat: Strategy) -> tuple[float, float]:
+    """(forward, backward) device-memory bytes of one block's Float8 casts per micro-batch on
+    one tp rank: each weight GEMM's input (forward) and output gradient (backward) scaled and
+    cast per element, ``recipe.fp8_cast_bytes`` each (dynamic scaling: read for the amax, read
+    and write one byte), and its weight once per pass (0 without ``fp8``)."""
+    if not strat.fp8:
+        return 0.0, 0.0
+    weights, _ = block_gemms(model, strat)
+    per = strat.recipe.fp8_cast_bytes
+    ins = sum(g.m * g.k for g in weights)
+    grads = sum(g.m * g.n for g in weights)
+    w = model.block_params / strat.tp
+    return per * (ins + w), per * (grads + w)
 
 
 def fused(strat: Strategy) -> bool:
@@ -181,8 +200,8 @@ def block_gemm_s(model: ModelProfile, hw: HardwareProfile, strat: Strategy) -> t
         core_s = attn_flops * causal_fraction(model.seq) / (hw.peak_flops(strat.dtype) * eff)
     else:
         core_s = _scaled_s(core, attn_flops, hw, strat)
-    return (_scaled_s(weights, tokens * model.block_matmul_flops_per_token / strat.tp, hw, strat),
-            core_s)
+    return (_scaled_s(weights, tokens * model.block_matmul_flops_per_token / strat.tp, hw, strat,
+                      "fp8" if strat.fp8 else None), core_s)
 
 
 def block_elementwise_bytes(model: ModelProfile, strat: Strategy,
@@ -208,9 +227,10 @@ def block_times(model: ModelProfile, hw: HardwareProfile, strat: Strategy) -> Pa
     fwd_rest, fwd_core = block_elementwise_bytes(model, strat, FWD_TRAFFIC)
     bwd_rest, bwd_core = block_elementwise_bytes(model, strat, BWD_TRAFFIC)
     core_bwd = FLASH_BWD_RATIO * core_s if fused(strat) else 2 * core_s
+    cast_fwd, cast_bwd = fp8_cast_bytes(model, strat)
     host = dispatch_s(hw, strat)
-    fwd = max(host, weights_s + core_s + memory_s(fwd_rest + fwd_core, hw))
-    bwd = max(2 * host, 2 * weights_s + core_bwd + memory_s(bwd_rest + bwd_core, hw))
+    fwd = max(host, weights_s + core_s + memory_s(fwd_rest + fwd_core + cast_fwd, hw))
+    bwd = max(2 * host, 2 * weights_s + core_bwd + memory_s(bwd_rest + bwd_core + cast_bwd, hw))
     if strat.recompute == "full":
         rc = fwd
     elif strat.recompute == "selective":

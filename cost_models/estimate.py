@@ -222,7 +222,14 @@ def block_tp_s(model: ModelProfile, hw: HardwareProfile, strat: Strategy,
             bwd = 4 * gather + comm.exposed_s(2 * unit - 2 * gather, window, hw)
         else:
             bwd = comm.exposed_s(bwd, window, hw)
-    return compute.PassTimes(forward_s=2 * unit, recompute_s=2 * unit if strat.recompute == "full"
+    fwd = 2 * unit
+    if strat.recipe.tp_comm_overlap:
+        # Every collective pipelined with the GEMM it feeds or follows (Transformer Engine's
+        # userbuffers): what is longer than the forward's GEMMs (backward: twice them) shows.
+        gemms_fwd, _ = compute.block_gemm_s(model, hw, strat)
+        fwd = comm.exposed_s(2 * unit, gemms_fwd, hw)
+        bwd = comm.exposed_s(bwd, 2 * gemms_fwd, hw)
+    return compute.PassTimes(forward_s=fwd, recompute_s=fwd if strat.recompute == "full"
                              else 0.0, backward_s=bwd)
 
 
@@ -286,7 +293,7 @@ def parts_key(strat: Strategy) -> tuple:
     """What ``_parts`` depends on: strategies with equal keys share their per-piece costs
     (schedule, chunks and the nominal recompute mode enter only ``stage_costs``)."""
     return (strat.dp, strat.tp, strat.pp, strat.zero, strat.micro_batch, strat.sequence_parallel,
-            strat.dtype, strat.recipe, strat.offload, strat.axis_order)
+            strat.dtype, strat.fp8, strat.recipe, strat.offload, strat.axis_order)
 
 
 def stage_costs(model: ModelProfile, hw: HardwareProfile, strat: Strategy,

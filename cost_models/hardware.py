@@ -47,6 +47,8 @@ class HardwareProfile:
     inter_node: LinkTier
     matmul_efficiency: float = 1.0
     """Calibrated fraction of peak reached by large GEMMs (all dimensions >> matmul_half_dim)."""
+    fp8_matmul_efficiency: float = 0.0
+    """Calibrated fraction of the fp8 peak reached by large Float8 GEMMs (0: matmul_efficiency)."""
     matmul_half_dim: float = 0.0
     """GEMM shape law: a GEMM whose smallest dimension is n reaches
     ``matmul_efficiency · n / (n + matmul_half_dim)`` of peak (0: no shape dependence)."""

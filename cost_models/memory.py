@@ -173,6 +173,10 @@ def block_act_bytes(model: ModelProfile, strat: Strategy, recompute: str | None 
         return act_scale(strat) * tokens * 2 * model.hidden / sp
     repl, sharded, attn = model.act_bytes_per_token(fused_attention(strat))
     per_token = repl / sp + sharded / strat.tp
+    if strat.fp8 and strat.recipe.fp8_saves_fp8_inputs:
+        # The weight GEMMs' saved inputs (two norm outputs, the attention output, the MLP's
+        # down-projection input) kept as 1-byte casts instead of 16-bit tensors.
+        per_token -= 2 * model.hidden / sp + (model.hidden + model.ffn) / strat.tp
     if recompute == "none":
         per_token += attn / strat.tp
     return act_scale(strat) * tokens * per_token

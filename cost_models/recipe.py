@@ -73,6 +73,9 @@ class ExecutionRecipe:
     """The backward's column-parallel collectives hide behind the weight-gradient GEMMs
     (Megatron's async tensor-parallel all-reduce); False: every TP collective is exposed
     (DTensor TP without async TP, Megatron-LM 2021)."""
+    tp_comm_overlap: bool = False
+    """Every tensor-parallel collective, forward and backward, is split and pipelined with
+    the GEMM next to it (Transformer Engine's userbuffers, ``--tp-comm-overlap``)."""
     grad_accum_fusion: bool
     """Weight-gradient GEMMs accumulate straight into the gradient buffer (Megatron's
     ``--gradient-accumulation-fusion``); False: every micro-batch's backward writes a fresh
@@ -94,6 +97,13 @@ class ExecutionRecipe:
     """Pipeline sends split over the tp ranks and all-gathered by the receiver (Megatron's
     scatter/gather, Narayanan et al. 2021); False: every tp rank sends the whole activation
     (DeepSpeed's pipeline engine)."""
+    fp8_saves_fp8_inputs: bool = False
+    """Float8 linears keep their inputs for the weight gradient as the 1-byte cast
+    (Transformer Engine) instead of the 16-bit tensor (torchao's default)."""
+    fp8_cast_bytes: float = 5.0
+    """Device-memory bytes per element of a Float8 cast: 5 with dynamic (just-in-time)
+    scaling, torchao's tensorwise default (read for the amax, read again and write one byte);
+    3 with Transformer Engine's delayed scaling (the amax comes from history)."""
     logits_bytes: float = 4.0
     """Bytes per logit the loss keeps for backward: 4 for Megatron's fp32 logits, 6 for eager
     cross-entropy under autocast (16-bit logits and fp32 log-probabilities)."""

@@ -42,6 +42,10 @@ class Strategy:
     """The mesh axes from outermost (largest rank stride) to innermost (consecutive ranks,
     which share a node first); ``comm.axis_groups`` derives each axis's tier from it."""
     dtype: str = "bf16"
+    fp8: bool = False
+    """The blocks' weight GEMMs run in Float8 (torchao Float8Linear, Transformer Engine):
+    the fp8 peak, a scaled cast of every GEMM operand; attention, norms and the head stay in
+    ``dtype``. Needs a profile with an ``fp8`` peak."""
     recipe: ExecutionRecipe = field(default_factory=load_recipe)
     """The program priced (``cost_models.recipe``): attention kernel, training-state layout,
     what overlaps; default ``autopar``, the program autopar's runtime generates."""
@@ -58,6 +62,8 @@ class Strategy:
             raise ValueError(f"unknown recompute {self.recompute!r}; use one of {', '.join(RECOMPUTE)}")
         if sorted(self.axis_order) != sorted(AXIS_ORDER):
             raise ValueError(f"axis_order must be a permutation of {AXIS_ORDER}, got {self.axis_order}")
+        if self.fp8 and self.dtype == "fp32":
+            raise ValueError("fp8 linears train in a 16-bit dtype; use dtype bf16 with fp8")
         if self.offload and self.zero < 1:
             raise ValueError("offload moves ZeRO's shards to the host; it needs zero >= 1")
         if self.stage_layers and len(self.stage_layers) != self.pp:

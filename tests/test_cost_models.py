@@ -6,7 +6,7 @@ import math
 
 import pytest
 
-from cost_models import (ModelProfile, Strategy, estimate, even_stage_layers, load_profile,
+from cost_models import (ModelProfile, ProfileError, Strategy, estimate, even_stage_layers, load_profile,
                          model_flops_per_step, stage_costs)
 from cost_models import comm, compute, memory, pipeline
 estimate_mod = importlib.import_module("cost_models.estimate")  # the package exports the function
@@ -359,3 +359,18 @@ def test_optimizer_memory_efficiency_falls_back_to_memory_efficiency():
     plain = dataclasses.replace(A100, optimizer_memory_efficiency=0.0)
     assert compute.optimizer_memory_s(1e9, fused) == pytest.approx(1e9 / (A100.hbm_bw_gbps * 1e9 * 0.9))
     assert compute.optimizer_memory_s(1e9, plain) == pytest.approx(compute.memory_s(1e9, plain))
+
+
+def test_fp8_linears_run_at_the_fp8_peak_and_pay_their_casts():
+    """Float8 weight GEMMs at the fp8 peak, plus the cast traffic; attention stays 16-bit."""
+    h100 = load_profile("dgx-h100")
+    model = gpt(4, 4096, 32, seq=4096)
+    bf16 = Strategy(micro_batch=2)
+    f8 = dataclasses.replace(bf16, fp8=True)
+    (w16, a16), (w8, a8) = compute.block_gemm_s(model, h100, bf16), compute.block_gemm_s(model, h100, f8)
+    assert a8 == a16
+    assert w8 == pytest.approx(w16 / 2 * h100.matmul_efficiency / h100.fp8_matmul_efficiency, rel=0.02)
+    fwd_cast, bwd_cast = compute.fp8_cast_bytes(model, f8)
+    assert fwd_cast > 0 and bwd_cast > 0 and compute.fp8_cast_bytes(model, bf16) == (0.0, 0.0)
+    with pytest.raises(ProfileError, match="fp8"):
+        compute.block_gemm_s(model, A100, f8)

@@ -32,7 +32,7 @@ def in_sample():
 
 def test_every_expressible_row_is_priced_and_the_rest_say_why(in_sample):
     priced = validate.priced(in_sample)
-    assert len(priced) >= 230
+    assert len(priced) >= 250
     assert all(r.why for r in in_sample if r.predicted is None)
     assert not [r for r in in_sample if r.why.startswith("error")]
 
@@ -47,9 +47,10 @@ def test_median_error_over_all_rows_within_5_percent(in_sample):
     assert statistics.median(errors) <= 5.0
 
 
-@pytest.mark.xfail(strict=True, reason="known misses: llm-foundry MPT-70B/30B at micro-batch 1-2 on "
-                   "A100 (+25-30 %), MPT-760M/1B rows that disagree with their own neighbours in "
-                   "the table (+21-29 %), MT-NLG (-13-15 %); see the issue's closing note")
+@pytest.mark.xfail(strict=True, reason="known misses: llm-foundry MPT-70B/30B at micro-batch 1-2 "
+                   "(+19-28 %), MPT-760M/1B rows that disagree with their neighbours in the same "
+                   "table (+20-28 %), NeMo GPT-3 5B (+21 %), torchtitan 405B FP8 on 500 W H100 "
+                   "(-18 %), MT-NLG (-13-15 %); see the issue's closing note")
 def test_worst_row_within_15_percent(in_sample):
     worst = max(validate.priced(in_sample), key=lambda r: abs(r.error))
     assert abs(worst.error) <= 15.0, f"{worst.source} {worst.row.id}: {worst.error:+.1f} %"
@@ -71,10 +72,11 @@ def held_out():
                          MODELS)
 
 
-@pytest.mark.xfail(strict=True, reason="llm-foundry is the only source with 700 W H100 rows: held "
-                   "out, its H100 rows are priced with A100's fitted fractions and the documented "
-                   "flash2 efficiency in place of its Triton kernel's (median 11 %; 2.3 % leaving "
-                   "one published table out, `validate_rows.py --loso --by-table`)")
+@pytest.mark.xfail(strict=True, reason="llm-foundry is the only source that ran FlashAttention's "
+                   "Triton kernel: held out, its rows take the cuDNN/flash2 efficiency instead "
+                   "(0.56 vs 0.16 on H100), so its long-sequence rows come out up to 2.4x fast "
+                   "(median 10.4 % over all rows; `validate_rows.py --loso --by-table` leaves one "
+                   "published table out instead)")
 def test_leave_one_source_out_median_within_8_percent(held_out):
     errors = [abs(r.error) for r in validate.priced(held_out)]
     assert statistics.median(errors) <= 8.0
