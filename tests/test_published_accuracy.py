@@ -112,3 +112,22 @@ def test_korthikanti_table5_from_the_cli_with_the_megatron_core_recipe():
             assert out.exit_code == 0, out.output
             errors.append(abs(json.loads(out.output)["step_time_s"] / published - 1) * 100)
     assert statistics.fmean(errors) <= 2.0 and max(errors) <= 4.0, errors
+
+
+def test_llama3_8b_fsdp_on_8_h100_fits_without_recompute_and_the_planner_picks_fsdp():
+    """torchtitan trains Llama-3 8B at seq 8192 with FSDP over 8 H100 at local batch 1-2 in
+    well under 80 GB; autopar's own program (the default recipe) must fit there, and the
+    planner must pick pure data parallelism, as every measured peer does."""
+    runner = CliRunner()
+    out = runner.invoke(app, ["estimate", "--model", "llama3-8b", "--cluster", "dgx-h100", "--gpus", "8",
+                              "--global-batch", "8", "--dp", "8", "--zero", "3", "--mbs", "1",
+                              "--recompute", "none", "--json"])
+    assert out.exit_code == 0, out.output
+    est = json.loads(out.output)
+    assert est["fits"] and est["memory"]["peak_bytes"] < 70 * 2**30
+    out = runner.invoke(app, ["plan", "--model", "llama3-8b", "--cluster", "dgx-h100", "--gpus", "8",
+                              "--global-batch", "16", "--seq-len", "8192", "--json"])
+    assert out.exit_code == 0, out.output
+    plan = json.loads(out.output)["plan"]
+    assert (plan["mesh"]["dp"], plan["mesh"]["tp"], plan["mesh"]["pp"]) == (8, 1, 1)
+    assert plan["recipe"] == "autopar"
