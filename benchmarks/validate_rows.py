@@ -91,13 +91,20 @@ class Result:
     why: str = ""
 
     @property
+    def ratio(self) -> float:
+        """Predicted over published (a priced row only)."""
+        if self.predicted is None:
+            raise ValueError(f"{self.source} {self.row.id} was not priced: {self.why}")
+        return self.predicted / self.row.value
+
+    @property
     def log_error(self) -> float:
-        return math.log(self.predicted / self.row.value)
+        return math.log(self.ratio)
 
     @property
     def error(self) -> float:
         """Relative error in %."""
-        return 100.0 * (self.predicted / self.row.value - 1.0)
+        return 100.0 * (self.ratio - 1.0)
 
 
 def recipe_of(source: str) -> str | None:
@@ -120,11 +127,11 @@ def skip_reason(src: Source, row: DataRow) -> str:
 
 def row_strategy(row: DataRow, layers: int, recipe: str) -> Strategy:
     """The row's layout as the fixed strategy ``autopar estimate`` would build."""
-    sched = {"schedule": "interleaved", "virtual_stages": row.vpp} if row.vpp > 1 else {}
     strat = Strategy(dp=row.dp, tp=row.tp, pp=row.pp, zero=row.zero, micro_batch=row.micro_batch,
                      num_microbatches=row.global_batch // (row.dp * row.micro_batch),
                      sequence_parallel=row.sequence_parallel, recompute=row.recompute,
-                     dtype=row.dtype, fp8=row.fp8, recipe=load_recipe(recipe), **sched)
+                     dtype=row.dtype, fp8=row.fp8, recipe=load_recipe(recipe),
+                     schedule="interleaved" if row.vpp > 1 else "1f1b", virtual_stages=row.vpp)
     if row.recompute_layers is None:
         return strat
     # ``recompute_layers`` blocks recomputed (spread over the stages), the rest none.
@@ -190,9 +197,10 @@ def evaluate(sources: list[Source], hws: dict[str, HardwareProfile], models: Mod
                 out.append(Result(source=src.source, row=row, predicted=None, why=why))
                 continue
             hw = hws.get(row.cluster) or load_profile(row.cluster)
+            recipe = recipe_of(src.source)
+            assert recipe is not None  # skip_reason said so
             try:
-                value, fits = predict(row, models.get(row.model, row.seq_len), hw,
-                                      recipe_of(src.source))
+                value, fits = predict(row, models.get(row.model, row.seq_len), hw, recipe)
             except (UserError, ValueError) as exc:
                 out.append(Result(source=src.source, row=row, predicted=None, why=f"error: {exc}"))
                 continue
@@ -215,13 +223,13 @@ def objective(results: list[Result]) -> float:
 def with_constants(hw: HardwareProfile, values: dict[str, float]) -> HardwareProfile:
     """``hw`` with ``values`` (``attention_efficiency:<kernel>`` keys set one kernel)."""
     attn = dict(hw.attention_efficiency)
-    kw = {}
+    out = hw
     for key, value in values.items():
         if key.startswith("attention_efficiency:"):
             attn[key.split(":", 1)[1]] = value
         else:
-            kw[key] = value
-    return dataclasses.replace(hw, attention_efficiency=attn, **kw)
+            out = dataclasses.replace(out, **{key: value})  # type: ignore[arg-type]
+    return dataclasses.replace(out, attention_efficiency=attn)
 
 
 def constants(hw: HardwareProfile) -> dict[str, float]:
