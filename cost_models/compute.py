@@ -102,12 +102,6 @@ def gemm_s(g: Gemm, hw: HardwareProfile, dtype: str, elem: float) -> float:
     return max(g.flops / (hw.peak_flops(dtype) * eff), memory_s(g.nbytes(elem), hw))
 
 
-def matmul_s(flops: float, hw: HardwareProfile, dtype: str, n_min: float = float("inf")) -> float:
-    """``flops`` of GEMMs with smallest dimension ``n_min`` (large by default)."""
-    eff = hw.matmul_efficiency if n_min == float("inf") else gemm_efficiency(n_min, hw)
-    return flops / (hw.peak_flops(dtype) * eff)
-
-
 def memory_s(nbytes: float, hw: HardwareProfile) -> float:
     """Element-wise time of ``nbytes`` of device-memory traffic."""
     return nbytes / (hw.hbm_bw_gbps * 1e9 * hw.memory_efficiency)
