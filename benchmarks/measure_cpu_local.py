@@ -6,7 +6,8 @@ Every figure is measured with ``--ranks`` processes running at once, each with t
 count the runtime gives a rank (cores // ranks, at least 1), because that is what one rank gets
 when the plan runs: per-rank fp32 GEMM FLOP/s (peak: a large square GEMM; matmul efficiency:
 the rank's rate on transformer-sized GEMMs relative to it), element-wise bandwidth, and gloo
-all-reduce latency and bus bandwidth. Medians of repeated timings.
+all-reduce latency and bus bandwidth, and the host time of one eager op (the dispatch floor of
+a small model's passes). Medians of repeated timings.
 """
 
 from __future__ import annotations
@@ -51,12 +52,16 @@ def _worker(rank: int, world: int, port: int, threads: int, queue) -> None:
     x, y = torch.randn(2**23), torch.randn(2**23)  # 32 MiB each
     bw = 3 * x.numel() * 4 / _median_time(lambda: torch.add(x, y, out=x), 10)
     dist.barrier()
+    # Host dispatch of one eager op that autograd records (what a small model's step is made of).
+    leaf = torch.zeros(64, requires_grad=True)
+    dispatch = _median_time(lambda: [leaf * 2.0 for _ in range(200)], 20) / 200
+    dist.barrier()
     tiny = torch.zeros(1)
     alpha = _median_time(lambda: dist.all_reduce(tiny), 50)
     big = torch.zeros(2**22)  # 16 MiB
     t_big = _median_time(lambda: dist.all_reduce(big), 5)
     bus_bw = 2 * (world - 1) / world * big.numel() * 4 / max(t_big - alpha, 1e-9)
-    queue.put((rank, peak, small, bw, alpha, bus_bw))
+    queue.put((rank, peak, small, bw, alpha, bus_bw, dispatch))
     dist.destroy_process_group()
 
 
@@ -73,7 +78,7 @@ def measure(ranks: int) -> dict:
     for p in procs:
         p.join()
     med = [statistics.median(col) for col in list(zip(*rows))[1:]]
-    peak, small, bw, alpha, bus_bw = med
+    peak, small, bw, alpha, bus_bw, dispatch = med
     cmd = f"python benchmarks/measure_cpu_local.py --ranks {ranks}"
     tier = {"bw_gbps": round(bus_bw / 1e9, 3), "latency_us": round(alpha * 1e6, 1), "efficiency": 1.0}
     return {
@@ -88,6 +93,7 @@ def measure(ranks: int) -> dict:
         "matmul_efficiency": round(min(1.0, small / peak), 3),
         "memory_efficiency": 1.0,
         "reserve_gib": 0.0,
+        "kernel_dispatch_us": round(dispatch * 1e6, 2),
         "launcher": "gloo",
         "notes": {
             "source": f"measured by `{cmd}` with {ranks} ranks running at once, {threads} thread(s) each",
@@ -96,6 +102,7 @@ def measure(ranks: int) -> dict:
             "hbm_bw_gbps": "median per-rank rate of a 32 MiB element-wise add (3 arrays touched)",
             "intra_node": "gloo all-reduce: latency of 4 bytes, bus bandwidth of 16 MiB",
             "memory_gib": "host memory divided by the ranks",
+            "kernel_dispatch_us": "median host time of one eager op autograd records (x * 2 on 64 floats)",
         },
     }
 
