@@ -272,3 +272,40 @@ def test_ties_between_axis_orders_keep_megatrons():
     """On one node every order gives the same groups: the plan keeps Megatron's order."""
     model, hw = gpt_profile(8, 1024, 16, 32000, 1024), load_profile("dgx-a100-80g")
     assert search(model, hw, 8, 32, "bf16").strategy.axis_order == AXIS_ORDER
+
+
+def test_schedule_group_memory_relaxation_is_below_every_member():
+    """``cost_models.bounds.least_memory_costs``: every memory and host row of the relaxation is
+    at most the member's, for every stage and every mix of blocks; and a group the search rules
+    out (``search._group_fits``) has no member with a placement within memory (enumerated)."""
+    from autopar.solve.search import _group_fits
+    from cost_models.bounds import least_memory_costs
+    rng = random.Random(11)
+    checked = ruled_out = 0
+    for _ in range(40):
+        model, hw, gpus, batch = random_instance(rng)
+        cap, L = hw.memory_bytes, model.layers
+        for cand in outer_candidates(model, hw, gpus, batch, "bf16"):
+            st = cand.strategy
+            c = stage_costs(model, hw, st)
+            rep = least_memory_costs(model, hw, st)
+            for s in range(c.pp):
+                for n in range(L + 1):
+                    for ld in stage_loads(n, (0, 1, 2)):
+                        assert rep.stage_memory_bytes(s, ld) <= c.stage_memory_bytes(s, ld) * (1 + 1e-12)
+                        assert rep.stage_host_bytes(s, ld) <= c.stage_host_bytes(s, ld) * (1 + 1e-12)
+                        assert rep.host_cap_bytes >= c.host_cap_bytes
+            checked += 1
+            if _group_fits(model, hw, st, (0, 1, 2), cap, {}):
+                continue
+            ruled_out += 1
+            # blocks per stage with some mix that fits (memory and host), then any split
+            fit = [{n for n in range(cand.min_layers, L + 1)
+                    if any(c.stage_memory_bytes(s, ld) <= cap
+                           and c.stage_host_bytes(s, ld) <= c.host_cap_bytes
+                           for ld in stage_loads(n, cand.modes))} for s in range(c.pp)]
+            reach = {0}
+            for s in range(c.pp):
+                reach = {a + n for a in reach for n in fit[s] if a + n <= L}
+            assert L not in reach, st
+    assert checked > 1000 and ruled_out > 50
