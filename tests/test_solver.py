@@ -275,8 +275,8 @@ def test_ties_between_axis_orders_keep_megatrons():
 
 
 def test_schedule_group_memory_relaxation_is_below_every_member():
-    """``cost_models.bounds.least_memory_costs``: every memory and host row of the relaxation is
-    at most the member's, for every stage and every mix of blocks; and a group the search rules
+    """``cost_models.bounds.least_memory_costs``: the memory rows of ``stage_costs`` for the 1F1B
+    member, every memory and host row of the relaxation at most the member's, for every stage and every mix of blocks; and a group the search rules
     out (``search._group_fits``) has no member with a placement within memory (enumerated)."""
     from autopar.solve.search import _group_fits
     from cost_models.bounds import least_memory_costs
@@ -289,6 +289,11 @@ def test_schedule_group_memory_relaxation_is_below_every_member():
             st = cand.strategy
             c = stage_costs(model, hw, st)
             rep = least_memory_costs(model, hw, st)
+            own = stage_costs(model, hw, dataclasses.replace(
+                st, schedule="1f1b", virtual_stages=1, recompute="none"))
+            assert dataclasses.replace(own, **{f: rep_f for f, rep_f in (
+                (f.name, getattr(rep, f.name)) for f in dataclasses.fields(rep))
+                if f.endswith("_s") or f in ("sum_weight", "max_weight", "nominal")}) == rep
             for s in range(c.pp):
                 for n in range(L + 1):
                     for ld in stage_loads(n, (0, 1, 2)):
@@ -296,7 +301,7 @@ def test_schedule_group_memory_relaxation_is_below_every_member():
                         assert rep.stage_host_bytes(s, ld) <= c.stage_host_bytes(s, ld) * (1 + 1e-12)
                         assert rep.host_cap_bytes >= c.host_cap_bytes
             checked += 1
-            if _group_fits(model, hw, st, (0, 1, 2), cap, {}):
+            if _group_fits(model, hw, st, (0, 1, 2), cap):
                 continue
             ruled_out += 1
             # blocks per stage with some mix that fits (memory and host), then any split
@@ -309,3 +314,4 @@ def test_schedule_group_memory_relaxation_is_below_every_member():
                 reach = {a + n for a in reach for n in fit[s] if a + n <= L}
             assert L not in reach, st
     assert checked > 1000 and ruled_out > 50
+

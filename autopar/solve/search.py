@@ -215,7 +215,7 @@ def _ordered(model: ModelProfile, hw: HardwareProfile, gpus: int, global_batch: 
             total += 1
         group = (st.dp, st.tp, st.pp, st.micro_batch, st.zero, st.sequence_parallel, st.offload)
         if group not in fits:
-            fits[group] = _group_fits(model, hw, st, modes, cap, cache)
+            fits[group] = _group_fits(model, hw, st, modes, cap)
         if not fits[group]:
             continue  # no member of its schedule group fits, in any axis order
         twin = replace(st, offload=False) if st.offload else st
@@ -241,13 +241,12 @@ def _ordered(model: ModelProfile, hw: HardwareProfile, gpus: int, global_batch: 
 
 
 def _group_fits(model: ModelProfile, hw: HardwareProfile, strat: Strategy,
-                modes: tuple[int, ...], cap: float, cache: dict) -> bool:
+                modes: tuple[int, ...], cap: float) -> bool:
     """Whether some member of ``strat``'s schedule group (the strategies differing only in
     schedule, chunks and recompute, ``cost_models.bounds``) may fit: its least-memory
     relaxation holds the model with blocks in any of ``modes`` and at least one per stage.
     Memory reads no axis order, so False rules the group out in every order."""
-    upper = stage_upper_bounds(least_memory_costs(model, hw, strat, cache), model.layers,
-                               cap, modes)
+    upper = stage_upper_bounds(least_memory_costs(model, hw, strat), model.layers, cap, modes)
     return min(upper) >= 1 and sum(upper) >= model.layers
 
 

@@ -133,9 +133,17 @@ def _caps(t: StageTables, tau: float) -> list[int]:
 
 def bottleneck(t: StageTables, layers: int, min_layers: int) -> float:
     """τ*: the least max_s T_s over placements (inf when none exists)."""
-    values = np.unique(np.concatenate([g[np.isfinite(g)] + f for g, f in zip(t.time, t.fixed)]))
-    ok = lambda tau: (lambda caps: min(caps) >= min_layers and sum(caps) >= layers)(_caps(t, tau))  # noqa: E731
-    if values.size == 0 or not ok(values[-1]):
+    size = max(len(g) for g in t.time)
+    stacked = np.full((len(t.time), size), np.inf)  # T_s per N, padded with inf
+    for s, (g, f) in enumerate(zip(t.time, t.fixed)):
+        stacked[s, :len(g)] = g + f
+    values = np.unique(stacked[np.isfinite(stacked)])
+    if values.size == 0:
+        return float("inf")
+    # N_s^max(τ) = (entries ≤ τ) - 1: each row is non-decreasing, as in ``_caps``
+    ok = lambda tau: (lambda caps: caps.min() >= min_layers and caps.sum() >= layers)(  # noqa: E731
+        (stacked <= tau).sum(axis=1) - 1)
+    if not ok(values[-1]):
         return float("inf")
     lo, hi = 0, values.size - 1
     while lo < hi:
@@ -176,14 +184,15 @@ def least_total(t: StageTables, layers: int, min_layers: int) -> float:
     table time g_s(N_s) + fixed_s): a min-plus convolution of the tables, exact for Σ T_s."""
     cur = np.full(layers + 1, np.inf)
     cur[0] = 0.0
+    j = np.arange(layers + 1)[:, None]
     for g, f in zip(t.time, t.fixed):
-        row = np.full(layers + 1, np.inf)
         top = min(len(g) - 1, layers)
-        row[min_layers:top + 1] = g[min_layers:top + 1] + f
-        pairs = cur[:, None] + row[None, :]
-        nxt = np.full(layers + 1, np.inf)
-        i, k = np.nonzero(np.isfinite(pairs))
-        keep = i + k <= layers
-        np.minimum.at(nxt, i[keep] + k[keep], pairs[i[keep], k[keep]])
-        cur = nxt
+        if top < min_layers:
+            return float("inf")
+        k = np.arange(min_layers, top + 1)[None, :]  # blocks on this stage
+        prev = j - k  # blocks on the stages before it
+        # nxt[n] = min_k cur[n - k] + g[k] + f: the same sums as pair by pair, so the same floats
+        cur = np.where(prev >= 0, cur[np.maximum(prev, 0)] + (g[min_layers:top + 1] + f)[None, :],
+                       np.inf).min(axis=1)
     return float(cur[layers])
+
