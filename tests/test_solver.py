@@ -315,3 +315,54 @@ def test_schedule_group_memory_relaxation_is_below_every_member():
             assert L not in reach, st
     assert checked > 1000 and ruled_out > 50
 
+
+def candidate_optimum(model, hw, cand):
+    """Least step of one outer candidate over every placement within memory (None if none)."""
+    c, best = stage_costs(model, hw, cand.strategy), None
+    p, L = cand.strategy.pp, model.layers
+    options = [{n: [(c.stage_time_s(s, ld), c.stage_dp_time_s(s, ld))
+                     for ld in stage_loads(n, cand.modes)
+                     if c.stage_memory_bytes(s, ld) <= hw.memory_bytes
+                     and c.stage_host_bytes(s, ld) <= c.host_cap_bytes]
+                for n in range(cand.min_layers, L + 1)} for s in range(p)]
+    for cuts in itertools.combinations(range(1, L), p - 1):
+        sizes = [b - a for a, b in zip((0, *cuts), (*cuts, L))]
+        if min(sizes) < cand.min_layers:
+            continue
+        for combo in itertools.product(*(options[s][n] for s, n in enumerate(sizes))):
+            ts = [t for t, _ in combo]
+            step = c.sum_weight * sum(ts) + c.max_weight * max(ts) + max(d for _, d in combo)
+            best = step if best is None else min(best, step)
+    return best
+
+
+def test_single_mode_least_step_is_the_candidates_optimum():
+    """``tables.single_mode_least_step`` (the refined bound of a one-mode candidate) against
+    enumeration of the candidate's placements: never above its optimum, and equal to it."""
+    from autopar.solve.core import stage_upper_bounds
+    from autopar.solve.tables import bottleneck, single_mode_least_step, stage_tables
+    rng = random.Random(3)
+    checked = 0
+    for _ in range(60):
+        model, hw, gpus, batch = random_instance(rng)
+        pins = Pins(recompute=rng.choice(["none", "selective", "full"])) if rng.random() < 0.5 \
+            else Pins()
+        for cand in outer_candidates(model, hw, gpus, batch, "bf16", pins):
+            if len(cand.modes) != 1:
+                continue
+            c, L = stage_costs(model, hw, cand.strategy), model.layers
+            upper = stage_upper_bounds(c, L, hw.memory_bytes, cand.modes)
+            expected = candidate_optimum(model, hw, cand)
+            if min(upper) < cand.min_layers or sum(upper) < L:
+                assert expected is None
+                continue
+            t = stage_tables(c, cand.modes, hw.memory_bytes, upper)
+            tau = bottleneck(t, L, cand.min_layers)
+            got = single_mode_least_step(c, t, L, cand.min_layers, cand.modes[0], tau)
+            if expected is None:
+                assert got == float("inf")
+                continue
+            assert got <= expected * (1 + 1e-12)
+            assert got == pytest.approx(expected, rel=1e-9)
+            checked += 1
+    assert checked > 200

@@ -52,7 +52,11 @@ axis order: exact, since memory reads no order and grows with the in-flight coun
 ``lower_bound`` (every block at its fastest allowed mode, slowest stage ≥ mean) orders the
 candidates; a candidate is then refined with its memory-aware bound:
 sum_weight · max(LP bound on Σ T_s, least Σ T_s of the tables (a min-plus convolution))
-+ max_weight · max(mean, τ*) + max(mean D, every stage's fixed tail plus its fewest blocks).
++ max_weight · max(mean, τ*) + max(mean D, every stage's fixed tail plus its fewest blocks);
+for a candidate with one recompute mode (zero-bubble, a pinned mode) Σ T_s is fixed and the
+bound is its exact optimum (``tables.single_mode_least_step``: for each slowest-stage time
+τ ≥ τ*, the least worst tail D by a bottleneck search), so its greedy placement, when optimal,
+is proven without CP-SAT.
 Offload candidates borrow the bound of their twin without offload (never faster) until popped.
 The other kept axis orders of a candidate wait behind one heap item keyed by an order-free
 bound: its costs with every axis in the best group any order gives it (adjacent ranks:

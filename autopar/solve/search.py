@@ -11,7 +11,8 @@ from autopar.errors import UserError
 from autopar.solve.core import solve_placement, stage_upper_bounds
 from autopar.solve.infeasible import does_not_fit, no_candidate_reason
 from autopar.solve.space import Candidate, Pins, axis_orders, order_free_hardware, outer_candidates
-from autopar.solve.tables import StageTables, bottleneck, greedy, least_total, stage_tables
+from autopar.solve.tables import (StageTables, bottleneck, greedy, least_total,
+                                  single_mode_least_step, stage_tables)
 from cost_models import HardwareProfile, ModelProfile, StageCosts, Strategy, estimate, stage_costs
 from cost_models.bounds import least_memory_costs
 from cost_models.estimate import parts_key
@@ -22,6 +23,9 @@ TIE = 1e-12
 """Relative difference below which two step times tie (the earlier candidate wins)."""
 EFFORT = 2.0
 """CP-SAT deterministic-time cap per candidate; past it the candidate keeps its bound."""
+EXACT = 1e-13
+"""Relative margin taken off a bound that is a candidate's exact optimum computed in another
+float order than ``StageCosts.step_time_s`` (well inside ``TIE``)."""
 LATER = 1 << 40
 """Added to the fixed order of a candidate in a non-default axis order: ties keep Megatron's."""
 
@@ -262,7 +266,8 @@ class _Refined:
 def _refine(c: StageCosts, cand: Candidate, layers: int, cap: float,
             ref: _Refined | None, upper: list[int] | None = None) -> _Refined:
     """The next memory-aware bound of a candidate (``inf`` when no placement fits): first the
-    LP bound (no tables), then with the per-stage tables and the exact bottleneck τ*.
+    LP bound (no tables), then with the per-stage tables and the exact bottleneck τ*, and for
+    a candidate with one recompute mode its exact optimum (``tables.single_mode_least_step``).
     ``upper``: ``stage_upper_bounds`` of ``c`` when known (memory reads no axis order)."""
     if upper is None:
         upper = stage_upper_bounds(c, layers, cap, cand.modes)
@@ -276,8 +281,11 @@ def _refine(c: StageCosts, cand: Candidate, layers: int, cap: float,
     if tau == float("inf"):
         return _Refined(bound=float("inf"))
     total = least_total(tabs, layers, cand.min_layers)
-    return _Refined(bound=lower_bound(c, layers, cand.modes, cap, upper, tau, total,
-                                      cand.min_layers), tables=tabs, tau=tau)
+    bound = lower_bound(c, layers, cand.modes, cap, upper, tau, total, cand.min_layers)
+    if len(cand.modes) == 1:  # one mode: the candidate's exact optimum (float noise aside)
+        bound = max(bound, single_mode_least_step(c, tabs, layers, cand.min_layers,
+                                                  cand.modes[0], tau) * (1 - EXACT))
+    return _Refined(bound=bound, tables=tabs, tau=tau)
 
 
 def _place(c: StageCosts, cand: Candidate, layers: int, cap: float, ref: _Refined,
