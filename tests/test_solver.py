@@ -272,3 +272,97 @@ def test_ties_between_axis_orders_keep_megatrons():
     """On one node every order gives the same groups: the plan keeps Megatron's order."""
     model, hw = gpt_profile(8, 1024, 16, 32000, 1024), load_profile("dgx-a100-80g")
     assert search(model, hw, 8, 32, "bf16").strategy.axis_order == AXIS_ORDER
+
+
+def test_schedule_group_memory_relaxation_is_below_every_member():
+    """``cost_models.bounds.least_memory_costs``: the memory rows of ``stage_costs`` for the 1F1B
+    member, every memory and host row of the relaxation at most the member's, for every stage and every mix of blocks; and a group the search rules
+    out (``search._group_fits``) has no member with a placement within memory (enumerated)."""
+    from autopar.solve.search import _group_fits
+    from cost_models.bounds import least_memory_costs
+    rng = random.Random(11)
+    checked = ruled_out = 0
+    for _ in range(40):
+        model, hw, gpus, batch = random_instance(rng)
+        cap, L = hw.memory_bytes, model.layers
+        for cand in outer_candidates(model, hw, gpus, batch, "bf16"):
+            st = cand.strategy
+            c = stage_costs(model, hw, st)
+            rep = least_memory_costs(model, hw, st)
+            own = stage_costs(model, hw, dataclasses.replace(
+                st, schedule="1f1b", virtual_stages=1, recompute="none"))
+            assert dataclasses.replace(own, **{f: rep_f for f, rep_f in (
+                (f.name, getattr(rep, f.name)) for f in dataclasses.fields(rep))
+                if f.endswith("_s") or f in ("sum_weight", "max_weight", "nominal")}) == rep
+            for s in range(c.pp):
+                for n in range(L + 1):
+                    for ld in stage_loads(n, (0, 1, 2)):
+                        assert rep.stage_memory_bytes(s, ld) <= c.stage_memory_bytes(s, ld) * (1 + 1e-12)
+                        assert rep.stage_host_bytes(s, ld) <= c.stage_host_bytes(s, ld) * (1 + 1e-12)
+                        assert rep.host_cap_bytes >= c.host_cap_bytes
+            checked += 1
+            if _group_fits(model, hw, st, (0, 1, 2), cap):
+                continue
+            ruled_out += 1
+            # blocks per stage with some mix that fits (memory and host), then any split
+            fit = [{n for n in range(cand.min_layers, L + 1)
+                    if any(c.stage_memory_bytes(s, ld) <= cap
+                           and c.stage_host_bytes(s, ld) <= c.host_cap_bytes
+                           for ld in stage_loads(n, cand.modes))} for s in range(c.pp)]
+            reach = {0}
+            for s in range(c.pp):
+                reach = {a + n for a in reach for n in fit[s] if a + n <= L}
+            assert L not in reach, st
+    assert checked > 1000 and ruled_out > 50
+
+
+def candidate_optimum(model, hw, cand):
+    """Least step of one outer candidate over every placement within memory (None if none)."""
+    c, best = stage_costs(model, hw, cand.strategy), None
+    p, L = cand.strategy.pp, model.layers
+    options = [{n: [(c.stage_time_s(s, ld), c.stage_dp_time_s(s, ld))
+                     for ld in stage_loads(n, cand.modes)
+                     if c.stage_memory_bytes(s, ld) <= hw.memory_bytes
+                     and c.stage_host_bytes(s, ld) <= c.host_cap_bytes]
+                for n in range(cand.min_layers, L + 1)} for s in range(p)]
+    for cuts in itertools.combinations(range(1, L), p - 1):
+        sizes = [b - a for a, b in zip((0, *cuts), (*cuts, L))]
+        if min(sizes) < cand.min_layers:
+            continue
+        for combo in itertools.product(*(options[s][n] for s, n in enumerate(sizes))):
+            ts = [t for t, _ in combo]
+            step = c.sum_weight * sum(ts) + c.max_weight * max(ts) + max(d for _, d in combo)
+            best = step if best is None else min(best, step)
+    return best
+
+
+def test_single_mode_least_step_is_the_candidates_optimum():
+    """``tables.single_mode_least_step`` (the refined bound of a one-mode candidate) against
+    enumeration of the candidate's placements: never above its optimum, and equal to it."""
+    from autopar.solve.core import stage_upper_bounds
+    from autopar.solve.tables import bottleneck, single_mode_least_step, stage_tables
+    rng = random.Random(3)
+    checked = 0
+    for _ in range(60):
+        model, hw, gpus, batch = random_instance(rng)
+        pins = Pins(recompute=rng.choice(["none", "selective", "full"])) if rng.random() < 0.5 \
+            else Pins()
+        for cand in outer_candidates(model, hw, gpus, batch, "bf16", pins):
+            if len(cand.modes) != 1:
+                continue
+            c, L = stage_costs(model, hw, cand.strategy), model.layers
+            upper = stage_upper_bounds(c, L, hw.memory_bytes, cand.modes)
+            expected = candidate_optimum(model, hw, cand)
+            if min(upper) < cand.min_layers or sum(upper) < L:
+                assert expected is None
+                continue
+            t = stage_tables(c, cand.modes, hw.memory_bytes, upper)
+            tau = bottleneck(t, L, cand.min_layers)
+            got = single_mode_least_step(c, t, L, cand.min_layers, cand.modes[0], tau)
+            if expected is None:
+                assert got == float("inf")
+                continue
+            assert got <= expected * (1 + 1e-12)
+            assert got == pytest.approx(expected, rel=1e-9)
+            checked += 1
+    assert checked > 200

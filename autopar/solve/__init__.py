@@ -44,10 +44,19 @@ modes for the workspace term). They give τ*, the exact least bottleneck max_s T
 the table values), and a greedy placement attaining it (fill every stage to its most blocks
 within τ*, take blocks off where the marginal time is largest, fastest mix per stage).
 
-Pruning (``search``): ``lower_bound`` (every block at its fastest allowed mode, slowest stage
-≥ mean) orders the candidates; a candidate is then refined with its memory-aware bound:
+Pruning (``search``): before any candidate is costed, a schedule group (the candidates that
+differ only in schedule, chunks and recompute) whose least-memory relaxation cannot hold the
+model (``cost_models.bounds.least_memory_costs``: 1F1B's in-flight micro-batches, the fewest of
+any schedule, and every recompute mode; ``core.stage_upper_bounds``) is dropped whole, in every
+axis order: exact, since memory reads no order and grows with the in-flight count.
+``lower_bound`` (every block at its fastest allowed mode, slowest stage ≥ mean) orders the
+candidates; a candidate is then refined with its memory-aware bound:
 sum_weight · max(LP bound on Σ T_s, least Σ T_s of the tables (a min-plus convolution))
-+ max_weight · max(mean, τ*) + max(mean D, every stage's fixed tail plus its fewest blocks).
++ max_weight · max(mean, τ*) + max(mean D, every stage's fixed tail plus its fewest blocks);
+for a candidate with one recompute mode (zero-bubble, a pinned mode) Σ T_s is fixed and the
+bound is its exact optimum (``tables.single_mode_least_step``: for each slowest-stage time
+τ ≥ τ*, the least worst tail D by a bottleneck search), so its greedy placement, when optimal,
+is proven without CP-SAT.
 Offload candidates borrow the bound of their twin without offload (never faster) until popped.
 The other kept axis orders of a candidate wait behind one heap item keyed by an order-free
 bound: its costs with every axis in the best group any order gives it (adjacent ranks:

@@ -11,8 +11,10 @@ from autopar.errors import UserError
 from autopar.solve.core import solve_placement, stage_upper_bounds
 from autopar.solve.infeasible import does_not_fit, no_candidate_reason
 from autopar.solve.space import Candidate, Pins, axis_orders, order_free_hardware, outer_candidates
-from autopar.solve.tables import StageTables, bottleneck, greedy, least_total, stage_tables
+from autopar.solve.tables import (StageTables, bottleneck, greedy, least_total,
+                                  single_mode_least_step, stage_tables)
 from cost_models import HardwareProfile, ModelProfile, StageCosts, Strategy, estimate, stage_costs
+from cost_models.bounds import least_memory_costs
 from cost_models.estimate import parts_key
 from cost_models.pipeline import chunks
 from cost_models.strategy import AXIS_ORDER, RECOMPUTE, Estimate
@@ -21,6 +23,9 @@ TIE = 1e-12
 """Relative difference below which two step times tie (the earlier candidate wins)."""
 EFFORT = 2.0
 """CP-SAT deterministic-time cap per candidate; past it the candidate keeps its bound."""
+EXACT = 1e-13
+"""Relative margin taken off a bound that is a candidate's exact optimum computed in another
+float order than ``StageCosts.step_time_s`` (well inside ``TIE``)."""
 LATER = 1 << 40
 """Added to the fixed order of a candidate in a non-default axis order: ties keep Megatron's."""
 
@@ -188,19 +193,36 @@ def _order_free_costs(model: ModelProfile, hw: HardwareProfile, strat: Strategy,
 
 
 def _ordered(model: ModelProfile, hw: HardwareProfile, gpus: int, global_batch: int,
-             dtype: str, pins: Pins) -> tuple[list[tuple[float, int, Candidate, object]], int, dict]:
+             dtype: str, pins: Pins,
+             cap: float) -> tuple[list[tuple[float, int, Candidate, object]], int, dict, dict]:
     """Every outer candidate with its memory-blind bound (``lower_bound`` with no cap) and
-    fixed order, how many there are (other axis orders included), and the cost cache. Offload candidates borrow
+    fixed order, how many there are (other axis orders included), and the cost caches.
+    Candidates of a schedule group that fits nowhere (``_group_fits``) are counted, not
+    kept. Offload candidates borrow
     the bound of their twin without offload (no ``StageCosts`` yet: None) and are costed when
     popped. Unless the order is pinned, a candidate whose degrees have other kept axis orders
     (``space.axis_orders``) is followed by one ``_OtherOrders`` item, with the order-free bound
     of its twin without offload; its orders are costed only when it is popped."""
     scored, cache, base_cache, twins, free, orders_of = [], {}, {}, {}, {}, {}
+    fits = {}  # by schedule group: whether its memory relaxation holds the model
+    modes = tuple(range(len(RECOMPUTE))) if pins.recompute is None \
+        else (RECOMPUTE.index(pins.recompute),)
     total = 0
     for order, cand in enumerate(outer_candidates(model, hw, gpus, global_batch, dtype, pins)):
         st = cand.strategy
+        degrees = (st.dp, st.tp, st.pp)
+        if pins.axis_order is None:
+            if degrees not in orders_of:
+                orders_of[degrees] = tuple(axis_orders(hw, *degrees)[1:])
+            total += 1 + len(orders_of[degrees])
+        else:
+            total += 1
+        group = (st.dp, st.tp, st.pp, st.micro_batch, st.zero, st.sequence_parallel, st.offload)
+        if group not in fits:
+            fits[group] = _group_fits(model, hw, st, modes, cap)
+        if not fits[group]:
+            continue  # no member of its schedule group fits, in any axis order
         twin = replace(st, offload=False) if st.offload else st
-        total += 1
         if st.offload and twin in twins:
             # Offload is never faster than its twin without it (CPU optimizer step, PCIe
             # copies on top), so the twin's bound holds; its own costs wait until popped.
@@ -213,17 +235,23 @@ def _ordered(model: ModelProfile, hw: HardwareProfile, gpus: int, global_batch: 
             key = st
         if pins.axis_order is not None:
             continue
-        degrees = (st.dp, st.tp, st.pp)
-        if degrees not in orders_of:
-            orders_of[degrees] = tuple(axis_orders(hw, *degrees)[1:])
         if orders_of[degrees]:
             if key not in free:
                 free[key] = min(twins[key], _order_free_blind(
                     _order_free_base(model, hw, st, base_cache), st, c, model.layers, cand.modes))
             scored.append((free[key], LATER + 8 * order, cand,
                            _OtherOrders(twin=len(scored) - 1, orders=orders_of[degrees])))
-            total += len(orders_of[degrees])
     return scored, total, cache, base_cache
+
+
+def _group_fits(model: ModelProfile, hw: HardwareProfile, strat: Strategy,
+                modes: tuple[int, ...], cap: float) -> bool:
+    """Whether some member of ``strat``'s schedule group (the strategies differing only in
+    schedule, chunks and recompute, ``cost_models.bounds``) may fit: its least-memory
+    relaxation holds the model with blocks in any of ``modes`` and at least one per stage.
+    Memory reads no axis order, so False rules the group out in every order."""
+    upper = stage_upper_bounds(least_memory_costs(model, hw, strat), model.layers, cap, modes)
+    return min(upper) >= 1 and sum(upper) >= model.layers
 
 
 @dataclass(frozen=True, kw_only=True, slots=True, eq=False)
@@ -238,7 +266,8 @@ class _Refined:
 def _refine(c: StageCosts, cand: Candidate, layers: int, cap: float,
             ref: _Refined | None, upper: list[int] | None = None) -> _Refined:
     """The next memory-aware bound of a candidate (``inf`` when no placement fits): first the
-    LP bound (no tables), then with the per-stage tables and the exact bottleneck τ*.
+    LP bound (no tables), then with the per-stage tables and the exact bottleneck τ*, and for
+    a candidate with one recompute mode its exact optimum (``tables.single_mode_least_step``).
     ``upper``: ``stage_upper_bounds`` of ``c`` when known (memory reads no axis order)."""
     if upper is None:
         upper = stage_upper_bounds(c, layers, cap, cand.modes)
@@ -252,8 +281,11 @@ def _refine(c: StageCosts, cand: Candidate, layers: int, cap: float,
     if tau == float("inf"):
         return _Refined(bound=float("inf"))
     total = least_total(tabs, layers, cand.min_layers)
-    return _Refined(bound=lower_bound(c, layers, cand.modes, cap, upper, tau, total,
-                                      cand.min_layers), tables=tabs, tau=tau)
+    bound = lower_bound(c, layers, cand.modes, cap, upper, tau, total, cand.min_layers)
+    if len(cand.modes) == 1:  # one mode: the candidate's exact optimum (float noise aside)
+        bound = max(bound, single_mode_least_step(c, tabs, layers, cand.min_layers,
+                                                  cand.modes[0], tau) * (1 - EXACT))
+    return _Refined(bound=bound, tables=tabs, tau=tau)
 
 
 def _place(c: StageCosts, cand: Candidate, layers: int, cap: float, ref: _Refined,
@@ -286,7 +318,8 @@ def search(model: ModelProfile, hw: HardwareProfile, gpus: int, global_batch: in
     ``keep`` > 1 also proves the ``keep`` best outer candidates (``Solution.alternatives``)."""
     start = time.perf_counter()
     cap = hw.memory_bytes
-    scored, total, cache, free_cache = _ordered(model, hw, gpus, global_batch, dtype, pins)
+    scored, total, cache, free_cache = _ordered(model, hw, gpus, global_batch, dtype, pins,
+                                                cap)
     if total == 0:
         raise UserError(no_candidate_reason(model, hw, gpus, global_batch, pins))
     found: list[tuple[float, int, Strategy]] = []  # sorted best first, at most ``keep``

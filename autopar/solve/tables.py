@@ -34,6 +34,10 @@ SLACK = 1e-9
 """Relative memory slack of the tables (a relaxation: bounds stay valid)."""
 
 
+SCAN = 64
+"""Most slowest-stage times ``single_mode_least_step`` tries."""
+
+
 @dataclass(frozen=True, kw_only=True, slots=True, eq=False)
 class StageTables:
     """Per stage: least block time per N (inf where nothing fits) and the mix attaining it."""
@@ -133,9 +137,17 @@ def _caps(t: StageTables, tau: float) -> list[int]:
 
 def bottleneck(t: StageTables, layers: int, min_layers: int) -> float:
     """τ*: the least max_s T_s over placements (inf when none exists)."""
-    values = np.unique(np.concatenate([g[np.isfinite(g)] + f for g, f in zip(t.time, t.fixed)]))
-    ok = lambda tau: (lambda caps: min(caps) >= min_layers and sum(caps) >= layers)(_caps(t, tau))  # noqa: E731
-    if values.size == 0 or not ok(values[-1]):
+    size = max(len(g) for g in t.time)
+    stacked = np.full((len(t.time), size), np.inf)  # T_s per N, padded with inf
+    for s, (g, f) in enumerate(zip(t.time, t.fixed)):
+        stacked[s, :len(g)] = g + f
+    values = np.unique(stacked[np.isfinite(stacked)])
+    if values.size == 0:
+        return float("inf")
+    # N_s^max(τ) = (entries ≤ τ) - 1: each row is non-decreasing, as in ``_caps``
+    ok = lambda tau: (lambda caps: caps.min() >= min_layers and caps.sum() >= layers)(  # noqa: E731
+        (stacked <= tau).sum(axis=1) - 1)
+    if not ok(values[-1]):
         return float("inf")
     lo, hi = 0, values.size - 1
     while lo < hi:
@@ -176,14 +188,71 @@ def least_total(t: StageTables, layers: int, min_layers: int) -> float:
     table time g_s(N_s) + fixed_s): a min-plus convolution of the tables, exact for Σ T_s."""
     cur = np.full(layers + 1, np.inf)
     cur[0] = 0.0
+    j = np.arange(layers + 1)[:, None]
     for g, f in zip(t.time, t.fixed):
-        row = np.full(layers + 1, np.inf)
         top = min(len(g) - 1, layers)
-        row[min_layers:top + 1] = g[min_layers:top + 1] + f
-        pairs = cur[:, None] + row[None, :]
-        nxt = np.full(layers + 1, np.inf)
-        i, k = np.nonzero(np.isfinite(pairs))
-        keep = i + k <= layers
-        np.minimum.at(nxt, i[keep] + k[keep], pairs[i[keep], k[keep]])
-        cur = nxt
+        if top < min_layers:
+            return float("inf")
+        k = np.arange(min_layers, top + 1)[None, :]  # blocks on this stage
+        prev = j - k  # blocks on the stages before it
+        # nxt[n] = min_k cur[n - k] + g[k] + f: the same sums as pair by pair, so the same floats
+        cur = np.where(prev >= 0, cur[np.maximum(prev, 0)] + (g[min_layers:top + 1] + f)[None, :],
+                       np.inf).min(axis=1)
     return float(cur[layers])
+
+
+def single_mode_least_step(c: StageCosts, t: StageTables, layers: int, min_layers: int,
+                           mode: int, tau: float) -> float:
+    """The least ``step_time_s`` over placements with every block in ``mode`` (``t`` built for
+    that mode alone), within the tables' memory rows: exact up to their ``SLACK``, so a valid
+    lower bound (an infeasible candidate gives inf).
+
+    With one mode Σ_s T_s = L t + Σ_s fixed_s whatever the placement, and T_s, D_s grow with
+    the stage's block count, so the step is a constant plus max_weight · max T_s + max D_s.
+    For each possible slowest stage time τ ≥ τ* (the table values, ascending) the least max D_s
+    is a bottleneck search like ``bottleneck``'s, each stage holding at most min(N_s^max(τ),
+    the most blocks within δ); the scan stops once max_weight · τ plus the least max D_s of
+    any placement cannot beat the best pair found (or after ``SCAN`` values, with that as
+    the bound for the rest: then only a lower bound)."""
+    pp = len(t.time)
+    size = max(len(g) for g in t.time)
+    times = np.full((pp, size), np.inf)
+    for s, (g, f) in enumerate(zip(t.time, t.fixed)):
+        times[s, :len(g)] = g + f
+    n = np.arange(size)
+    first = np.zeros((pp, 1))
+    last = np.zeros((pp, 1))
+    first[0, 0], last[-1, 0] = c.first_dp_time_s, c.last_dp_time_s
+    tails = (n[None, :] * c.mode_dp_time_s[mode] + first) + last  # D_s per block count
+    deltas = np.unique(tails)
+
+    def least_tail(caps: np.ndarray) -> float:
+        def ok(delta: float) -> bool:
+            most = np.minimum(caps, (tails <= delta).sum(axis=1) - 1)
+            return most.min() >= min_layers and most.sum() >= layers
+        if not ok(deltas[-1]):
+            return float("inf")
+        lo, hi = 0, deltas.size - 1
+        while lo < hi:
+            mid = (lo + hi) // 2
+            if ok(deltas[mid]):
+                hi = mid
+            else:
+                lo = mid + 1
+        return float(deltas[lo])
+
+    values = np.unique(times[np.isfinite(times)])
+    values = values[values >= tau]
+    if not np.isfinite(tau) or values.size == 0:
+        return float("inf")
+    floor = least_tail((times <= values[-1]).sum(axis=1) - 1)
+    best = float("inf")
+    for i, x in enumerate(values):
+        if c.max_weight * x + floor >= best:
+            break
+        if i == SCAN:  # stop early: every τ from here on gives at least this (still a bound)
+            best = min(best, float(c.max_weight * x) + floor)
+            break
+        best = min(best, float(c.max_weight * x) + least_tail((times <= x).sum(axis=1) - 1))
+    total = layers * c.mode_time_s[mode] + sum(t.fixed)
+    return float(c.sum_weight * total + best)

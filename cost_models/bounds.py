@@ -1,0 +1,58 @@
+"""Relaxations the solver prunes with: costs that bound a whole group of strategies at once.
+
+A *schedule group* is the set of strategies that differ only in ``schedule``,
+``virtual_stages`` and the nominal ``recompute`` (everything else equal: degrees, micro-batch
+and so the micro-batch count, ZeRO, offload, SP, axis order, dtype, recipe). Their
+``StageCosts`` memory rows differ only in ``inflight`` (``cost_models.stages``): the per-block
+bytes, per-mode activations and workspaces, the embedding/head bytes, the buffers and the host
+row come from the per-piece costs (``estimate.parts_key`` leaves the schedule, the chunks and
+the nominal mode out) and from ``memory.base_buffer_bytes``/``workspace_bytes`` (per mode).
+"""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+from cost_models import memory, pipeline
+from cost_models.hardware import HardwareProfile
+from cost_models.model_profile import ModelProfile
+from cost_models.stages import StageCosts
+from cost_models.strategy import RECOMPUTE, Strategy
+
+
+def least_memory_costs(model: ModelProfile, hw: HardwareProfile, strat: Strategy) -> StageCosts:
+    """``StageCosts`` whose memory and host rows are, stage by stage, nowhere above those of
+    any strategy in ``strat``'s schedule group (module docstring): those of its 1F1B member with
+    one chunk, built from ``memory`` alone (the time coefficients are 0: not a time bound).
+
+    1F1B keeps the fewest micro-batches in flight on every stage (``pipeline.inflight``):
+    GPipe keeps m ≥ min(p - s, m); zero-bubble (ZB-H1) keeps 1F1B's; interleaved with v ≥ 2
+    chunks keeps min(m, p + (p - 2s - 1)/v), and p + (p - 2s - 1)/v - (p - s) =
+    s + (p - 2s - 1)/v, which is ≥ s ≥ 0 when p - 2s - 1 ≥ 0 and else (v ≥ 2) at least
+    s + (p - 2s - 1)/2 = (p - 1)/2 ≥ 0. Every memory term is non-decreasing in the in-flight
+    count, so a block count that does not fit a stage of this relaxation fits that stage of
+    no member, whatever its recompute modes.
+
+    The rows are assembled as ``estimate.stage_costs`` assembles them (tests/test_solver.py
+    checks they are equal), without its time model: a fraction of its cost."""
+    s = replace(strat, schedule="1f1b", virtual_stages=1, recompute="none", stage_layers=(),
+                stage_recompute=())
+    block, first, last = (memory.layer_params(model, s), memory.first_params(model, s),
+                          memory.last_params(model, s))
+    return StageCosts(
+        pp=s.pp, nominal=0, mode_time_s=(0.0,) * len(RECOMPUTE), first_time_s=0.0,
+        last_time_s=0.0, p2p_time_s=0.0, mode_dp_time_s=(0.0,) * len(RECOMPUTE),
+        first_dp_time_s=0.0, last_dp_time_s=0.0,
+        layer_static_bytes=memory.state_bytes(block, s).total,
+        mode_act_bytes=tuple(memory.block_act_bytes(model, s, r) for r in RECOMPUTE),
+        mode_workspace_bytes=tuple(memory.workspace_bytes(model, s, r) for r in RECOMPUTE),
+        first_static_bytes=memory.state_bytes(first, s).total,
+        first_act_bytes=memory.first_act_bytes(model, s),
+        last_static_bytes=memory.state_bytes(last, s).total,
+        last_act_bytes=memory.last_act_bytes(model, s),
+        inflight=pipeline.inflight(s), buffer_bytes=memory.base_buffer_bytes(model, hw, s),
+        sum_weight=0.0, max_weight=0.0,
+        layer_host_bytes=memory.host_state_bytes(block, s),
+        first_host_bytes=memory.host_state_bytes(first, s),
+        last_host_bytes=memory.host_state_bytes(last, s),
+        host_cap_bytes=hw.host_memory_bytes if s.offload else float("inf"))
