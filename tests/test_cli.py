@@ -73,6 +73,10 @@ def test_inspect_json():
     (["estimate", "--model", "gpt2", "--cluster", "dgx-a100-80g", "--gpus", "8", "--global-batch", "8",
       "--tp", "3"], "not divisible"),
     (["run", "missing-plan.json"], "does not exist"),
+    (["estimate", "--model", "gpt2", "--cluster", "dgx-a100-80g", "--gpus", "8", "--global-batch", "8",
+      "--recipe", "megatron-3000"], "unknown recipe"),
+    (["estimate", "--model", "gpt2", "--cluster", "dgx-a100-80g", "--gpus", "8", "--global-batch", "8",
+      "--fp8"], "no fp8 peak"),
 ])
 def test_bad_input_is_one_line_and_exit_2(args, fragment):
     res = invoke(*args)
@@ -167,6 +171,26 @@ def test_plan_pins_vpp_refuses_cp_and_explain_lists_alternatives(tmp_path):
     assert info["alternatives"][0]["step_time_s"] <= info["step_time_s"] * (1 + 1e-9)
     dims = {d["name"]: d for d in info["dimensions"]}
     assert dims["virtual_stages"]["chosen"] == "2" and dims["tp"]["neighbours"]
+
+
+def test_recipe_reaches_the_plan_and_changes_the_price(tmp_path):
+    """The Plan records the recipe it was priced under; another recipe prices another program
+    (Megatron-LM 2021 keeps the attention scores: more memory, a slower step), and explain
+    re-prices the plan under the recipe it is given."""
+    args = ["--model", "gpt:layers=8,hidden=1024,heads=16,vocab=32000,seq=2048", "--cluster", "dgx-a100-80g",
+            "--gpus", "8", "--global-batch", "32", "--json"]
+    fixed = ["--dp", "8", "--mbs", "1"]
+    ours = json.loads(runner.invoke(app, ["estimate", *args, *fixed]).output)
+    old = json.loads(runner.invoke(app, ["estimate", *args, *fixed, "--recipe", "megatron-2021"]).output)
+    assert old["memory"]["activations_bytes"] > 2 * ours["memory"]["activations_bytes"]
+    out = tmp_path / "plan.json"
+    res = runner.invoke(app, ["plan", *args, "--recipe", "megatron-core", "--out", str(out)])
+    assert res.exit_code == 0, res.output
+    assert json.loads(out.read_text())["recipe"] == "megatron-core"
+    bad = recipe_file = tmp_path / "bad.json"
+    recipe_file.write_text('{"name": "x", "attention": "sparse"}')
+    res = invoke("explain", str(out), "--recipe", str(bad))
+    assert res.exit_code == 2 and "malformed" in res.stderr and len(res.stderr.strip().splitlines()) == 1
 
 
 def test_ci_runs_the_readme_test_command():
