@@ -24,6 +24,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from itertools import combinations
+from typing import Callable
 
 import numpy as np
 
@@ -135,19 +136,10 @@ def _caps(t: StageTables, tau: float) -> list[int]:
     return [int(np.searchsorted(g + f, tau, side="right")) - 1 for g, f in zip(t.time, t.fixed)]
 
 
-def bottleneck(t: StageTables, layers: int, min_layers: int) -> float:
-    """τ*: the least max_s T_s over placements (inf when none exists)."""
-    size = max(len(g) for g in t.time)
-    stacked = np.full((len(t.time), size), np.inf)  # T_s per N, padded with inf
-    for s, (g, f) in enumerate(zip(t.time, t.fixed)):
-        stacked[s, :len(g)] = g + f
-    values = np.unique(stacked[np.isfinite(stacked)])
-    if values.size == 0:
-        return float("inf")
-    # N_s^max(τ) = (entries ≤ τ) - 1: each row is non-decreasing, as in ``_caps``
-    ok = lambda tau: (lambda caps: caps.min() >= min_layers and caps.sum() >= layers)(  # noqa: E731
-        (stacked <= tau).sum(axis=1) - 1)
-    if not ok(values[-1]):
+def least_feasible(values: np.ndarray, ok: Callable[[float], bool]) -> float:
+    """The smallest of the sorted ``values`` where the monotone ``ok`` holds (binary
+    search); inf when it holds at none."""
+    if values.size == 0 or not ok(values[-1]):
         return float("inf")
     lo, hi = 0, values.size - 1
     while lo < hi:
@@ -157,6 +149,21 @@ def bottleneck(t: StageTables, layers: int, min_layers: int) -> float:
         else:
             lo = mid + 1
     return float(values[lo])
+
+
+def bottleneck(t: StageTables, layers: int, min_layers: int) -> float:
+    """τ*: the least max_s T_s over placements (inf when none exists)."""
+    size = max(len(g) for g in t.time)
+    stacked = np.full((len(t.time), size), np.inf)  # T_s per N, padded with inf
+    for s, (g, f) in enumerate(zip(t.time, t.fixed)):
+        stacked[s, :len(g)] = g + f
+    values = np.unique(stacked[np.isfinite(stacked)])
+
+    def ok(tau: float) -> bool:
+        # N_s^max(τ) = (entries ≤ τ) - 1: each row is non-decreasing, as in ``_caps``
+        caps = (stacked <= tau).sum(axis=1) - 1
+        return bool(caps.min() >= min_layers and caps.sum() >= layers)
+    return least_feasible(values, ok)
 
 
 def greedy(c: StageCosts, t: StageTables, layers: int, min_layers: int, cap: float,
@@ -229,17 +236,8 @@ def single_mode_least_step(c: StageCosts, t: StageTables, layers: int, min_layer
     def least_tail(caps: np.ndarray) -> float:
         def ok(delta: float) -> bool:
             most = np.minimum(caps, (tails <= delta).sum(axis=1) - 1)
-            return most.min() >= min_layers and most.sum() >= layers
-        if not ok(deltas[-1]):
-            return float("inf")
-        lo, hi = 0, deltas.size - 1
-        while lo < hi:
-            mid = (lo + hi) // 2
-            if ok(deltas[mid]):
-                hi = mid
-            else:
-                lo = mid + 1
-        return float(deltas[lo])
+            return bool(most.min() >= min_layers and most.sum() >= layers)
+        return least_feasible(deltas, ok)
 
     values = np.unique(times[np.isfinite(times)])
     values = values[values >= tau]
