@@ -222,7 +222,6 @@ def explain(plan_file: Path = typer.Argument(..., help="A plan JSON from `autopa
         from autopar.trace import profile_spec
         the_plan = load_plan(plan_file)
         if recipe is not None:
-            dataclasses.replace(the_plan, recipe=recipe).execution_recipe()  # one-line error if bad
             the_plan = dataclasses.replace(the_plan, recipe=recipe)
         job = read_job(the_plan.model, the_plan.cluster, the_plan.gpus, the_plan.global_batch,
                        the_plan.seq_len, the_plan.dtype, the_plan.recipe)
