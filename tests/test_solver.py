@@ -49,22 +49,9 @@ def brute_force(model, hw, gpus, batch, dtype, pins=Pins()):
         if (c, cand.modes, cand.min_layers) in seen:
             continue  # an order giving the same groups: the same costs, enumerated already
         seen.add((c, cand.modes, cand.min_layers))
-        p, L = cand.strategy.pp, model.layers
-        # per stage and block count: the loads that fit, with their T_s and D_s
-        options = [{n: [(c.stage_time_s(s, ld), c.stage_dp_time_s(s, ld))
-                         for ld in stage_loads(n, cand.modes)
-                         if c.stage_memory_bytes(s, ld) <= hw.memory_bytes
-                         and c.stage_host_bytes(s, ld) <= c.host_cap_bytes]
-                    for n in range(cand.min_layers, L + 1)} for s in range(p)]
-        for cuts in itertools.combinations(range(1, L), p - 1):
-            sizes = [b - a for a, b in zip((0, *cuts), (*cuts, L))]
-            if min(sizes) < cand.min_layers:
-                continue
-            for combo in itertools.product(*(options[s][n] for s, n in enumerate(sizes))):
-                ts = [t for t, _ in combo]
-                step = (c.sum_weight * sum(ts) + c.max_weight * max(ts)
-                        + max(d for _, d in combo))
-                best = step if best is None else min(best, step)
+        step = candidate_optimum(model, hw, cand, c)
+        if step is not None:
+            best = step if best is None else min(best, step)
     return best
 
 
@@ -316,9 +303,10 @@ def test_schedule_group_memory_relaxation_is_below_every_member():
     assert checked > 1000 and ruled_out > 50
 
 
-def candidate_optimum(model, hw, cand):
-    """Least step of one outer candidate over every placement within memory (None if none)."""
-    c, best = stage_costs(model, hw, cand.strategy), None
+def candidate_optimum(model, hw, cand, c=None):
+    """Least step of one outer candidate over every placement within memory (None if none);
+    ``c``: its ``stage_costs`` when the caller has them."""
+    c, best = c or stage_costs(model, hw, cand.strategy), None
     p, L = cand.strategy.pp, model.layers
     options = [{n: [(c.stage_time_s(s, ld), c.stage_dp_time_s(s, ld))
                      for ld in stage_loads(n, cand.modes)
