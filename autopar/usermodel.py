@@ -1,15 +1,24 @@
 """User models: ``path/to/file.py:factory``.
 
-The factory is called with no arguments inside ``torch.device("meta")`` and returns
-``(module, example_inputs)``: an ``nn.Module`` and a tensor or tuple of tensors it is called on
-(built on meta too, or they are moved there). Nothing real is allocated.
+The file is imported as Python runs a script: its directory is on ``sys.path`` (so it can
+import the modules next to it, ``from model import GPT``). The factory is called with no
+arguments inside ``torch.device("meta")`` and returns ``(module, example_inputs)``: an
+``nn.Module`` and a tensor or tuple of tensors it is called on (built on meta too, or they are
+moved there). Nothing real is allocated.
+
+The inputs are what a training step passes: the tracer calls ``module(*example_inputs)`` once
+and counts that computation. A forward that computes the loss (and the logits of every
+position) only when given targets, like nanoGPT's, needs ``(tokens, targets)``; the first input
+is the tokens, ``[batch, seq]``. What the file prints goes to stderr (stdout carries ``--json``).
 """
 
 from __future__ import annotations
 
 import importlib.util
 import sys
+from contextlib import contextmanager, redirect_stdout
 from pathlib import Path
+from typing import Iterator
 
 import torch
 from torch import nn
@@ -23,6 +32,18 @@ def _one_line(exc: BaseException) -> str:
     return f"{type(exc).__name__}: {text[0]}" if text else type(exc).__name__
 
 
+@contextmanager
+def _as_script(directory: Path) -> Iterator[None]:
+    """``directory`` first on ``sys.path`` and ``print`` on stderr, while the user's code runs."""
+    entry = str(directory)
+    sys.path.insert(0, entry)
+    try:
+        with redirect_stdout(sys.stderr):
+            yield
+    finally:
+        sys.path.remove(entry)
+
+
 def load_user_model(spec: ModelSpec) -> tuple[nn.Module, tuple[torch.Tensor, ...]]:
     """Import the file of ``spec.source``, call its factory on meta, check what it returns."""
     path, _, factory = spec.source.rpartition(":")
@@ -33,18 +54,19 @@ def load_user_model(spec: ModelSpec) -> tuple[nn.Module, tuple[torch.Tensor, ...
         raise UserError(f"cannot import {path!r} as Python; write path/to/file.py:factory")
     module = importlib.util.module_from_spec(module_spec)
     sys.modules[name] = module  # dataclasses and pickling look modules up here
-    try:
-        module_spec.loader.exec_module(module)
-    except Exception as exc:  # the user's file: report its error on one line
-        raise UserError(f"importing {path} failed: {_one_line(exc)}") from None
-    fn = getattr(module, factory, None)
-    if not callable(fn):
-        raise UserError(f"{path} has no function {factory!r}")
-    try:
-        with torch.device("meta"):
-            result = fn()
-    except Exception as exc:
-        raise UserError(f"{path}:{factory}() failed: {_one_line(exc)}") from None
+    with _as_script(file.resolve().parent):
+        try:
+            module_spec.loader.exec_module(module)
+        except Exception as exc:  # the user's file: report its error on one line
+            raise UserError(f"importing {path} failed: {_one_line(exc)}") from None
+        fn = getattr(module, factory, None)
+        if not callable(fn):
+            raise UserError(f"{path} has no function {factory!r}")
+        try:
+            with torch.device("meta"):
+                result = fn()
+        except Exception as exc:
+            raise UserError(f"{path}:{factory}() failed: {_one_line(exc)}") from None
     if not (isinstance(result, tuple) and len(result) == 2 and isinstance(result[0], nn.Module)):
         raise UserError(f"{path}:{factory}() must return (nn.Module, example_inputs), "
                         f"got {type(result).__name__}")
