@@ -146,6 +146,11 @@ class ModelGraph:
     """Saved-for-backward bytes outside the blocks (embedding, final norm, head, loss)."""
     vocab_parallel: tuple[str, ...] = ()
     """Top-level weights that can be split over the vocabulary (embedding, output head)."""
+    linears: tuple[LinearInfo, ...] = ()
+    """Weight GEMMs outside the blocks, in order (the output head last)."""
+    embeddings: tuple[str, ...] = ()
+    """Parameter names of the tables read by embedding lookups outside the blocks, in order; a
+    table shared with a GEMM (a tied head) has the name it has in ``linears``."""
 
     @property
     def tokens(self) -> int:

@@ -20,6 +20,11 @@ uses, the op runs as that kernel would, and only there:
 Tensor-parallel roles follow Megatron-LM: a weight GEMM whose input is replicated is
 column-parallel (its output is sharded), one whose input is sharded is row-parallel (its output
 is all-reduced, replicated); other ops are sharded when an input is.
+
+Attention written out by hand (minGPT: ``q @ k.transpose(-2, -1)``, mask, softmax, dropout,
+``@ v``) is found by its structure, not by names: inside a block, a product of two activations
+(no weight) starts the core, and what is computed from its output up to the next such product
+(probabilities times V) is the core; its heads and head size are read off Q's shape.
 """
 
 from __future__ import annotations
@@ -185,6 +190,16 @@ class Recorder:
     """Node name -> (segment, index in ``linears``) of each weight GEMM."""
     attention: dict[str, tuple[int, int, int, int]] = field(default_factory=dict)
     """Segment -> (heads, kv heads seen by the kernel, head dim, GEMMs before it) of its attention."""
+    batch: int = 1
+    """Sequences in the traced micro-batch (the first input's leading size)."""
+    core: set[int] = field(default_factory=set)
+    """Storage keys of a hand-written attention core's tensors (scores, mask-added, softmax,
+    dropped probabilities): kept as ``attn``."""
+    node_core: bool = False
+    """The node running now computes on the attention core (what it saves first is ``attn``)."""
+    embeddings: list[str] = field(default_factory=list)
+    """Names of the tables read by embedding lookups, in order (a weight shared with a GEMM
+    carries the name ``linears`` gives it)."""
     expert_counts: frozenset[int] = frozenset()
     """Leading sizes of stacked expert weights: a GEMM with that many outputs is a router."""
     segment: str = ""
@@ -199,15 +214,16 @@ class Recorder:
 
     @classmethod
     def for_module(cls, module: nn.Module, recipe: Recipe,
-                   like: "Recorder | None" = None) -> "Recorder":
-        """A recorder of ``module``'s run; ``like``: an earlier one of the same module, whose
-        parameter and buffer lookup it shares (read-only; storage keys are slow to take)."""
+                   like: "Recorder | None" = None, batch: int = 1) -> "Recorder":
+        """A recorder of ``module``'s run on ``batch`` sequences; ``like``: an earlier one of the
+        same module, whose parameter and buffer lookup it shares (read-only; storage keys are
+        slow to take)."""
         if like is not None:
-            return cls(recipe=recipe, params=like.params, expert_counts=like.expert_counts)
+            return cls(recipe=recipe, params=like.params, expert_counts=like.expert_counts, batch=batch)
         params = {_key(p): (n, p) for n, p in module.named_parameters(remove_duplicate=False)}
         params.update({_key(b): (n, b) for n, b in module.named_buffers(remove_duplicate=False)})
         experts = frozenset(p.shape[0] for p in module.parameters() if p.dim() == 3)
-        return cls(recipe=recipe, params=params, expert_counts=experts)
+        return cls(recipe=recipe, params=params, expert_counts=experts, batch=batch)
 
     def pack(self, t: torch.Tensor) -> torch.Tensor:
         try:
@@ -216,12 +232,16 @@ class Recorder:
             return t
         if key in self.params or key in self.saved:
             return t
-        if key in self.producer:
+        if key in self.core:
+            role = "attn"
+        elif key in self.producer:
             role = "sharded" if self.state.get(key, REP) == SHARD else "replicated"
         elif self.in_attention:  # scores-shaped, or the logsumexp: the core; else Q/K/V/output copies
             s_q, s_k, lse = self.attention_shape
             core = (t.dim() >= 2 and tuple(t.shape[-2:]) == (s_q, s_k)) or t.numel() == lse
             role = "attn" if core else "sharded"
+        elif self.node_core:  # made by a core op while it runs (a dropout mask)
+            role = "attn"
         else:
             role = "sharded" if self.node_state == SHARD else "replicated"
         self.saved[key] = Saved(segment=self.segment, node=self.node, role=role, nbytes=_nbytes(t),
@@ -308,12 +328,18 @@ class MeasureRun(fx.Interpreter):
         acts = [t for t in inputs if _key(t) not in rec.params and t.is_floating_point()]
         in_state = [rec.state.get(_key(t), REP) for t in acts]
         rec.node_state = SHARD if SHARD in in_state else REP
+        rec.node_core = bool(rec.segment) and any(_key(t) in rec.core for t in acts)
         before = self.counter.get_total_flops()
-        result, extra = self._call(n, args, kwargs)
+        try:
+            result, extra = self._call(n, args, kwargs)
+        finally:
+            rec.node_core = False
         flops = self.counter.get_total_flops() - before + extra
         outputs = _tensors(result)
         split, out_state = "", rec.node_state
         gemm_weights = [w for w in weights if w.dim() >= 2 and w.is_floating_point()]
+        if rec.segment and not gemm_weights and n.target not in _SDPA:
+            _follow_core(rec, acts, outputs, flops)
         if flops > 0 and gemm_weights:
             w = max(gemm_weights, key=lambda t: t.numel())
             first = in_state[0] if in_state else REP
@@ -337,6 +363,9 @@ class MeasureRun(fx.Interpreter):
                 experts=int(w.shape[0]) if w.dim() == 3 else 0))
         elif n.target in (F.embedding, torch.ops.aten.embedding.default) or isinstance(mod, nn.Embedding):
             split = "vocab"
+            tables = [w for w in weights if w.dim() == 2]
+            if tables and _key(tables[0]) in rec.params and not rec.segment:
+                rec.embeddings.append(rec.params[_key(tables[0])][0])
         elif len(acts) == 1 and len(outputs) > 1:
             _mark_packed(rec, acts[0], outputs)
         for t in outputs:
@@ -352,6 +381,26 @@ class MeasureRun(fx.Interpreter):
             flops=float(flops), params=sum(p.numel() for p in weights if isinstance(p, nn.Parameter)),
             saved_bytes=rec.saved_by(rec.segment, n.name), split=split))
         return result
+
+
+def _follow_core(rec: Recorder, acts: list[torch.Tensor], outputs: list[torch.Tensor], flops: float) -> None:
+    """Track a hand-written attention core through a weightless block node: a product of two
+    activations that are not core (Q Kᵀ) starts it, and records the block's heads and head size
+    from Q ([..., heads, s, d] or [batch * heads, s, d]); ops on core tensors stay in it; the
+    product of the probabilities and V leaves it."""
+    core_in = any(_key(t) in rec.core for t in acts)
+    if flops > 0 and len(acts) >= 2 and not core_in and outputs and outputs[0].dim() >= 3:
+        q, k = acts[0], acts[1]
+        d, s_q = q.shape[-1], outputs[0].shape[-2]
+        s_k = outputs[0].shape[-1]
+        heads = q.numel() // max(1, rec.batch * s_q * d)
+        kv_heads = k.numel() // max(1, rec.batch * s_k * d)
+        if heads and q.numel() == rec.batch * heads * s_q * d:
+            rec.attention.setdefault(rec.segment, (heads, kv_heads or heads, int(d),
+                                                   len(rec.linears[rec.segment])))
+            rec.core.update(_key(t) for t in outputs)
+    elif core_in and flops == 0:
+        rec.core.update(_key(t) for t in outputs)
 
 
 def _mark_packed(rec: Recorder, x: torch.Tensor, parts: list[torch.Tensor]) -> None:

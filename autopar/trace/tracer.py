@@ -46,7 +46,8 @@ def _run(model: nn.Module, cap: Capture, inputs: tuple, recipe: Recipe,
          like: Recorder | None = None) -> Recorder:
     """One measured run of the capture on meta; every block kind runs once (``like``: an
     earlier run's recorder, whose parameter lookup this one shares)."""
-    rec = Recorder.for_module(model, recipe, like)
+    batch = int(inputs[0].shape[0]) if inputs and inputs[0].dim() else 1
+    rec = Recorder.for_module(model, recipe, like, batch=batch)
     with torch.autograd.graph.saved_tensors_hooks(rec.pack, lambda t: t), \
             FlopCounterMode(display=False, custom_mapping=flop_mapping()) as counter:
         if cap.how == "torch.fx":
@@ -137,7 +138,8 @@ def trace_module(model: nn.Module, example: torch.Tensor | tuple[torch.Tensor, .
         params=sum(p.numel() for p in model.parameters()),
         param_bytes=sum(p.numel() * p.element_size() for p in model.parameters()),
         top_activations=measured.activations(""),
-        vocab_parallel=tuple(sorted(vocab_mods)))
+        vocab_parallel=tuple(sorted(vocab_mods)), linears=tuple(measured.linears[""]),
+        embeddings=tuple(measured.embeddings))
 
 
 def build_spec_model(spec: ModelSpec, micro_batch: int = 1) -> tuple[nn.Module, tuple[torch.Tensor, ...]]:
@@ -154,10 +156,22 @@ def build_spec_model(spec: ModelSpec, micro_batch: int = 1) -> tuple[nn.Module, 
     return build_hf(spec, torch.bfloat16), (tokens,)
 
 
+def _at_seq(inputs: tuple[torch.Tensor, ...], seq: int) -> tuple[torch.Tensor, ...]:
+    """A user factory's inputs at ``seq`` tokens (0: as given): every input as long as the
+    tokens (targets, masks) along dimension 1 resized with them (meta, so nothing is copied)."""
+    tokens = inputs[0]
+    if not seq or tokens.dim() < 2 or tokens.shape[1] == seq:
+        return inputs
+    old = tokens.shape[1]
+    return tuple(torch.zeros(t.shape[0], seq, *t.shape[2:], dtype=t.dtype, device=t.device)
+                 if t.dim() >= 2 and t.shape[1] == old else t for t in inputs)
+
+
 def trace_spec(spec: ModelSpec, micro_batch: int = 1) -> ModelGraph:
     """Trace the model of ``spec`` at its sequence length, on meta."""
     model, inputs = build_spec_model(spec, micro_batch)
     if spec.arch == "module":
+        inputs = _at_seq(inputs, spec.seq)
         inputs = inputs if micro_batch == 1 else tuple(t.expand(micro_batch * t.shape[0], *t.shape[1:])
                                                        for t in inputs)
     return trace_module(model, inputs, spec.name,
