@@ -281,6 +281,9 @@ def inspect(model: str = MODEL, seq_len: Optional[int] = SEQ, as_json: bool = JS
         console.print(f"outside blocks: {info['outside_blocks']['params']:,} parameters, "
                       f"{info['outside_blocks']['forward_flops_per_token']:.4g} FLOPs/token, "
                       f"vocab-parallel: {', '.join(info['vocab_parallel']) or 'none'}")
+        shape = info["shape"]
+        console.print("shape priced: " + (" ".join(f"{k}={int(v)}" for k, v in shape.items()) if shape
+                                          else f"none ({info['shape_error']})"), markup=False)
     _guard(body)
 
 

@@ -11,7 +11,7 @@ from autopar.errors import UserError
 from autopar.plan import Mesh, Plan
 from autopar.solve import Pins, Solution, search
 from autopar.spec import ModelSpec, parse_model_spec, with_seq
-from autopar.trace import profile_spec
+from autopar.trace import profile_spec, shaped_spec
 from cost_models import HardwareProfile, ModelProfile, ProfileError, Strategy, estimate, load_profile
 from cost_models.estimate import even_stage_layers
 from cost_models.recipe import DEFAULT_RECIPE, ExecutionRecipe, RecipeError, load_recipe
@@ -49,7 +49,8 @@ def read_recipe(name: str | None) -> ExecutionRecipe:
 def read_job(model: str, cluster: str, gpus: int, global_batch: int,
              seq_len: int | None = None, dtype: str | None = None,
              recipe: str | None = None) -> Job:
-    """Parse and check the inputs; every problem is a ``UserError`` naming the fix."""
+    """Parse and check the inputs; every problem is a ``UserError`` naming the fix. A user
+    module's shape (layers, heads ...) is traced last, so that ``Job.spec`` states it."""
     spec = parse_model_spec(model)
     if seq_len is not None:
         if seq_len <= 0:
@@ -70,8 +71,9 @@ def read_job(model: str, cluster: str, gpus: int, global_batch: int,
     if dtype not in hw.peak_tflops:
         raise UserError(f"--dtype {dtype} has no peak in profile {hw.name}; use one of "
                         f"{', '.join(sorted(hw.peak_tflops))}")
-    return Job(spec=spec, hw=hw, cluster=cluster, gpus=gpus, global_batch=global_batch, dtype=dtype,
-               recipe=read_recipe(recipe), recipe_name=recipe or DEFAULT_RECIPE)
+    execution = read_recipe(recipe)
+    return Job(spec=shaped_spec(spec), hw=hw, cluster=cluster, gpus=gpus, global_batch=global_batch,
+               dtype=dtype, recipe=execution, recipe_name=recipe or DEFAULT_RECIPE)
 
 
 def layer_layout(strat: Strategy, layers: int) -> tuple[tuple[int, ...], tuple[str, ...]]:

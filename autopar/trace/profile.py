@@ -17,6 +17,7 @@ from __future__ import annotations
 from autopar.errors import UserError
 from autopar.spec import ModelSpec
 from autopar.trace.graph import ModelGraph
+from autopar.trace.shape import traced_spec
 from autopar.trace.tracer import trace_spec
 from cost_models.model_profile import ModelProfile
 
@@ -28,10 +29,10 @@ def korthikanti_bytes_per_token(spec: ModelSpec) -> float:
 
 
 def profile_from_graph(graph: ModelGraph, spec: ModelSpec) -> ModelProfile:
-    """Summarise a traced decoder-only transformer for the cost model (per block, per token)."""
+    """Summarise a traced decoder-only transformer for the cost model (per block, per token).
+    A user module's shape (layers, hidden, heads ...) is read off the graph (``traced_spec``)."""
     if spec.arch == "module":
-        raise UserError(f"the cost model cannot price user modules yet ({spec.name}); "
-                        "`autopar inspect` shows what the tracer sees")
+        spec = traced_spec(graph, spec)
     if len(graph.blocks) != 1:
         raise UserError(f"the cost model needs one kind of repeated transformer block; {graph.name} has "
                         f"{len(graph.blocks)} ({', '.join(b.kind for b in graph.blocks) or 'none'})")
@@ -61,3 +62,11 @@ def profile_from_graph(graph: ModelGraph, spec: ModelSpec) -> ModelProfile:
 def profile_spec(spec: ModelSpec) -> ModelProfile:
     """Trace the model of ``spec`` and summarise it for the cost model."""
     return profile_from_graph(trace_spec(spec), spec)
+
+
+def shaped_spec(spec: ModelSpec) -> ModelSpec:
+    """``spec`` with every shape field known: a user module's traced (``traced_spec``), any
+    other returned as it is (its spec states them)."""
+    if spec.arch != "module":
+        return spec
+    return traced_spec(trace_spec(spec), spec)

@@ -1,12 +1,17 @@
 """A plain-data summary of a :class:`ModelGraph` (``autopar inspect``): per model, per block
-and per token, with activation bytes as measured (fused kernels) and under the Megatron recipe."""
+and per token, with activation bytes as measured (fused kernels) and under the Megatron recipe,
+and the shape the cost model prices (``traced_spec``), or why it cannot."""
 
 from __future__ import annotations
 
 from dataclasses import asdict
 
+from autopar.errors import UserError
 from autopar.spec import ModelSpec
 from autopar.trace.graph import ActivationBytes, ModelGraph
+from autopar.trace.shape import traced_spec
+
+SHAPE_FIELDS = ("layers", "hidden", "heads", "kv_heads", "ffn", "vocab", "seq", "tied")
 
 
 def _per_token(act: ActivationBytes, tokens: int) -> dict[str, float]:
@@ -18,6 +23,12 @@ def graph_summary(graph: ModelGraph, spec: ModelSpec) -> dict:
     """JSON-ready summary; FLOPs are forward (training = 3x), bytes at the traced dtype."""
     tokens = graph.tokens
     outside = sum(n.flops for n in graph.nodes)
+    try:
+        shaped = traced_spec(graph, spec)
+        shape: dict | None = {k: getattr(shaped, k) for k in SHAPE_FIELDS}
+        shape_error = ""
+    except UserError as exc:
+        shape, shape_error = None, str(exc)
     return {
         "model": graph.name, "capture": graph.capture, "input_shape": list(graph.input_shape),
         "seq_len": spec.seq or (graph.input_shape[1] if len(graph.input_shape) > 1 else 0),
@@ -25,6 +36,7 @@ def graph_summary(graph: ModelGraph, spec: ModelSpec) -> dict:
         "forward_flops_per_token": graph.flops / tokens,
         "training_flops_per_token": graph.training_flops / tokens,
         "vocab_parallel": list(graph.vocab_parallel),
+        "shape": shape, "shape_error": shape_error,
         "outside_blocks": {"params": graph.params - sum(b.count * b.params for b in graph.blocks),
                            "forward_flops_per_token": outside / tokens,
                            "activation_bytes_per_token": _per_token(graph.top_activations, tokens)},
