@@ -62,7 +62,7 @@ def run_job(runs: list[RunSpec], *, workdir: Path | None = None, cfg: TrainConfi
                             "resume": str(run.resume) if run.resume else None,
                             "save": str(run.save) if run.save else None})
         out = wd / "result.json"
-        (wd / "job.json").write_text(json.dumps({"runs": entries, "out": str(out), "lr": cfg.lr,
+        (wd / "job.json").write_text(json.dumps({"runs": entries, "out": str(out), "lr": cfg.lr, "optimizer": cfg.optimizer,
                                                  "timeout_s": min(timeout_s, 300.0)}))
         cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={world}",
                "-m", "autopar.runtime.worker", str(wd / "job.json")]

@@ -52,10 +52,13 @@ def _set(model: nn.Module, name: str, value: nn.Module | None) -> None:
 
 
 class _NoPositions(nn.Module):
-    """Stands in for learned positions after the first stage (they were added there)."""
+    """Stands in for learned positions after the first stage (they were added there), however
+    the model calls them (GPT-2: ``wpe(position_ids)``; OPT: ``embed_positions(mask, past,
+    position_ids=...)``)."""
 
-    def forward(self, position_ids: torch.Tensor) -> torch.Tensor:
-        return torch.zeros((), device=position_ids.device)
+    def forward(self, *args: object, **kwargs: object) -> torch.Tensor:
+        first = next(a for a in (*args, *kwargs.values()) if isinstance(a, torch.Tensor))
+        return torch.zeros((), device=first.device)
 
 
 def _seeded_normal_(p: torch.Tensor, name: str, seed: int, std: float) -> None:

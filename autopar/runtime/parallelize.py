@@ -26,7 +26,7 @@ wrapper — each with stock torch.distributed:
 from __future__ import annotations
 
 import copy
-from typing import Callable
+from typing import TYPE_CHECKING, Callable
 
 import torch
 from torch import nn
@@ -49,6 +49,9 @@ from autopar.plan import Plan
 from autopar.runtime.anatomy import Anatomy
 from autopar.runtime.context import DTYPES, Axis, ParallelContext
 
+if TYPE_CHECKING:
+    from autopar.runtime.train import TrainConfig
+
 
 
 def _block_tp_plans(anat: Anatomy, sp: bool) -> list[dict]:
@@ -68,13 +71,15 @@ def _block_tp_plans(anat: Anatomy, sp: bool) -> list[dict]:
 
 
 def apply_tensor_parallel(model: nn.Module, ctx: ParallelContext, sp: bool, anat: Anatomy,
-                          whole_sequences_between_stages: bool = False) -> None:
+                          heads: tuple[int, int], whole_sequences_between_stages: bool = False) -> None:
     """Shard one pipeline stage of ``model`` over the tp axis, in place: a vocab-parallel
     embedding, the blocks' GEMMs as the tracer labelled them, a column-parallel head whose
     logits stay sharded over the vocabulary. With SP the first block after the embedding
     scatters the sequence and stages pass sequence shards (Megatron's scatter/gather: b·s·h/tp
     per boundary) — unless ``whole_sequences_between_stages`` (HF base models derive positions
-    from their input's length), when each stage gathers its output and scatters its input."""
+    from their input's length), when each stage gathers its output and scatters its input.
+    ``heads``: the model's (query heads, kv heads), which modules holding them as attributes
+    see divided by tp."""
     blocks = [b for b in anat.blocks if b in {n for n, _ in model.named_modules()}]
     for name in anat.column + anat.row:
         kind = type(model.get_submodule(f"{blocks[0]}.{name}"))
@@ -83,7 +88,7 @@ def apply_tensor_parallel(model: nn.Module, ctx: ParallelContext, sp: bool, anat
                              "use tp=1 for this model")
     mesh = ctx.submesh(Axis.TP)
     for name in blocks:
-        _shard_packed_widths(model.get_submodule(name), anat, mesh.size())
+        _localize_block(model.get_submodule(name), anat, mesh.size(), set(heads))
     here = {n for n, _ in model.named_modules()}
     top: dict = {}
     if anat.embed in here:
@@ -119,15 +124,44 @@ def _scatter_sequence(mesh) -> Callable:
     return hook
 
 
-def _shard_packed_widths(block: nn.Module, anat: Anatomy, tp: int) -> None:
-    """A packed GEMM's consumer cuts this rank's share: HF GPT-2 splits by ``split_size`` (the
-    chunk width), which becomes the local width; ``chunk``-style consumers need nothing."""
-    for name, chunks in anat.packed:
+def _is_count(name: str) -> bool:
+    """An attribute naming a number of heads (``num_heads``, ``n_head``, ``num_key_value_heads``),
+    not a size, a scale or a ratio of them."""
+    low = name.lower()
+    return "head" in low and not any(w in low for w in ("dim", "size", "scal", "group", "ratio"))
+
+
+def _localize(owner: nn.Module, widths: set[int], heads: set[int], tp: int) -> None:
+    """Divide by ``tp`` each plain int attribute of ``owner`` that a per-rank forward reshapes
+    with: head counts (named as such, equal to the model's heads or kv heads) and widths equal
+    to a column GEMM's output or one of its packed chunks (OPT's ``embed_dim``, GPT-2's
+    ``split_size``); the same for head counts in an HF ``config`` the module reads (Phi-3).
+    Nothing here is proved: ``autopar verify`` runs the result against one process."""
+    for name, value in list(vars(owner).items()):
+        if not isinstance(value, int) or isinstance(value, bool) or value % tp:
+            continue
+        if (_is_count(name) and value in heads) or (value in widths and "head" not in name.lower()):
+            setattr(owner, name, value // tp)
+    config = getattr(owner, "config", None)
+    if config is not None and hasattr(config, "to_dict"):
+        local = copy.copy(config)  # this module's view only
+        for name, value in config.to_dict().items():
+            if isinstance(value, int) and not isinstance(value, bool) and _is_count(name) and value in heads \
+                    and not value % tp:
+                setattr(local, name, value // tp)
+        owner.config = local
+
+
+def _localize_block(block: nn.Module, anat: Anatomy, tp: int, heads: set[int]) -> None:
+    """Make every module owning a column-parallel GEMM compute with this rank's heads and widths."""
+    packed = dict(anat.packed)
+    owners: dict[str, set[int]] = {}
+    for name in anat.column:
         gemm = block.get_submodule(name)
-        owner = block.get_submodule(name.rpartition(".")[0])
-        width = gemm.out_features // chunks
-        if getattr(owner, "split_size", None) == width:
-            owner.split_size = width // tp
+        widths = owners.setdefault(name.rpartition(".")[0], set())
+        widths.update({gemm.out_features, gemm.out_features // packed.get(name, 1)})
+    for owner, widths in owners.items():
+        _localize(block.get_submodule(owner), widths, heads, tp)
 
 
 def apply_recompute(model: nn.Module, recompute: tuple[str, ...], anat: Anatomy) -> None:
@@ -211,7 +245,12 @@ def sync_every_microbatch(plan: Plan) -> bool:
     return plan.zero_stage >= 2
 
 
-def make_optimizer(module: nn.Module, lr: float, weight_decay: float) -> torch.optim.Optimizer:
-    """AdamW over one stage module's parameters (sharded alike when FSDP2 shards them)."""
-    return torch.optim.AdamW([p for p in module.parameters() if p.requires_grad], lr=lr,
-                             weight_decay=weight_decay)
+def make_optimizer(module: nn.Module, cfg: TrainConfig) -> torch.optim.Optimizer:
+    """``cfg.optimizer`` (AdamW or SGD) over one stage module's parameters (sharded alike when
+    FSDP2 shards them)."""
+    params = [p for p in module.parameters() if p.requires_grad]
+    if cfg.optimizer == "sgd":
+        return torch.optim.SGD(params, lr=cfg.lr, weight_decay=cfg.weight_decay)
+    if cfg.optimizer != "adamw":
+        raise ValueError(f"unknown optimizer {cfg.optimizer!r}; use adamw or sgd")
+    return torch.optim.AdamW(params, lr=cfg.lr, weight_decay=cfg.weight_decay)

@@ -42,6 +42,9 @@ class TrainConfig:
     lr: float = 1e-3
     """AdamW learning rate (constant)."""
     weight_decay: float = 0.0
+    optimizer: str = "adamw"
+    """``adamw``, or ``sgd`` (plain steps ``-lr·g``: weights then compare gradients, as
+    ``autopar verify`` does)."""
     seed: int = 0
     """Seeds the weights (per parameter name) and the synthetic tokens (per step)."""
 
@@ -101,10 +104,11 @@ def build_program(plan: Plan, ctx: ParallelContext, cfg: TrainConfig = TrainConf
         model = build_stage(spec, anat, plan, sid, ctx.device, cfg.seed)
         if plan.mesh.tp > 1:
             parallelize.apply_tensor_parallel(model, ctx, plan.sequence_parallel, anat,
+                                              (spec.heads, spec.num_kv_heads),
                                               whole_sequences_between_stages=not spec.builtin)
         parallelize.apply_recompute(model, plan.recompute, anat)
         modules.append(parallelize.apply_data_parallel(model, plan, ctx, anat))
-    optimizers = [parallelize.make_optimizer(mod, cfg.lr, cfg.weight_decay) for mod in modules]
+    optimizers = [parallelize.make_optimizer(mod, cfg) for mod in modules]
     schedule = build_schedule(plan, ctx, modules, ids, cross_entropy) if plan.mesh.pp > 1 else None
     tied = _tied_group(ctx, plan.mesh.pp) if spec.tied and plan.mesh.pp > 1 else None
     return Program(plan=plan, ctx=ctx, spec=spec, anatomy=anat, modules=modules, stage_ids=ids,

@@ -35,7 +35,7 @@ def _dump(prog: Program, out: Path, name: str, rank: int) -> None:
 
 def run_job(job: dict, rank: int) -> list[dict]:
     device = init_distributed(job.get("timeout_s", 300.0))
-    cfg = TrainConfig(lr=job.get("lr", TrainConfig().lr))
+    cfg = TrainConfig(lr=job.get("lr", TrainConfig().lr), optimizer=job.get("optimizer", "adamw"))
     out = Path(job["out"])
     results = []
     for i, run in enumerate(job["runs"]):

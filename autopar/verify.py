@@ -1,0 +1,281 @@
+"""Prove each parallel dimension on a tiny twin of the model before any plan uses it.
+
+A *twin* is the same architecture (the same config class and options: norms, activations,
+biases, packed projections, MQA/GQA ratio, tied head) at toy size: 2 blocks, 4 query heads of
+16 features, ffn 128, vocabulary 128, no dropout. Each :class:`Check` is a 2-rank plan of the
+twin on gloo, trained for ``STEPS`` plain SGD steps beside one process on the same global
+batch: the losses and every updated weight must agree. SGD makes a weight's change exactly
+``-lr·g``, so equal weights mean equal gradients (AdamW's ``g/(|g|+ε)`` turns entries whose
+true gradient is zero into noise-sized steps of size lr).
+
+A dimension that crashes or differs is refused: :func:`verify` says which and why in one line,
+the planner leaves it out of the search (``Verification.pins``) and ``explain`` shows the
+reason. Verdicts are cached per architecture (the twin's spec, autopar's and torch's versions)
+under ``$AUTOPAR_CACHE`` (default ``~/.cache/autopar``).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import tempfile
+from dataclasses import asdict, dataclass
+from enum import StrEnum
+from pathlib import Path
+
+from autopar.errors import UserError
+from autopar.spec import ModelSpec, parse_model_spec
+
+TWIN_LAYERS = 2
+TWIN_HEADS = 4
+TWIN_HEAD_DIM = 16
+TWIN_FFN = 128
+TWIN_VOCAB = 128
+TWIN_SEQ = 16
+TWIN_BATCH = 4
+"""Global batch of every check (sequences of ``TWIN_SEQ`` tokens)."""
+STEPS = 2
+LR = 0.1
+"""SGD learning rate of the checks: large enough that ``lr·g`` stands well above float32
+rounding of the weights."""
+LOSS_TOL = 1e-5
+"""Absolute loss tolerance (fp32; a wrong layout is off by 1e-3 to 1e-1)."""
+GRAD_REL_TOL = 1e-3
+"""Per weight tensor: max |w - w_ref| <= GRAD_REL_TOL * max |w_ref - w_0| + GRAD_ABS_TOL."""
+GRAD_ABS_TOL = 1e-6
+
+
+class Check(StrEnum):
+    """A parallel dimension (or runtime feature) the twin proves."""
+
+    DP = "dp"
+    """FSDP2 (ZeRO-3) over 2 ranks."""
+    TP = "tp"
+    """Tensor parallelism over 2 ranks."""
+    SP = "sp"
+    """Tensor parallelism with sequence parallelism."""
+    PP = "pp"
+    """Two pipeline stages (1F1B)."""
+    SELECTIVE = "selective"
+    """Selective recompute of the attention core."""
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class Verdict:
+    check: Check
+    ok: bool
+    reason: str = ""
+    """Why it failed (one line), empty when it passed."""
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class Verification:
+    """The verdicts of one architecture's twin."""
+
+    model: str
+    """The model's spec as the user wrote it."""
+    twin: str
+    """The twin's spec (what ran)."""
+    verdicts: tuple[Verdict, ...]
+
+    def allows(self, check: Check) -> bool:
+        return all(v.ok for v in self.verdicts if v.check == check)
+
+    def refusals(self) -> dict[str, str]:
+        """``{check: one-line reason}`` of each failed check."""
+        return {v.check.value: v.reason for v in self.verdicts if not v.ok}
+
+
+def _hf_keys(config: object) -> dict[str, str]:
+    """The config's own attribute name for each shape field (``hf._KEYS``, first present)."""
+    from autopar.hf import _KEYS
+    present = config.to_dict()  # type: ignore[attr-defined]
+    return {field: next(k for k in keys if k in present) for field, keys in _KEYS.items()
+            if any(k in present for k in keys)}
+
+
+def twin_kv_heads(spec: ModelSpec) -> int:
+    """The twin's key/value heads: MHA stays MHA, MQA stays MQA, GQA becomes 2 groups of 2."""
+    if spec.num_kv_heads == spec.heads:
+        return TWIN_HEADS
+    return 1 if spec.num_kv_heads == 1 else 2
+
+
+def _hf_twin(spec: ModelSpec) -> str:
+    from autopar.hf import make_config
+    from autopar.spec import hf_option_values
+    values = hf_option_values(spec.options)
+    values.pop("seq", None)
+    real = make_config(spec.source, values)
+    keys = _hf_keys(real)
+    hidden = TWIN_HEADS * TWIN_HEAD_DIM
+    size = {"layers": TWIN_LAYERS, "hidden": hidden, "heads": TWIN_HEADS, "kv_heads": twin_kv_heads(spec),
+            "ffn": TWIN_FFN, "vocab": TWIN_VOCAB}
+    twin: dict[str, object] = {keys[f]: v for f, v in size.items() if f in keys}
+    real_dict = real.to_dict()
+    for key, value in real_dict.items():
+        if key in twin or isinstance(value, bool):
+            continue
+        if isinstance(value, float) and ("dropout" in key or "pdrop" in key) and value:
+            twin[key] = 0.0
+        elif isinstance(value, int) and key == "head_dim":
+            twin[key] = TWIN_HEAD_DIM
+        elif isinstance(value, int) and value == spec.hidden and key not in ("max_position_embeddings",):
+            twin[key] = hidden  # another width tied to the hidden size (OPT's word_embed_proj_dim)
+        elif isinstance(value, int) and key.endswith("token_id") and value >= TWIN_VOCAB:
+            twin[key] = TWIN_VOCAB - 1
+    for key, value in values.items():  # the user's other options, as written
+        twin.setdefault(key, value)
+    items = ",".join(f"{k}={v!r}" if isinstance(v, str) else f"{k}={v}" for k, v in sorted(twin.items()))
+    return f"hf:{spec.source}:{items},seq={TWIN_SEQ}"
+
+
+def twin_spec_text(spec: ModelSpec) -> str:
+    """The ``--model`` spec of ``spec``'s twin."""
+    if spec.arch == "hf":
+        return _hf_twin(spec)
+    if spec.builtin:
+        base = (f"layers={TWIN_LAYERS},hidden={TWIN_HEADS * TWIN_HEAD_DIM},heads={TWIN_HEADS},"
+                f"vocab={TWIN_VOCAB},seq={TWIN_SEQ}")
+        if spec.arch == "llama":
+            return f"llama:{base},kv_heads={twin_kv_heads(spec)},ffn={TWIN_FFN}"
+        return f"gpt:{base},tied={int(spec.tied)}"
+    raise UserError(f"autopar verify checks HF and built-in models, not {spec.arch} models ({spec.name})")
+
+
+def check_plan(twin: str, check: Check | None):
+    """The 2-rank plan of ``check`` on the twin; ``None``: the one-process reference."""
+    from autopar.plan import Mesh, Plan
+    kw: dict = dict(model=twin, cluster="cpu-local", global_batch=TWIN_BATCH, seq_len=TWIN_SEQ, dtype="fp32",
+                    stage_layers=(TWIN_LAYERS,), recompute=("none",) * TWIN_LAYERS)
+    if check is None:
+        return Plan(gpus=1, mesh=Mesh(), micro_batch_size=TWIN_BATCH, num_microbatches=1, **kw)
+    if check == Check.DP:
+        return Plan(gpus=2, mesh=Mesh(dp=2), zero_stage=3, micro_batch_size=1, num_microbatches=2, **kw)
+    if check == Check.SELECTIVE:
+        kw["recompute"] = ("selective",) * TWIN_LAYERS
+        return Plan(gpus=2, mesh=Mesh(dp=2), micro_batch_size=1, num_microbatches=2, **kw)
+    if check in (Check.TP, Check.SP):
+        return Plan(gpus=2, mesh=Mesh(tp=2), sequence_parallel=check == Check.SP, micro_batch_size=2,
+                    num_microbatches=2, **kw)
+    kw["stage_layers"] = (1,) * 2
+    return Plan(gpus=2, mesh=Mesh(pp=2), micro_batch_size=1, num_microbatches=4, **kw)
+
+
+def _reference(twin: str):
+    """(losses, initial weights, final weights) of one process."""
+    import torch
+
+    from autopar.runtime.context import ParallelContext
+    from autopar.runtime.state import full_state
+    from autopar.runtime.train import build_program, train
+    plan = check_plan(twin, None)
+    ctx = ParallelContext(mesh=None, device=torch.device("cpu"))
+    prog = build_program(plan, ctx, _config())
+    start = full_state(prog)
+    result = train(plan, STEPS, ctx, _config(), program=prog)
+    return result.losses, start, full_state(prog)
+
+
+def _config():
+    from autopar.runtime.train import TrainConfig
+    return TrainConfig(lr=LR, optimizer="sgd")
+
+
+def _compare(losses: list[float], state: dict, ref) -> str:
+    """Why a run differs from the reference (one line), or ""."""
+    ref_losses, start, final = ref
+    for step, (got, want) in enumerate(zip(losses, ref_losses)):
+        if abs(got - want) > LOSS_TOL:
+            return f"loss at step {step} is {got:.6f}, one process gives {want:.6f}"
+    if state.keys() != final.keys():
+        return f"weights differ in names: {sorted(set(state) ^ set(final))[:3]}"
+    for key, want in final.items():
+        moved = (want - start[key]).abs().max().item()
+        err = (state[key] - want).abs().max().item()
+        if err > GRAD_REL_TOL * moved + GRAD_ABS_TOL:
+            return f"the gradient of {key} differs (weight off by {err:.2g} after steps of {moved:.2g})"
+    return ""
+
+
+def _run(twin: str, checks: list[Check], ref) -> dict[Check, Verdict]:
+    """All ``checks`` in one torchrun job; if it fails, each on its own to tell which."""
+    import torch
+
+    from autopar.runtime import RunSpec, run_job
+    with tempfile.TemporaryDirectory(prefix="autopar-verify-") as tmp:
+        wd = Path(tmp)
+        try:
+            results = run_job([RunSpec(plan=check_plan(twin, c), steps=STEPS, dump=True) for c in checks],
+                              workdir=wd, cfg=_config(), timeout_s=300)
+        except UserError as exc:
+            if len(checks) == 1:
+                return {checks[0]: Verdict(check=checks[0], ok=False, reason=_crash(str(exc)))}
+            out: dict[Check, Verdict] = {}
+            for c in checks:
+                out.update(_run(twin, [c], ref))
+            return out
+        verdicts = {}
+        for i, (c, result) in enumerate(zip(checks, results)):
+            state: dict = {}
+            for f in sorted(wd.glob(f"run{i}.final.rank*.pt")):
+                state.update(torch.load(f))
+            reason = _compare(result.losses, state, ref)
+            verdicts[c] = Verdict(check=c, ok=not reason, reason=reason)
+        return verdicts
+
+
+def _crash(message: str) -> str:
+    """A failed run's line without the launcher's prefix and log location."""
+    return message.removeprefix("the run failed: ").split("; rank logs")[0].split("; full log")[0]
+
+
+def _cache_file(twin: str) -> Path:
+    """The verdicts' file: keyed by the twin, torch's and transformers' versions and the source
+    of the code that runs it (a changed runtime proves itself again)."""
+    import torch
+    digest = hashlib.sha256(f"{twin}|{torch.__version__}|{_transformers_version()}".encode())
+    here = Path(__file__).parent
+    for f in sorted([*here.glob("runtime/*.py"), here / "model.py", here / "hf.py", Path(__file__)]):
+        digest.update(f.read_bytes())
+    root = Path(os.environ.get("AUTOPAR_CACHE") or Path.home() / ".cache" / "autopar")
+    return root / "verify" / f"{digest.hexdigest()[:24]}.json"
+
+
+def _transformers_version() -> str:
+    from importlib.metadata import PackageNotFoundError, version
+    try:
+        return version("transformers")
+    except PackageNotFoundError:
+        return ""
+
+
+def _load(path: Path, model: str) -> Verification | None:
+    try:
+        data = json.loads(path.read_text())
+        return Verification(model=model, twin=data["twin"], verdicts=tuple(
+            Verdict(check=Check(v["check"]), ok=bool(v["ok"]), reason=str(v["reason"])) for v in data["verdicts"]))
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+
+
+def verify(model: str, *, checks: tuple[Check, ...] = tuple(Check), use_cache: bool = True) -> Verification:
+    """Run (or read from the cache) the twin checks of ``model`` (a ``--model`` spec)."""
+    spec = parse_model_spec(model)
+    twin = twin_spec_text(spec)
+    path = _cache_file(twin)
+    cached = _load(path, model) if use_cache else None
+    have = {v.check: v for v in cached.verdicts} if cached else {}
+    todo = [c for c in checks if c not in have]
+    if todo:
+        ref = _reference(twin)
+        have.update(_run(twin, todo, ref))
+        try:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            path.write_text(json.dumps({"twin": twin, "verdicts": [
+                {**asdict(v), "check": v.check.value} for v in sorted(have.values(), key=lambda v: v.check.value)]},
+                indent=1))
+        except OSError:
+            pass  # an unwritable cache only costs the next run its time
+    return Verification(model=model, twin=twin, verdicts=tuple(have[c] for c in checks))
