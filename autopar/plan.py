@@ -70,6 +70,10 @@ class Plan:
     consecutive (share a node first). Megatron's order is pp, dp, tp."""
     recipe: str = "autopar"
     """The execution recipe the estimate priced (``cost_models/recipes`` name or a path)."""
+    verified: tuple[tuple[str, str], ...] = ()
+    """(check, "" if it passed else the one-line reason it failed) of each runtime feature
+    proved on the model's tiny twin before planning (``autopar verify``; ``features``); empty
+    when not verified (the built-in models are proved by autopar's own parity tests)."""
     estimate: Estimate | None = None
 
     def __post_init__(self) -> None:
@@ -94,6 +98,21 @@ class Plan:
     @property
     def num_layers(self) -> int:
         return sum(self.stage_layers)
+
+    def features(self) -> tuple[str, ...]:
+        """The runtime features this plan uses, by ``autopar verify``'s check names: dp (ZeRO
+        1-3 on FSDP2), tp, sp, pp, selective."""
+        used = {"dp": self.mesh.dp > 1 and self.zero_stage > 0, "tp": self.mesh.tp > 1,
+                "sp": self.sequence_parallel, "pp": self.mesh.pp > 1, "selective": "selective" in self.recompute}
+        return tuple(name for name, on in used.items() if on)
+
+    def refusal(self) -> str | None:
+        """Why the runtime must not run this plan: a feature it uses that the twin failed."""
+        failed = {check: reason for check, reason in self.verified if reason}
+        for feature in self.features():
+            if feature in failed:
+                return f"{self.model} failed the {feature} check on its twin ({failed[feature]}); re-plan without it"
+        return None
 
     def strategy(self) -> Strategy:
         """The cost model's view of this plan: per pipeline rank, its blocks (over its

@@ -104,7 +104,8 @@ def layer_layout(strat: Strategy, layers: int) -> tuple[tuple[int, ...], tuple[s
             tuple(m for vs in order for m in chunks[vs]))
 
 
-def plan_from_strategy(job: Job, strat: Strategy, est: Estimate | None) -> Plan:
+def plan_from_strategy(job: Job, strat: Strategy, est: Estimate | None,
+                       verified: tuple[tuple[str, str], ...] = ()) -> Plan:
     """The Plan that records ``strat`` (with its placement) for ``job``."""
     stage_layers, recompute = layer_layout(strat, job.spec.layers)
     return Plan(model=job.spec.name, cluster=job.cluster, gpus=job.gpus,
@@ -114,18 +115,30 @@ def plan_from_strategy(job: Job, strat: Strategy, est: Estimate | None) -> Plan:
                 schedule=strat.schedule, virtual_stages=strat.virtual_stages,
                 sequence_parallel=strat.sequence_parallel, stage_layers=stage_layers,
                 recompute=recompute, offload=strat.offload,
-                axis_order=strat.axis_order, recipe=job.recipe_name, estimate=est)
+                axis_order=strat.axis_order, recipe=job.recipe_name, verified=verified, estimate=est)
+
+
+def verdicts(spec: ModelSpec) -> tuple[tuple[str, str], ...]:
+    """(check, "" or why it failed) of every runtime feature on ``spec``'s twin (``autopar.verify``,
+    cached per architecture); empty for the built-in models, which autopar's own parity tests
+    prove, and for models the runtime does not train."""
+    if spec.arch != "hf":
+        return ()
+    from autopar.verify import verify
+    return tuple((v.check.value, v.reason) for v in verify(spec.name).verdicts)
 
 
 def make_plan(job: Job, pins: Pins = Pins(), time_limit_s: float = 60.0,
-              profile: ModelProfile | None = None) -> tuple[Plan, Solution]:
-    """Trace, search, and record the best strategy as a Plan."""
+              profile: ModelProfile | None = None, verify: bool = True) -> tuple[Plan, Solution]:
+    """Trace, verify the runtime's features on the model's twin (unless ``verify`` is False),
+    search without the features that failed, and record the best strategy as a Plan."""
     if time_limit_s <= 0:
         raise UserError(f"--time-limit must be positive, got {time_limit_s}")
     profile = profile or profile_spec(job.spec)
-    pins = replace(pins, recipe=job.recipe)
+    verified = verdicts(job.spec) if verify else ()
+    pins = replace(pins, recipe=job.recipe, refused=tuple(c for c, reason in verified if reason))
     sol = search(profile, job.hw, job.gpus, job.global_batch, job.dtype, pins, time_limit_s)
-    return plan_from_strategy(job, sol.strategy, sol.estimate), sol
+    return plan_from_strategy(job, sol.strategy, sol.estimate, verified), sol
 
 
 def fixed_strategy(job: Job, *, tp: int, pp: int, dp: int | None, zero: int, micro_batch: int,

@@ -14,7 +14,13 @@ _FLAGS = {"dp": "--dp", "tp": "--tp", "pp": "--pp", "zero": "--zero", "micro_bat
 
 def no_candidate_reason(model: ModelProfile, hw: HardwareProfile, gpus: int,
                         global_batch: int, pins: Pins) -> str:
-    """Why no outer candidate exists at all (divisibility, not memory)."""
+    """Why no outer candidate exists at all (divisibility, refusals; not memory)."""
+    used = {"tp": (pins.tp or 1) > 1, "pp": (pins.pp or 1) > 1, "sp": bool(pins.sequence_parallel),
+            "dp": (pins.zero or 0) > 0, "selective": pins.recompute == "selective"}
+    for check in pins.refused:
+        if used.get(check):
+            return (f"{model.name} failed autopar verify's {check} check (see `autopar verify --model ...`); "
+                    f"plan without pinning it")
     if pins.tp and (model.heads % pins.tp or model.kv_heads % pins.tp):
         return f"--tp {pins.tp} does not divide the {model.heads} heads / {model.kv_heads} kv heads"
     if pins.tp and hw.devices_per_node % pins.tp:

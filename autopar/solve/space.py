@@ -47,10 +47,13 @@ class Pins:
     recipe: ExecutionRecipe | None = None
     """The execution recipe every candidate is priced under (an input, never searched);
     None: ``autopar``, the program autopar's runtime generates."""
+    refused: tuple[str, ...] = ()
+    """Runtime features the model's twin failed (``autopar.verify.Check`` values: dp = ZeRO
+    1-3 on FSDP2, tp, sp, pp, selective): never searched, like the recipe an input."""
 
     def base(self) -> "Pins":
-        """No dimension pinned, the same recipe."""
-        return Pins(recipe=self.recipe)
+        """No dimension pinned, the same recipe and refusals."""
+        return Pins(recipe=self.recipe, refused=self.refused)
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -158,11 +161,13 @@ def outer_candidates(model: ModelProfile, hw: HardwareProfile, gpus: int, global
                      dtype: str, pins: Pins = Pins()) -> Iterator[Candidate]:
     """Every outer candidate the runtime can run, in a fixed order."""
     recipe = pins.recipe or load_recipe()
+    refused = set(pins.refused)
     for tp in _choices(pins.tp, _divisors(gpus)):
-        if hw.devices_per_node % tp or model.heads % tp or model.kv_heads % tp or gpus % tp:
+        if hw.devices_per_node % tp or model.heads % tp or model.kv_heads % tp or gpus % tp \
+                or (tp > 1 and "tp" in refused):
             continue
         for pp in _choices(pins.pp, _divisors(gpus // tp)):
-            if pp > model.layers or (gpus // tp) % pp:
+            if pp > model.layers or (gpus // tp) % pp or (pp > 1 and "pp" in refused):
                 continue
             dp = gpus // (tp * pp)
             if (pins.dp is not None and dp != pins.dp) or global_batch % dp:
@@ -173,14 +178,20 @@ def outer_candidates(model: ModelProfile, hw: HardwareProfile, gpus: int, global
                 if rem or (pp > 1 and m < pp):
                     continue
                 for zero in _choices(pins.zero, [0, 1, 2, 3] if dp > 1 else [0]):
+                    if zero and "dp" in refused:
+                        continue
                     for sched, v in _schedules(pins, pp, m, model.layers):
                         if runtime_unsupported(dp=dp, pp=pp, zero=zero, schedule=sched,
                                                virtual_stages=v):
                             continue
                         for sp in _choices(pins.sequence_parallel, [False, True] if tp > 1 else [False]):
-                            if sp and tp == 1:
+                            if sp and (tp == 1 or "sp" in refused):
                                 continue  # SP splits what TP replicates: nothing at tp = 1
                             for nominal, modes in _mode_sets(pins, sched):
+                                if "selective" in refused:
+                                    modes = tuple(i for i in modes if RECOMPUTE[i] != "selective")
+                                    if not modes or nominal == "selective":
+                                        continue
                                 for order, off in itertools.product(orders, _offloads(pins, hw)):
                                     if off and runtime_unsupported(
                                             dp=dp, pp=pp, zero=zero, schedule=sched,
