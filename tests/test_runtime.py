@@ -224,6 +224,21 @@ def test_failure_on_a_rank_is_one_line(tmp_path, monkeypatch):
     assert (kept / "run.log").is_file()
 
 
+def test_a_rank_killed_without_a_report_is_named(tmp_path):
+    """No rank reported (killed by a signal, e.g. out of memory): the rank torchrun names as the
+    root cause, how it ended, and the last line it wrote."""
+    from autopar.runtime.launch import _first_error
+    logs = tmp_path / "logs" / "job_x"
+    for rank, text in ((0, "step 0\n"), (1, "loading stage 1\n=====\n")):
+        (logs / "attempt_0" / str(rank)).mkdir(parents=True)
+        (logs / "attempt_0" / str(rank) / "stderr.log").write_text(text)
+    log = ("Failures:\n[1]:\n  rank      : 0 (local_rank: 0)\n  exitcode  : -15 (pid: 11)\n"
+           "Root Cause (first observed failure):\n[0]:\n  time      : now\n  rank      : 1 (local_rank: 1)\n"
+           "  exitcode  : -9 (pid: 12)\n============\n")
+    assert _first_error(tmp_path, logs, log) == "rank 1 killed by signal 9: loading stage 1"
+    assert _first_error(tmp_path, None, "torchrun: bad flag\n=====\n") == "torchrun: bad flag"
+
+
 def test_rank_report_is_the_first_meaningful_line():
     """BaseExceptions are reported too; DCP's CheckpointException by the exception it wraps;
     lines of punctuation only (rules of '=') are skipped."""

@@ -68,12 +68,13 @@ def _first_error(wd: Path, logs: Path | None, log: str) -> str:
             err = wd / f"rank{rank}.err"
             return err.stat().st_mtime_ns if err.is_file() else float("inf")
         return reports[min(reports, key=lambda r: (written(r), r))]
-    cause = re.search(r"rank\s*:\s*(\d+).*?exitcode\s*:\s*(-?\d+)", log, re.S)
+    root = log.rpartition("Root Cause")[2] or log  # torchrun's summary lists other failures first
+    cause = re.search(r"\brank\s*:\s*(\d+).*?\bexitcode\s*:\s*(-?\d+)", root, re.S)
     if cause:
         rank, code = int(cause.group(1)), int(cause.group(2))
         how = f"killed by signal {-code}" if code < 0 else f"exited with code {code}"
-        path = _rank_logs(logs).get(rank)
-        last = _meaningful(path.read_text(errors="replace").splitlines()) if path else ""
+        rank_log = _rank_logs(logs).get(rank)
+        last = _meaningful(rank_log.read_text(errors="replace").splitlines()) if rank_log else ""
         return f"rank {rank} {how}" + (f": {last}" if last else "")
     return _meaningful(log.splitlines()) or "no output"
 
