@@ -7,24 +7,32 @@ only when an ``hf:`` or MoE spec is used. Nothing is downloaded: models are buil
 
 from __future__ import annotations
 
+import contextlib
 import importlib
+import re
+from collections.abc import Iterator
 from typing import Any
 
 from autopar.errors import UserError
 from autopar.spec import ModelSpec, hf_option_values
 
-# Config attribute names across model families, first match wins.
+# Config attribute names across model families, first match wins (Falcon's and other
+# multi-query configs' kv heads are derived: see _kv_heads). No MLP width means 4 x hidden
+# (GPT-2's n_inner=None, Bloom, MPT: transformers' MptMLP ignores expansion_ratio).
 _KEYS = {
-    "layers": ("num_hidden_layers", "n_layer", "num_layers"),
+    "layers": ("num_hidden_layers", "n_layer", "num_layers", "n_layers"),
     "hidden": ("hidden_size", "n_embd", "d_model"),
-    "heads": ("num_attention_heads", "n_head"),
-    "kv_heads": ("num_key_value_heads",),
-    "ffn": ("intermediate_size", "n_inner", "ffn_dim"),
+    "heads": ("num_attention_heads", "n_head", "n_heads"),
+    "kv_heads": ("num_key_value_heads", "num_kv_heads"),
+    "ffn": ("intermediate_size", "n_inner", "ffn_dim", "ffn_hidden_size"),
     "vocab": ("vocab_size",),
-    "seq": ("max_position_embeddings", "n_positions", "n_ctx"),
+    "seq": ("max_position_embeddings", "n_positions", "n_ctx", "max_seq_len", "seq_length"),
     "experts": ("num_local_experts", "num_experts"),
     "topk": ("num_experts_per_tok",),
 }
+_REQUIRED = ("layers", "hidden", "heads", "vocab", "seq")
+_MAX_MESSAGE = 200
+"""Characters of a transformers error kept in the one-line message."""
 
 
 def transformers_module() -> Any:
@@ -36,27 +44,93 @@ def transformers_module() -> Any:
                         "(or pip install 'transformers>=4.45')") from None
 
 
+@contextlib.contextmanager
+def _quiet(tf: Any) -> Iterator[None]:
+    """transformers' warnings off (its config checks log several lines per bad value; autopar
+    reports bad input on one line, and what it cannot build raises)."""
+    level = tf.logging.get_verbosity()
+    tf.logging.set_verbosity_error()
+    try:
+        yield
+    finally:
+        tf.logging.set_verbosity(level)
+
+
+def _one_line(exc: BaseException) -> str:
+    """``exc`` on one line: its type and first meaningful line, with the next one when the first
+    only introduces it (huggingface_hub's "Validation error for field 'x':" + the cause)."""
+    lines = [line.strip() for line in str(exc).splitlines() if any(c.isalnum() for c in line)]
+    text = lines[0] if lines else ""
+    if text.endswith(":") and len(lines) > 1:
+        text = f"{text} {lines[1]}"
+    text = text if len(text) <= _MAX_MESSAGE else text[:_MAX_MESSAGE - 1] + "…"
+    return f"{type(exc).__name__}: {text}" if text else type(exc).__name__
+
+
+def _culprit(exc: BaseException, overrides: dict[str, object]) -> str:
+    """``"; check key=value"`` for the override(s) the error names by key or by value, else ''."""
+    text = str(exc)
+    named = [k for k, v in overrides.items()
+             if re.search(rf"\b{re.escape(k)}\b", text) or (isinstance(v, str) and v
+                                                             and re.search(rf"\b{re.escape(v)}\b", text))]
+    return f"; check {', '.join(f'{k}={overrides[k]!r}' for k in named)}" if named else ""
+
+
 def make_config(cls_name: str, overrides: dict[str, object]) -> Any:
-    """An instance of ``transformers.<cls_name>`` with ``overrides``, for training (no KV cache)."""
+    """An instance of ``transformers.<cls_name>`` with ``overrides``, for training (no KV cache).
+    Whatever the config class rejects (transformers 5 raises TypeError, ValueError or
+    huggingface_hub's strict-dataclass errors) is one line naming the class and the key."""
     tf = transformers_module()
     cls = getattr(tf, cls_name, None)
     if cls is None or not (isinstance(cls, type) and issubclass(cls, tf.PretrainedConfig)):
         raise UserError(f"{cls_name!r} is not a transformers config class; use e.g. LlamaConfig, "
                         "GPT2Config or MixtralConfig")
     try:
-        config = cls(**overrides)
-    except (TypeError, ValueError) as exc:
-        raise UserError(f"{cls_name}({', '.join(overrides)}) failed: {str(exc).splitlines()[0]}") from None
+        with _quiet(tf):
+            config = cls(**overrides)
+    except Exception as exc:  # noqa: BLE001 - any rejection of user values is bad input
+        raise UserError(f"{cls_name}({', '.join(overrides)}) failed: {_one_line(exc)}") from None
     config.use_cache = False
+    vocab, pad = getattr(config, "vocab_size", None), getattr(config, "pad_token_id", None)
+    if isinstance(vocab, int) and isinstance(pad, int) and not 0 <= pad < vocab:
+        raise UserError(f"{cls_name}: pad_token_id={pad} is not a token id of vocab_size={vocab}; "
+                        f"add pad_token_id=None (or an id below {vocab}) to the spec")
     return config
 
 
-def _get(config: Any, field: str, default: int = 0) -> int:
+def _get(config: Any, field: str, default: int = 0) -> tuple[str, int]:
+    """The first of ``field``'s keys that ``config`` has as an int, and its value."""
     for key in _KEYS[field]:
         value = getattr(config, key, None)
         if isinstance(value, int) and not isinstance(value, bool):
-            return value
-    return default
+            return key, value
+    return "", default
+
+
+def _kv_heads(config: Any, heads: int) -> int:
+    """Key/value heads as the attention layer builds them (0: as many as ``heads``). Falcon
+    (transformers' FalconAttention): ``num_kv_heads`` with the new decoder architecture, else one
+    shared head when ``multi_query`` (its default), else ``heads``; other multi-query configs
+    (GPTBigCode) have one."""
+    if hasattr(config, "new_decoder_architecture"):
+        if config.new_decoder_architecture:
+            return _get(config, "kv_heads", heads)[1]
+        return 1 if config.multi_query else heads
+    if getattr(config, "multi_query", None) is True:
+        return 1
+    return _get(config, "kv_heads")[1]
+
+
+def check_causal_lm(config: Any) -> None:
+    """Refuse what is not a decoder-only causal LM, before any tracing: encoder-decoder models
+    (T5, BART, ...) and configs ``AutoModelForCausalLM`` has no model for."""
+    tf = transformers_module()
+    name = type(config).__name__
+    if getattr(config, "is_encoder_decoder", False):
+        raise UserError(f"not supported: {name} is an encoder-decoder model; autopar plans decoder-only causal LMs")
+    if type(config) not in tf.MODEL_FOR_CAUSAL_LM_MAPPING:
+        raise UserError(f"not supported: {name} is not a causal LM (AutoModelForCausalLM has no model for it); "
+                        "autopar plans decoder-only causal LMs")
 
 
 def spec_from_hf(text: str, cls_name: str, options: tuple[tuple[str, str], ...]) -> ModelSpec:
@@ -68,12 +142,22 @@ def spec_from_hf(text: str, cls_name: str, options: tuple[tuple[str, str], ...])
     values = hf_option_values(options)
     seq = values.pop("seq", None)
     config = make_config(cls_name, values)
-    shape = {f: _get(config, f) for f in _KEYS}
+    check_causal_lm(config)
+    found = {f: _get(config, f) for f in _KEYS}
+    shape = {f: value for f, (_, value) in found.items()}
+    shape["kv_heads"] = _kv_heads(config, shape["heads"])
     if seq is not None:
-        if not isinstance(seq, int) or seq <= 0:
+        if not isinstance(seq, int) or isinstance(seq, bool) or seq <= 0:
             raise UserError(f"seq={seq!r} in {text!r} must be a positive integer")
         shape["seq"] = seq
-    missing = [f for f in ("layers", "hidden", "heads", "vocab", "seq") if shape[f] <= 0]
+    for field in ("layers", "hidden", "heads", "kv_heads", "ffn", "vocab", "seq"):
+        key, value = found[field]
+        if key and value <= 0 and not (field == "seq" and seq is not None):
+            raise UserError(f"{cls_name}: {key}={value} must be a positive integer")
+    if shape["seq"] <= 0:
+        raise UserError(f"{cls_name} has no maximum sequence length that autopar recognises "
+                        f"({', '.join(_KEYS['seq'])}); add seq=S to the spec, e.g. hf:{cls_name}:...,seq=2048")
+    missing = [f for f in _REQUIRED if shape[f] <= 0]
     if missing:
         raise UserError(f"{cls_name} has no {', '.join(missing)} that autopar recognises; "
                         "use path/to/file.py:factory for this model")
@@ -100,9 +184,12 @@ def build_hf(spec: ModelSpec, dtype: Any) -> Any:
         config = make_config(spec.source, values)
     else:
         config = mixtral_config(spec)
-    with torch.device("meta"):
+    check_causal_lm(config)
+    with torch.device("meta"), _quiet(tf):
         try:
             model = tf.AutoModelForCausalLM.from_config(config, dtype=dtype)
-        except ValueError:  # not a causal LM: the bare model
-            model = tf.AutoModel.from_config(config, dtype=dtype)
+        except Exception as exc:  # noqa: BLE001 - the config's values are the user's
+            given = hf_option_values(spec.options) if spec.arch == "hf" else {}
+            raise UserError(f"building {type(config).__name__}'s model failed: {_one_line(exc)}"
+                            f"{_culprit(exc, given)}") from None
     return model.train()

@@ -111,8 +111,11 @@ TINY = "gpt:layers=2,hidden=32,heads=2,vocab=64,seq=16,tied=0"
 
 
 @pytest.mark.slow
-def test_plan_then_run_prints_one_loss_per_step(tmp_path):
-    """design.md: `autopar run PLAN --json` prints one global-batch loss and one time per step."""
+def test_plan_then_run_prints_one_loss_per_step(tmp_path, monkeypatch):
+    """design.md: `autopar run PLAN --json` prints one global-batch loss and one time per step;
+    the run's temporary directory is removed after success."""
+    import tempfile
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
     plan_file = tmp_path / "plan.json"
     res = invoke("plan", "--model", TINY, "--cluster", "cpu-local", "--gpus", "2", "--global-batch", "4",
                  "--dtype", "fp32", "--tp", "2", "--out", str(plan_file))
@@ -124,6 +127,7 @@ def test_plan_then_run_prints_one_loss_per_step(tmp_path):
     assert len(data["losses"]) == len(data["step_times_s"]) == 2
     # Uniform random tokens over 64 ids: the first loss is close to ln 64 = 4.16.
     assert abs(data["losses"][0] - 4.16) < 0.1 and all(t > 0 for t in data["step_times_s"])
+    assert not list(tmp_path.glob("autopar-run-*"))
 
 
 @pytest.mark.slow

@@ -201,13 +201,53 @@ def test_hf_buffers_are_hf_values():
     assert stage(x).std() > 1e-3
 
 
-def test_failure_on_a_rank_is_one_line(tmp_path):
-    """A plan the runtime refuses fails on every rank with one line naming the fix."""
+def test_failure_on_a_rank_is_one_line(tmp_path, monkeypatch):
+    """A plan the runtime refuses fails on every rank with one line naming the fix and the kept
+    run directory: each rank's traceback (rank<R>.err) and its own stderr file (torchrun's
+    --log-dir/--redirects), so two ranks' messages are never spliced into one line."""
+    import re
+    import tempfile
     from autopar.errors import UserError
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
     bad = make_plan(GPT, pp=2, dp=2, zero=3, mbs=1, m=2, schedule="zero-bubble")
     with pytest.raises(UserError, match="zero-bubble schedule does not compose with ZeRO-3") as err:
-        run_job([RunSpec(plan=bad, steps=1)], workdir=tmp_path, timeout_s=300)
-    assert "\n" not in str(err.value)
+        run_job([RunSpec(plan=bad, steps=1)], timeout_s=300)
+    message = str(err.value)
+    assert "\n" not in message
+    assert re.match(r"the run failed: rank \d: ValueError: ", message), message
+    kept = Path(message.rpartition("; rank logs and tracebacks in ")[2])
+    assert kept.parent == tmp_path and kept.is_dir()
+    for rank in range(4):
+        assert "Traceback" in (kept / f"rank{rank}.err").read_text()
+        [stderr] = kept.glob(f"logs/*/attempt_0/{rank}/stderr.log")
+        assert stderr.read_text().startswith(f"autopar: rank {rank}: ValueError: the zero-bubble")
+    assert (kept / "run.log").is_file()
+
+
+def test_a_rank_killed_without_a_report_is_named(tmp_path):
+    """No rank reported (killed by a signal, e.g. out of memory): the rank torchrun names as the
+    root cause, how it ended, and the last line it wrote."""
+    from autopar.runtime.launch import _first_error
+    logs = tmp_path / "logs" / "job_x"
+    for rank, text in ((0, "step 0\n"), (1, "loading stage 1\n=====\n")):
+        (logs / "attempt_0" / str(rank)).mkdir(parents=True)
+        (logs / "attempt_0" / str(rank) / "stderr.log").write_text(text)
+    log = ("Failures:\n[1]:\n  rank      : 0 (local_rank: 0)\n  exitcode  : -15 (pid: 11)\n"
+           "Root Cause (first observed failure):\n[0]:\n  time      : now\n  rank      : 1 (local_rank: 1)\n"
+           "  exitcode  : -9 (pid: 12)\n============\n")
+    assert _first_error(tmp_path, logs, log) == "rank 1 killed by signal 9: loading stage 1"
+    assert _first_error(tmp_path, None, "torchrun: bad flag\n=====\n") == "torchrun: bad flag"
+
+
+def test_rank_report_is_the_first_meaningful_line():
+    """BaseExceptions are reported too; DCP's CheckpointException by the exception it wraps;
+    lines of punctuation only (rules of '=') are skipped."""
+    from torch.distributed.checkpoint.api import CheckpointException
+    from autopar.runtime.worker import report
+    wrapped = CheckpointException("load", {0: (FileNotFoundError("no __0.metadata"), None)})
+    assert report(wrapped, 3) == "rank 3: CheckpointException: FileNotFoundError: no __0.metadata"
+    assert report(RuntimeError("\n=====\n  --- \nthe cause\nmore"), 0) == "rank 0: RuntimeError: the cause"
+    assert report(KeyboardInterrupt(), 1) == "rank 1: KeyboardInterrupt: KeyboardInterrupt"
 
 
 @pytest.mark.slow

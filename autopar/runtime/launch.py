@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import json
 import os
+import re
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -34,53 +36,105 @@ class RunSpec:
     resume) beside the job's result, for comparisons."""
 
 
-def _first_error(log: str) -> str:
-    """The first rank's one-line report, else the log's last line."""
-    for line in log.splitlines():
-        if line.startswith("autopar: rank"):
-            return line.removeprefix("autopar: ")
-    tail = [line for line in log.splitlines() if line.strip()]
-    return tail[-1] if tail else "no output"
+def _rank_logs(logs: Path | None) -> dict[int, Path]:
+    """Each rank's stderr file in the job's torchrun log directory ``logs``
+    (``attempt_<n>/<rank>/stderr.log``; one node: local rank = rank; the last attempt)."""
+    found: dict[int, Path] = {}
+    if logs is None:
+        return found
+    attempts = [p for p in logs.glob("attempt_*") if p.name.removeprefix("attempt_").isdigit()]
+    for attempt in sorted(attempts, key=lambda p: int(p.name.removeprefix("attempt_"))):
+        for path in attempt.glob("*/stderr.log"):
+            if path.parent.name.isdigit():
+                found[int(path.parent.name)] = path
+    return found
+
+
+def _meaningful(lines: list[str]) -> str:
+    """The last line with a letter or digit (skips rules of ``=`` and ``-``), or ''."""
+    return next((line.strip() for line in reversed(lines) if any(c.isalnum() for c in line)), "")
+
+
+def _first_error(wd: Path, logs: Path | None, log: str) -> str:
+    """The one-line report of the rank that failed first (the earliest ``rank<R>.err``);
+    without one, the rank torchrun names as the root cause and its exit code or last line."""
+    reports = {}
+    for rank, path in _rank_logs(logs).items():
+        lines = [line for line in path.read_text(errors="replace").splitlines() if line.startswith("autopar: rank")]
+        if lines:
+            reports[rank] = lines[-1].removeprefix("autopar: ")
+    if reports:
+        def written(rank: int) -> float:
+            err = wd / f"rank{rank}.err"
+            return err.stat().st_mtime_ns if err.is_file() else float("inf")
+        return reports[min(reports, key=lambda r: (written(r), r))]
+    root = log.rpartition("Root Cause")[2] or log  # torchrun's summary lists other failures first
+    cause = re.search(r"\brank\s*:\s*(\d+).*?\bexitcode\s*:\s*(-?\d+)", root, re.S)
+    if cause:
+        rank, code = int(cause.group(1)), int(cause.group(2))
+        how = f"killed by signal {-code}" if code < 0 else f"exited with code {code}"
+        rank_log = _rank_logs(logs).get(rank)
+        last = _meaningful(rank_log.read_text(errors="replace").splitlines()) if rank_log else ""
+        return f"rank {rank} {how}" + (f": {last}" if last else "")
+    return _meaningful(log.splitlines()) or "no output"
+
+
+def _kept(wd: Path) -> str:
+    return f"; rank logs and tracebacks in {wd}"
 
 
 def run_job(runs: list[RunSpec], *, workdir: Path | None = None, cfg: TrainConfig = TrainConfig(),
             timeout_s: float = 600.0, threads_per_rank: int = 1) -> list[RunResult]:
-    """Execute ``runs`` in turn in one torchrun job of their common size; one result each."""
+    """Execute ``runs`` in turn in one torchrun job of their common size; one result each.
+
+    Each rank's stdout and stderr go to their own files under ``<workdir>/logs`` (torchrun's
+    ``--log-dir`` and ``--redirects 3``), a failing rank's traceback to ``rank<R>.err`` and
+    torchrun's own output to ``run.log``. Without ``workdir`` a temporary directory holds them:
+    removed after a successful job, kept after a failure, which names it."""
     sizes = {r.plan.gpus for r in runs}
     if len(sizes) != 1:
         raise UserError(f"runs of one job must have the same number of devices, got {sorted(sizes)}")
     world = sizes.pop()
     own = workdir is None
-    tmp = tempfile.TemporaryDirectory(prefix="autopar-run-") if own else None
-    wd = Path(tmp.name) if tmp else Path(workdir)
+    wd = Path(tempfile.mkdtemp(prefix="autopar-run-")) if workdir is None else Path(workdir)
     wd.mkdir(parents=True, exist_ok=True)
-    try:
-        entries = []
-        for i, run in enumerate(runs):
-            run.plan.save(wd / f"plan{i}.json")
-            entries.append({"plan": str(wd / f"plan{i}.json"), "steps": run.steps, "dump": run.dump,
-                            "resume": str(run.resume) if run.resume else None,
-                            "save": str(run.save) if run.save else None})
-        out = wd / "result.json"
-        (wd / "job.json").write_text(json.dumps({"runs": entries, "out": str(out), "lr": cfg.lr, "optimizer": cfg.optimizer,
-                                                 "timeout_s": min(timeout_s, 300.0)}))
-        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={world}",
-               "-m", "autopar.runtime.worker", str(wd / "job.json")]
-        env = {**os.environ, "OMP_NUM_THREADS": str(threads_per_rank), "PYTHONWARNINGS": "ignore"}
+    entries = []
+    for i, run in enumerate(runs):
+        run.plan.save(wd / f"plan{i}.json")
+        entries.append({"plan": str(wd / f"plan{i}.json"), "steps": run.steps, "dump": run.dump,
+                        "resume": str(run.resume) if run.resume else None,
+                        "save": str(run.save) if run.save else None})
+    out = wd / "result.json"
+    for stale in (out, *wd.glob("rank*.err")):  # from an earlier job in this workdir
+        stale.unlink(missing_ok=True)
+    earlier = set((wd / "logs").glob("*"))
+    (wd / "job.json").write_text(json.dumps({"runs": entries, "out": str(out), "lr": cfg.lr, "optimizer": cfg.optimizer,
+                                             "timeout_s": min(timeout_s, 300.0)}))
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={world}",
+           f"--log-dir={wd / 'logs'}", "--redirects=3",
+           "-m", "autopar.runtime.worker", str(wd / "job.json")]
+    env = {**os.environ, "OMP_NUM_THREADS": str(threads_per_rank), "PYTHONWARNINGS": "ignore"}
+    with subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env) as proc:
         try:
-            proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout_s, env=env)
+            log, _ = proc.communicate(timeout=timeout_s)
         except subprocess.TimeoutExpired:
-            raise UserError(f"the run did not finish in {timeout_s:.0f} s; try fewer --steps") from None
-        log = proc.stdout + proc.stderr
-        (wd / "run.log").write_text(log)
-        if proc.returncode != 0 or not out.is_file():
-            where = f"; full log in {wd / 'run.log'}" if not own else ""
-            raise UserError(f"the run failed: {_first_error(log)}{where}")
-        return [RunResult(losses=r["losses"], step_times_s=r["step_times_s"], start_step=r["start_step"])
-                for r in json.loads(out.read_text())["runs"]]
-    finally:
-        if tmp is not None:
-            tmp.cleanup()
+            proc.terminate()  # torchrun stops its workers on SIGTERM (they run in their own sessions)
+            try:
+                log, _ = proc.communicate(timeout=30)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                log, _ = proc.communicate()
+            (wd / "run.log").write_text(log)
+            raise UserError(f"the run did not finish in {timeout_s:.0f} s; try fewer --steps{_kept(wd)}") from None
+    (wd / "run.log").write_text(log)
+    if proc.returncode != 0 or not out.is_file():
+        logs = max(set((wd / "logs").glob("*")) - earlier, key=lambda p: p.stat().st_mtime_ns, default=None)
+        raise UserError(f"the run failed: {_first_error(wd, logs, log)}{_kept(wd)}")
+    results = [RunResult(losses=r["losses"], step_times_s=r["step_times_s"], start_step=r["start_step"])
+               for r in json.loads(out.read_text())["runs"]]
+    if own:
+        shutil.rmtree(wd, ignore_errors=True)
+    return results
 
 
 def run_plan(plan: Plan, steps: int, *, resume: Path | None = None, save: Path | None = None) -> RunResult:

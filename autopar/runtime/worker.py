@@ -4,8 +4,10 @@ A job is a list of runs (plan, steps, optional checkpoint to resume from and to 
 whether to dump the full weights) executed in turn in one process group: runs of one job share
 the world size, so tests pay the start-up once. Rank 0 writes ``{"runs": [{"losses",
 "step_times_s", "start_step"}, ...]}`` to the job's ``out``. Every rank reports its own
-exception, on one line to stderr and in full to ``rank<R>.err`` beside the output, so a
-failure on one rank is not seen only as the others hanging.
+exception (any ``BaseException``: DCP's ``CheckpointException`` is one), on one line to stderr
+(``autopar: rank R: Type: first line``; the launcher has torchrun keep each rank's stderr in its
+own file) and in full to ``rank<R>.err`` beside the output, so a failure on one rank is not seen
+only as the others hanging.
 """
 
 from __future__ import annotations
@@ -15,6 +17,7 @@ import os
 import sys
 import traceback
 from pathlib import Path
+from typing import NoReturn
 
 import torch
 import torch.distributed as dist
@@ -54,6 +57,34 @@ def run_job(job: dict, rank: int) -> list[dict]:
     return results
 
 
+def _meaningful(text: str) -> str:
+    """The first line of ``text`` with a letter or digit (skips rules of ``=`` or ``-``), or ''."""
+    return next((line.strip() for line in text.splitlines() if any(c.isalnum() for c in line)), "")
+
+
+def report(exc: BaseException, rank: int) -> str:
+    """One line naming ``exc``: ``rank R: Type: message``. A DCP ``CheckpointException`` is
+    reported by the first exception it wraps (its own text is a multi-line traceback dump)."""
+    failures = getattr(exc, "failures", None)
+    if isinstance(failures, dict) and failures:
+        first = next(iter(failures.values()))
+        inner = first[0] if isinstance(first, tuple) and first else first
+        if isinstance(inner, BaseException):
+            return f"rank {rank}: {type(exc).__name__}: {type(inner).__name__}: {_meaningful(str(inner)) or '-'}"
+    return f"rank {rank}: {type(exc).__name__}: {_meaningful(str(exc)) or type(exc).__name__}"
+
+
+def _fail(exc: BaseException, out: Path, rank: int, code: int) -> NoReturn:
+    """Report this rank's failure (traceback to ``rank<R>.err``, one line to stderr), then exit
+    at once with ``code``: torchrun stops the other ranks, and no collective or atexit handler
+    can hang this one."""
+    try:
+        out.with_name(f"rank{rank}.err").write_text(traceback.format_exc())
+    finally:
+        print(f"autopar: {report(exc, rank)}", file=sys.stderr, flush=True)
+        os._exit(code)
+
+
 def main(argv: list[str] | None = None) -> None:
     job_file = Path((argv or sys.argv[1:])[0])
     job = json.loads(job_file.read_text())
@@ -66,11 +97,14 @@ def main(argv: list[str] | None = None) -> None:
         if dist.is_initialized():
             dist.barrier()
             dist.destroy_process_group()
-    except Exception as exc:  # report this rank's failure, then let torchrun stop the others
-        out.with_name(f"rank{rank}.err").write_text(traceback.format_exc())
-        first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
-        print(f"autopar: rank {rank}: {type(exc).__name__}: {first}", file=sys.stderr, flush=True)
-        os._exit(1)
+    except SystemExit as exc:
+        if exc.code in (0, None):  # a clean exit is not a failure
+            raise
+        _fail(exc, out, rank, exc.code if isinstance(exc.code, int) else 1)
+    except KeyboardInterrupt as exc:
+        _fail(exc, out, rank, 130)
+    except BaseException as exc:  # noqa: B036 - DCP's CheckpointException is a BaseException
+        _fail(exc, out, rank, 1)
 
 
 if __name__ == "__main__":
