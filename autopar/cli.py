@@ -24,7 +24,7 @@ from rich.table import Table
 from autopar.errors import UserError
 from autopar.plan import AXES, Plan, load_plan
 from autopar.solve import Pins, Solution, explain as explain_plan, explanation_dict
-from autopar.workflow import estimate_strategy, fixed_strategy, make_plan, read_job
+from autopar.workflow import estimate_strategy, fixed_strategy, launch_refusal, make_plan, read_job
 from cost_models import ProfileError
 from cost_models.strategy import Estimate
 
@@ -148,6 +148,9 @@ def plan(model: str = MODEL, cluster: str = CLUSTER, gpus: int = GPUS, global_ba
                                                   help="Pin the mesh axis order, outermost first, e.g. pp,dp,tp"),
          out: Optional[Path] = typer.Option(None, "--out", help="Write the plan JSON here"),
          time_limit: float = typer.Option(60.0, "--time-limit", help="Search time limit, s"),
+         verify_twin: bool = typer.Option(True, "--verify/--no-verify",
+                                          help="Prove each parallel dimension on the model's tiny twin "
+                                               "first (HF models; cached) and plan without the ones that fail"),
          recipe: Optional[str] = RECIPE, as_json: bool = JSON) -> None:
     """Search the best plan for a model on a cluster."""
     _check_cp(cp)
@@ -158,7 +161,7 @@ def plan(model: str = MODEL, cluster: str = CLUSTER, gpus: int = GPUS, global_ba
                     schedule=schedule.value if schedule else None, virtual_stages=vpp,
                     sequence_parallel=sp, recompute=recompute.value if recompute else None,
                     offload=offload, axis_order=_axis_order(axis_order))
-        result, sol = make_plan(job, pins, time_limit)
+        result, sol = make_plan(job, pins, time_limit, verify=verify_twin)
         if out is not None:
             result.save(out)
         if as_json:
@@ -226,12 +229,16 @@ def explain(plan_file: Path = typer.Argument(..., help="A plan JSON from `autopa
         job = read_job(the_plan.model, the_plan.cluster, the_plan.gpus, the_plan.global_batch,
                        the_plan.seq_len, the_plan.dtype, the_plan.recipe)
         prof = profile_spec(job.spec)
+        failed = {check: reason for check, reason in the_plan.verified if reason}
         info = explanation_dict(explain_plan(prof, job.hw, job.gpus, job.global_batch, job.dtype,
-                                             the_plan.strategy(), top_k, time_limit))
+                                             the_plan.strategy(), top_k, time_limit, tuple(failed)))
+        info["refused"] = failed
         if as_json:
             typer.echo(json.dumps(info, indent=2, sort_keys=True))
             return
         console.print(f"plan step time {info['step_time_s']:.4g} s")
+        for check, reason in failed.items():
+            console.print(f"refused: {check} (failed on the model's twin: {reason})")
         table = Table("#", "step time s", "vs plan", "alternative", title=f"top {top_k} alternatives")
         for i, alt in enumerate(info["alternatives"], 1):
             table.add_row(str(i), f"{alt['step_time_s']:.4g}",
@@ -245,6 +252,26 @@ def explain(plan_file: Path = typer.Argument(..., help="A plan JSON from `autopa
                 table.add_row(d["name"], d["chosen"], n["value"], "-" if t is None else f"{t:.4g}",
                               "does not fit" if t is None else f"{t / info['step_time_s'] - 1:+.1%}",
                               n["note"])
+        console.print(table)
+    _guard(body)
+
+
+@app.command()
+def verify(model: str = MODEL,
+           cached: bool = typer.Option(True, "--cache/--no-cache", help="Reuse verdicts cached for this architecture"),
+           as_json: bool = JSON) -> None:
+    """Prove each parallel dimension (FSDP, TP, SP, PP, selective recompute) on the model's tiny
+    twin: 2 gloo ranks against one process, losses and gradients."""
+    def body() -> None:
+        from autopar.verify import verify as run_checks
+        result = run_checks(model, use_cache=cached)
+        if as_json:
+            typer.echo(json.dumps({"model": result.model, "twin": result.twin, "checks": {
+                v.check.value: {"ok": v.ok, "reason": v.reason} for v in result.verdicts}}, indent=2, sort_keys=True))
+            return
+        table = Table("check", "result", "why", title=f"twin: {result.twin}")
+        for v in result.verdicts:
+            table.add_row(v.check.value, "equal to one process" if v.ok else "REFUSED", v.reason)
         console.print(table)
     _guard(body)
 
@@ -297,6 +324,9 @@ def run(plan_file: Path = typer.Argument(..., help="A plan JSON from `autopar pl
     """Run a plan locally under torchrun (gloo on CPU) on synthetic tokens."""
     def body() -> None:
         the_plan = load_plan(plan_file)
+        refusal = launch_refusal(the_plan)
+        if refusal:
+            raise UserError(refusal)
         from autopar.runtime import run_plan
         result = run_plan(the_plan, steps, resume=resume, save=save)
         if as_json:

@@ -117,7 +117,7 @@ def _hf_twin(spec: ModelSpec) -> str:
     for key, value in real_dict.items():
         if key in twin or isinstance(value, bool):
             continue
-        if isinstance(value, float) and ("dropout" in key or "pdrop" in key) and value:
+        if isinstance(value, float) and "drop" in key and value:
             twin[key] = 0.0
         elif isinstance(value, int) and key == "head_dim":
             twin[key] = TWIN_HEAD_DIM

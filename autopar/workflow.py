@@ -128,6 +128,20 @@ def verdicts(spec: ModelSpec) -> tuple[tuple[str, str], ...]:
     return tuple((v.check.value, v.reason) for v in verify(spec.name).verdicts)
 
 
+def launch_refusal(plan: Plan) -> str | None:
+    """Why ``plan`` must not start (one line), or None: a feature it uses failed on the model's
+    twin, as recorded in the plan or, for a plan made without verification, as verified now."""
+    known = plan.refusal()
+    if known or plan.verified or not plan.features():
+        return known
+    spec = parse_model_spec(plan.model)
+    if spec.arch != "hf":
+        return None
+    from autopar.verify import Check, verify
+    result = verify(plan.model, checks=tuple(Check(f) for f in plan.features()))
+    return replace(plan, verified=tuple((v.check.value, v.reason) for v in result.verdicts)).refusal()
+
+
 def make_plan(job: Job, pins: Pins = Pins(), time_limit_s: float = 60.0,
               profile: ModelProfile | None = None, verify: bool = True) -> tuple[Plan, Solution]:
     """Trace, verify the runtime's features on the model's twin (unless ``verify`` is False),

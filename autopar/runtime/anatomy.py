@@ -28,7 +28,8 @@ class Anatomy:
     embed: str
     """The vocabulary embedding (first stage)."""
     first_extra: tuple[str, ...]
-    """Other parameterised modules before the blocks (learned positions)."""
+    """Other parameterised modules before the blocks: learned positions, an embedding norm
+    (Bloom), an embedding projection (OPT's ``project_in``)."""
     final_norm: str
     """The norm between the last block and the head ("" if none)."""
     head: str
@@ -70,15 +71,17 @@ def anatomy(graph: ModelGraph, model: nn.Module, vocab: int) -> Anatomy:
     norms = tuple(n for n, m in block_mod.named_modules() if n and _is_norm(m))
     top = [n for n in graph.nodes if n.params and n.module]
     block_set = set(block.names)
-    order = [n.module for n in top if n.module not in block_set and not n.module.startswith(tuple(b + "." for b in block.names))]
+    inside = tuple(b + "." for b in block.names)
+    pre = {n.module for n in graph.pre}
+    order = [n.module for n in top if n.module not in block_set and not n.module.startswith(inside)]
     heads = [n.module for n in top if n.shape and n.shape[-1] == vocab and n.module not in block_set]
     embeds = [m for m in order if isinstance(model.get_submodule(m), nn.Embedding)
               and model.get_submodule(m).num_embeddings == vocab]
     if not heads or not embeds:
         raise ValueError("the tracer found no vocabulary embedding or output head in this model")
     head, embed = heads[-1], embeds[0]
-    before = order[:order.index(head)]
-    after_blocks = [m for m in before if m != embed and _is_norm(model.get_submodule(m))]
+    before = list(dict.fromkeys(order[:order.index(head)]))
+    after_blocks = [m for m in before if m != embed and m not in pre and _is_norm(model.get_submodule(m))]
     first_extra = tuple(m for m in before if m != embed and m not in after_blocks)
     return Anatomy(blocks=block.names, container=_parent(first), embed=embed, first_extra=first_extra,
                    final_norm=after_blocks[-1] if after_blocks else "", head=head,

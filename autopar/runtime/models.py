@@ -203,8 +203,9 @@ def build_stage(spec: ModelSpec, anat: Anatomy, plan: Plan, stage: int, device: 
     _keep_blocks(model, anat, stage_blocks(plan, stage))
     if not first:
         _set(model, anat.embed, None)
-        for name in anat.first_extra:
-            _set(model, name, _NoPositions())
+        for name in anat.first_extra:  # applied on the first stage: learned positions add 0, the rest pass
+            kind = type(model.get_submodule(name))
+            _set(model, name, _NoPositions() if issubclass(kind, nn.Embedding) else nn.Identity())
     if not last:
         _set(model, anat.final_norm, nn.Identity())
         _set(model, anat.head, None)

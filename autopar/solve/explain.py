@@ -72,9 +72,11 @@ def _neighbours(values: list, chosen) -> list:
 
 
 def explain(model: ModelProfile, hw: HardwareProfile, gpus: int, global_batch: int, dtype: str,
-            plan: Strategy, top_k: int = 5, time_limit_s: float = 10.0) -> Explanation:
-    """Alternatives and per-dimension neighbours of ``plan`` under the same cost model."""
-    base = Pins(recipe=plan.recipe)
+            plan: Strategy, top_k: int = 5, time_limit_s: float = 10.0,
+            refused: tuple[str, ...] = ()) -> Explanation:
+    """Alternatives and per-dimension neighbours of ``plan`` under the same cost model, without
+    the ``refused`` runtime features (``Pins.refused``)."""
+    base = Pins(recipe=plan.recipe, refused=refused)
     best = search(model, hw, gpus, global_batch, dtype, base, time_limit_s=time_limit_s, keep=top_k)
     space = list(candidates(model, hw, gpus, global_batch, dtype, base))
     dims = []
@@ -86,7 +88,7 @@ def explain(model: ModelProfile, hw: HardwareProfile, gpus: int, global_batch: i
         out = []
         for value in _neighbours(values, chosen):
             try:
-                sol = search(model, hw, gpus, global_batch, dtype, Pins(**{pin: value}, recipe=plan.recipe),
+                sol = search(model, hw, gpus, global_batch, dtype, Pins(**{pin: value}, recipe=plan.recipe, refused=refused),
                              time_limit_s=time_limit_s)
                 out.append(Neighbour(value=str(value), step_time_s=sol.estimate.step_time_s,
                                      note=describe(sol.strategy)))
