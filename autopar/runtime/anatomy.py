@@ -38,9 +38,10 @@ class Anatomy:
     """Column-parallel GEMMs of a block, relative to it."""
     row: tuple[str, ...]
     """Row-parallel GEMMs of a block, relative to it."""
-    packed: tuple[tuple[str, int], ...] = ()
-    """(column GEMM, chunks) of each GEMM whose output the block cuts into equal chunks
-    (GPT-2's fused Q/K/V: ``("attn.c_attn", 3)``)."""
+    packed: tuple[tuple[str, tuple[int, ...]], ...] = ()
+    """(column GEMM, widths of its projections) of each GEMM whose output the block cuts into
+    consecutive projections (GPT-2's fused Q/K/V: ``("attn.c_attn", (768, 768, 768))``; Phi-3's
+    GQA ``qkv_proj``: q, k and v widths)."""
     norms: tuple[str, ...]
     """Norms of a block, relative to it."""
 
@@ -86,5 +87,6 @@ def anatomy(graph: ModelGraph, model: nn.Module, vocab: int) -> Anatomy:
     return Anatomy(blocks=block.names, container=_parent(first), embed=embed, first_extra=first_extra,
                    final_norm=after_blocks[-1] if after_blocks else "", head=head,
                    column=tuple(rel.get("column", ())), row=tuple(rel.get("row", ())), norms=norms,
-                   packed=tuple((_parent(lin.name).removeprefix(first + "."), lin.packed)
+                   packed=tuple((_parent(lin.name).removeprefix(first + "."),
+                                 lin.sections or (lin.out_features // lin.packed,) * lin.packed)
                                 for lin in block.linears if lin.packed > 1))

@@ -17,6 +17,7 @@ head (``PackedLinear``), the form tensor parallelism shards.
 
 from __future__ import annotations
 
+import math
 import types
 import zlib
 from collections import OrderedDict
@@ -83,30 +84,49 @@ def _init_hf(model: nn.Module, seed: int, std: float, aliases: dict[str, str]) -
             p.zero_()
 
 
-def _unpack(y: torch.Tensor, chunks: int) -> torch.Tensor:
-    """[..., o·chunks + c] -> [..., c·width + o]: interleaved features back to whole chunks."""
-    return y.unflatten(-1, (-1, chunks)).transpose(-1, -2).flatten(-2)
+def _groups(sections: tuple[int, ...]) -> int:
+    """Row groups of a packed GEMM's stored layout: the gcd of its projections' widths."""
+    return math.gcd(*sections)
+
+
+def _unpack(y: torch.Tensor, sections: tuple[int, ...]) -> torch.Tensor:
+    """[..., group, per-group rows of each projection] -> [..., whole projections]: a stored
+    (grouped) output back to the model's order, for whichever groups ``y`` holds."""
+    g = _groups(sections)
+    parts = y.unflatten(-1, (-1, sum(sections) // g)).split([s // g for s in sections], dim=-1)
+    return torch.cat([p.flatten(-2) for p in parts], dim=-1)
+
+
+def _group_rows(t: torch.Tensor, sections: tuple[int, ...]) -> torch.Tensor:
+    """[out, ...] in the model's order -> grouped: group ``j`` holds rows
+    ``[j·s/G, (j+1)·s/G)`` of each projection of width s (G = ``_groups``)."""
+    g = _groups(sections)
+    parts = [p.unflatten(0, (g, -1)) for p in t.split(list(sections), dim=0)]
+    return torch.cat(parts, dim=1).flatten(0, 1)
 
 
 class PackedLinear(nn.Linear):
-    """A GEMM computing ``chunks`` projections at once (GPT-2's fused Q/K/V), its weight rows
-    stored interleaved — row ``o·chunks + c`` is feature ``o`` of chunk ``c`` — so that any
-    contiguous row shard (``ColwiseParallel``'s) holds the same features (heads) of every
-    chunk. ``forward`` returns the chunks one after another, as the model cuts them: [q | k | v]
-    of this rank's heads. The stored layout does not depend on the TP degree, so checkpoints
-    reshard across plans."""
+    """A GEMM computing several projections at once (GPT-2's fused Q/K/V; Phi-3's Q/K/V of
+    unequal widths under GQA), its weight rows stored in G groups (G = gcd of the widths), each
+    group holding the same fraction of every projection — equal widths: row ``o·chunks + c`` is
+    feature ``o`` of chunk ``c`` — so that any contiguous shard of groups (``ColwiseParallel``'s)
+    holds the same heads of every projection. ``forward`` returns the projections one after
+    another, as the model cuts them: [q | k | v] of this rank's heads. The stored layout does not
+    depend on the TP degree, so checkpoints reshard across plans."""
 
-    def __init__(self, in_features: int, out_features: int, chunks: int, bias: bool = True,
+    def __init__(self, in_features: int, out_features: int, sections: tuple[int, ...], bias: bool = True,
                  device: torch.device | None = None) -> None:
         super().__init__(in_features, out_features, bias=bias, device=device)
-        self.chunks = chunks
+        self.sections = sections
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         y = super().forward(x)
         if isinstance(y, DTensor):  # sharded over tp: reorder this rank's shard (TP then takes it local)
-            return DTensor.from_local(_unpack(y.to_local(), self.chunks), y.device_mesh, y.placements,
-                                      run_check=False, shape=y.shape, stride=y.stride())
-        return _unpack(y, self.chunks)
+            local = y.to_local()
+            tp = y.shape[-1] // local.shape[-1]
+            return DTensor.from_local(_unpack(local, tuple(s // tp for s in self.sections)), y.device_mesh,
+                                      y.placements, run_check=False, shape=y.shape, stride=y.stride())
+        return _unpack(y, self.sections)
 
 
 def _conv1d() -> tuple[type, ...]:
@@ -119,37 +139,37 @@ def _conv1d() -> tuple[type, ...]:
 
 
 def _to_pack(model: nn.Module, anat: Anatomy) -> list[tuple[str, nn.Module, int]]:
-    """(name, module, chunks) of each module the runtime stores in another layout: HF's
-    ``Conv1D`` (GPT-2: ``x @ W + b``, W [in, out]) and any packed ``nn.Linear``."""
+    """(name, module, projection widths) of each module the runtime stores in another layout:
+    HF's ``Conv1D`` (GPT-2: ``x @ W + b``, W [in, out]) and any packed ``nn.Linear``."""
     conv1d = _conv1d()
     packed = dict(anat.packed)
     found = []
     for name, mod in model.named_modules():
         block = next((b for b in anat.blocks if name.startswith(b + ".")), None)
-        chunks = packed.get(name.removeprefix(f"{block}."), 1) if block else 1
-        if isinstance(mod, conv1d) or (chunks > 1 and type(mod) is nn.Linear):
-            found.append((name, mod, chunks))
+        sections = packed.get(name.removeprefix(f"{block}."), ()) if block else ()
+        if isinstance(mod, conv1d) or (len(sections) > 1 and type(mod) is nn.Linear):
+            found.append((name, mod, sections))
     return found
 
 
-def _runtime_layout(mod: nn.Module, chunks: int) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """(weight [out, in], bias) of ``mod`` as an ``nn.Linear`` stores them, each chunk's rows
-    interleaved when ``chunks`` > 1 (:class:`PackedLinear`)."""
+def _runtime_layout(mod: nn.Module, sections: tuple[int, ...]) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """(weight [out, in], bias) of ``mod`` as an ``nn.Linear`` stores them, rows grouped when it
+    packs projections of ``sections`` widths (:class:`PackedLinear`)."""
     weight = mod.weight.T if isinstance(mod, _conv1d()) else mod.weight
-    weight = weight.unflatten(0, (chunks, -1)).transpose(0, 1).flatten(0, 1)
-    bias = None if mod.bias is None else mod.bias.unflatten(0, (chunks, -1)).T.flatten()
-    return weight, bias
+    if len(sections) < 2:
+        return weight, mod.bias
+    return _group_rows(weight, sections), None if mod.bias is None else _group_rows(mod.bias, sections)
 
 
 @torch.no_grad()
 def _as_linear(model: nn.Module, anat: Anatomy) -> None:
     """Every module of ``_to_pack`` becomes an ``nn.Linear`` (the form TP's styles shard), or a
     :class:`PackedLinear` when packed, holding the same function."""
-    for name, mod, chunks in _to_pack(model, anat):
-        weight, bias = _runtime_layout(mod, chunks)
+    for name, mod, sections in _to_pack(model, anat):
+        weight, bias = _runtime_layout(mod, sections)
         out_f, in_f = weight.shape
         kw = dict(bias=bias is not None, device=weight.device)
-        new = PackedLinear(in_f, out_f, chunks, **kw) if chunks > 1 else nn.Linear(in_f, out_f, **kw)
+        new = PackedLinear(in_f, out_f, sections, **kw) if len(sections) > 1 else nn.Linear(in_f, out_f, **kw)
         new.weight.copy_(weight)
         if bias is not None:
             new.bias.copy_(bias)
@@ -160,8 +180,8 @@ def _as_linear(model: nn.Module, anat: Anatomy) -> None:
 def runtime_state_dict(model: nn.Module, anat: Anatomy) -> dict[str, torch.Tensor]:
     """``model``'s state dict in the runtime's layout (what its stages load), same names."""
     state = model.state_dict()
-    for name, mod, chunks in _to_pack(model, anat):
-        weight, bias = _runtime_layout(mod, chunks)
+    for name, mod, sections in _to_pack(model, anat):
+        weight, bias = _runtime_layout(mod, sections)
         state[f"{name}.weight"] = weight.contiguous()
         if bias is not None:
             state[f"{name}.bias"] = bias.contiguous()

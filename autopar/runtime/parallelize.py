@@ -159,7 +159,7 @@ def _localize_block(block: nn.Module, anat: Anatomy, tp: int, heads: set[int]) -
     for name in anat.column:
         gemm = block.get_submodule(name)
         widths = owners.setdefault(name.rpartition(".")[0], set())
-        widths.update({gemm.out_features, gemm.out_features // packed.get(name, 1)})
+        widths.update({gemm.out_features, *packed.get(name, ())})
     for owner, widths in owners.items():
         _localize(block.get_submodule(owner), widths, heads, tp)
 

@@ -76,8 +76,10 @@ class LinearInfo:
     experts: int = 0
     """Experts stacked in the weight's leading dimension (0: a dense weight)."""
     packed: int = 1
-    """Equal chunks the model cuts this GEMM's output into along its last dimension (GPT-2's
-    fused Q/K/V: 3): a column split must shard each chunk."""
+    """Projections the model cuts this GEMM's output into along its last dimension (GPT-2's
+    fused Q/K/V: 3): a column split must shard each one."""
+    sections: tuple[int, ...] = ()
+    """Their widths in output order when packed (Phi-3's GQA ``qkv_proj``: q, k, v widths)."""
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)

@@ -188,6 +188,8 @@ class Recorder:
     linears: dict[str, list[LinearInfo]] = field(default_factory=lambda: defaultdict(list))
     linear_at: dict[str, tuple[str, int]] = field(default_factory=dict)
     """Node name -> (segment, index in ``linears``) of each weight GEMM."""
+    slices: dict[str, set[tuple[int, int]]] = field(default_factory=dict)
+    """Producer node -> (start, end) of each last-dimension slice taken of its output."""
     attention: dict[str, tuple[int, int, int, int]] = field(default_factory=dict)
     """Segment -> (heads, kv heads seen by the kernel, head dim, GEMMs before it) of its attention."""
     batch: int = 1
@@ -367,7 +369,9 @@ class MeasureRun(fx.Interpreter):
             if tables and _key(tables[0]) in rec.params and not rec.segment:
                 rec.embeddings.append(rec.params[_key(tables[0])][0])
         elif len(acts) == 1 and len(outputs) > 1:
-            _mark_packed(rec, acts[0], outputs)
+            _mark_packed(rec, acts[0], [t.shape[-1] for t in outputs if t.shape[:-1] == acts[0].shape[:-1]])
+        elif n.target is torch.ops.aten.slice.Tensor and acts:
+            _note_slice(rec, acts[0], args)
         for t in outputs:
             key = _key(t)
             rec.producer.setdefault(key, n.name)
@@ -403,22 +407,33 @@ def _follow_core(rec: Recorder, acts: list[torch.Tensor], outputs: list[torch.Te
         rec.core.update(_key(t) for t in outputs)
 
 
-def _mark_packed(rec: Recorder, x: torch.Tensor, parts: list[torch.Tensor]) -> None:
-    """``x`` cut into equal chunks along its last dimension: if ``x`` is (a view of) a
-    column-parallel GEMM's output, that GEMM packs ``len(parts)`` projections (GPT-2's fused
-    Q/K/V, a fused gate/up), and TP must shard each chunk, not the whole output."""
+def _mark_packed(rec: Recorder, x: torch.Tensor, widths: list[int]) -> None:
+    """``x`` cut along its last dimension into consecutive parts of ``widths``: if ``x`` is (a
+    view of) a column-parallel GEMM's output, that GEMM packs ``len(widths)`` projections
+    (GPT-2's fused Q/K/V, a fused gate/up, Phi-3's GQA Q/K/V), and TP must shard each one."""
     gemm = rec.linear_at.get(rec.producer.get(_key(x), ""))
-    if gemm is None or x.dim() == 0:
+    if gemm is None or x.dim() == 0 or len(widths) < 2:
         return
-    shapes = {tuple(t.shape) for t in parts}
-    if len(shapes) != 1:
-        return
-    (shape,) = shapes
     segment, index = gemm
     info = rec.linears[segment][index]
-    if (info.split == "column" and shape[:-1] == tuple(x.shape[:-1]) and x.shape[-1] == info.out_features
-            and shape[-1] * len(parts) == x.shape[-1]):
-        rec.linears[segment][index] = replace(info, packed=len(parts))
+    if info.split == "column" and x.shape[-1] == info.out_features and sum(widths) == x.shape[-1]:
+        rec.linears[segment][index] = replace(info, packed=len(widths), sections=tuple(widths))
+
+
+def _note_slice(rec: Recorder, x: torch.Tensor, args: tuple) -> None:
+    """A slice of ``x`` along its last dimension (``qkv[..., a:b]``); once the slices of a GEMM's
+    output cover it in consecutive parts, the GEMM is packed (:func:`_mark_packed`)."""
+    dim, start, end = (list(args[1:4]) + [0, None, None])[:3]
+    if x.dim() == 0 or dim % x.dim() != x.dim() - 1 or (len(args) > 4 and args[4] != 1):
+        return
+    width = int(x.shape[-1])
+    start = 0 if start is None else int(start) % width if int(start) < 0 else int(start)
+    end = width if end is None or int(end) > width else int(end) % width if int(end) < 0 else int(end)
+    parts = rec.slices.setdefault(rec.producer.get(_key(x), ""), set())
+    parts.add((start, end))
+    ordered = sorted(parts)
+    if ordered[0][0] == 0 and ordered[-1][1] == width and all(a[1] == b[0] for a, b in zip(ordered, ordered[1:])):
+        _mark_packed(rec, x, [b - a for a, b in ordered])
 
 
 def _target_name(target: Any) -> str:

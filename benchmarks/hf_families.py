@@ -1,0 +1,67 @@
+"""The HF family matrix: every common decoder-only family's tiny twin through ``autopar verify``
+(FSDP, TP, TP+SP, PP, selective recompute: 2 gloo ranks against one process), then planned on
+64 H100 with the verdicts; prints what is proved, what is refused and why, and the plan chosen.
+
+    python benchmarks/hf_families.py [family ...] [--json]
+
+The same matrix is the ``families`` test tier: ``pytest -m families tests/test_hf_families.py``.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+import time
+
+FAMILIES = {
+    "llama": "hf:LlamaConfig:num_key_value_heads=8",
+    "qwen2": "hf:Qwen2Config",
+    "mistral": "hf:MistralConfig",
+    "gpt-neox": "hf:GPTNeoXConfig",
+    "gpt2": "hf:GPT2Config",
+    "opt": "hf:OPTConfig",
+    "falcon-mqa": "hf:FalconConfig",
+    "bloom": "hf:BloomConfig:seq=2048",
+    "stablelm": "hf:StableLmConfig",
+    "phi": "hf:PhiConfig",
+    "phi3": "hf:Phi3Config:pad_token_id=None",
+    "gemma": "hf:GemmaConfig",
+    "gemma2": "hf:Gemma2Config",
+}
+"""Family -> ``--model`` (the config class's defaults: the released base model's shape)."""
+
+
+def family_row(name: str, use_cache: bool = True) -> dict:
+    """Verify ``name``'s twin and plan the family on 64 H100 without what failed."""
+    from autopar.verify import verify
+    from autopar.workflow import make_plan, read_job
+    start = time.perf_counter()
+    result = verify(FAMILIES[name], use_cache=use_cache)
+    verify_s = time.perf_counter() - start
+    plan, _ = make_plan(read_job(FAMILIES[name], "dgx-h100", 64, 512), time_limit_s=30)
+    return {"family": name, "verify_s": round(verify_s, 1),
+            "checks": {v.check.value: v.reason or "ok" for v in result.verdicts},
+            "plan": {"dp": plan.mesh.dp, "tp": plan.mesh.tp, "pp": plan.mesh.pp, "zero": plan.zero_stage,
+                     "sp": plan.sequence_parallel, "recompute": sorted(set(plan.recompute))},
+            "plan_features": list(plan.features()), "plan_refusal": plan.refusal()}
+
+
+def main(argv: list[str]) -> None:
+    as_json = "--json" in argv
+    names = [a for a in argv if not a.startswith("--")] or list(FAMILIES)
+    rows = []
+    for name in names:
+        row = family_row(name, use_cache="--no-cache" not in argv)
+        rows.append(row)
+        if not as_json:
+            bad = {c: r for c, r in row["checks"].items() if r != "ok"}
+            print(f"{name:11s} {row['verify_s']:5.1f} s  proved: "
+                  f"{','.join(c for c, r in row['checks'].items() if r == 'ok'):24s} plan: {row['plan']}", flush=True)
+            for check, reason in bad.items():
+                print(f"{'':19s}refused {check}: {reason[:140]}", flush=True)
+    if as_json:
+        print(json.dumps(rows, indent=1))
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])

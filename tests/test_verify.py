@@ -1,0 +1,111 @@
+"""Verified plans: each runtime feature is proved on a tiny twin of the model (2 gloo ranks
+against one process) before a plan uses it; what fails is refused in one line, and the planner
+never searches it.
+
+OPT is the case that ran silently wrong before (its attention reshapes with the global head
+count held as ``self.num_heads``: with TP 2 and no SP the losses were 1e-2 off one process).
+The full family matrix (13 HF families) is ``benchmarks/hf_families.py`` (marker ``families``).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+
+import pytest
+from typer.testing import CliRunner
+
+from autopar.cli import app
+from autopar.plan import Mesh, Plan, load_plan
+from autopar.solve import Pins, search
+from autopar.spec import parse_model_spec
+from autopar.trace import profile_spec
+from autopar.verify import Check, check_plan, twin_spec_text, verify
+from cost_models import load_profile
+
+runner = CliRunner()
+OPT = "hf:OPTConfig:num_hidden_layers=4,hidden_size=256,num_attention_heads=8,ffn_dim=1024,seq=512"
+
+
+@pytest.fixture
+def cache(tmp_path, monkeypatch):
+    monkeypatch.setenv("AUTOPAR_CACHE", str(tmp_path / "cache"))
+    return tmp_path / "cache"
+
+
+def test_twin_keeps_the_architecture_at_toy_size():
+    twin = parse_model_spec(twin_spec_text(parse_model_spec(OPT)))
+    assert (twin.layers, twin.hidden, twin.heads, twin.vocab, twin.seq) == (2, 64, 4, 128, 16)
+    assert "word_embed_proj_dim=64" in twin.name  # tied to the hidden size in the real model
+    assert "dropout=0.0" in twin.name
+    gqa = parse_model_spec(twin_spec_text(parse_model_spec(
+        "hf:LlamaConfig:num_attention_heads=32,num_key_value_heads=8,seq=128")))
+    assert (gqa.heads, gqa.num_kv_heads) == (4, 2)
+    mqa = parse_model_spec(twin_spec_text(parse_model_spec("hf:FalconConfig:seq=128")))
+    assert (mqa.heads, mqa.num_kv_heads) == (4, 1)  # Falcon-7B's multi-query stays multi-query
+    assert twin_spec_text(parse_model_spec("llama3-8b")).startswith("llama:layers=2,")
+
+
+def test_check_plans_use_exactly_their_feature():
+    twin = twin_spec_text(parse_model_spec(OPT))
+    for check in Check:
+        plan = check_plan(twin, check)
+        assert plan.gpus == 2 and plan.global_batch == check_plan(twin, None).global_batch
+        want = ("tp", "sp") if check == Check.SP else (check.value,)  # SP rides on TP
+        assert plan.features() == want, check
+
+
+def test_refused_features_are_never_searched():
+    model, hw = profile_spec(parse_model_spec("llama3-8b")), load_profile("dgx-h100")
+    free = search(model, hw, 64, 512, "bf16", Pins()).strategy
+    assert free.tp > 1 or free.pp > 1, "the test needs a plan that uses model parallelism"
+    for refused in (("tp",), ("pp",), ("tp", "pp", "selective"), ("dp",)):
+        s = search(model, hw, 64, 512, "bf16", Pins(refused=refused)).strategy
+        assert not ("tp" in refused and s.tp > 1) and not ("pp" in refused and s.pp > 1)
+        assert not ("dp" in refused and s.zero > 0)
+        assert not ("selective" in refused and any(c[1] for c in s.stage_recompute)), s
+
+
+def test_a_plan_names_what_failed_on_its_twin():
+    base = check_plan(twin_spec_text(parse_model_spec(OPT)), Check.SP)
+    plan = dataclasses.replace(base, verified=(("tp", ""), ("sp", "rank 0: RuntimeError: shapes")))
+    assert plan.features() == ("tp", "sp")
+    assert "failed the sp check" in plan.refusal() and "RuntimeError: shapes" in plan.refusal()
+    assert dataclasses.replace(plan, sequence_parallel=False).refusal() is None
+
+
+@pytest.mark.slow
+def test_opt_tp_is_proved_and_its_sp_refused_end_to_end(cache, tmp_path):
+    """verify: OPT's TP is now equal to one process (head counts divided per rank), its SP
+    (the decoder layer flattens [b, s, h] for the MLP) is refused with the rank's error. The
+    planner then plans OPT without SP, records the verdicts, and `run` refuses a hand-made SP
+    plan before launching anything."""
+    result = verify(OPT, checks=(Check.TP, Check.SP))
+    assert result.allows(Check.TP), result.refusals()
+    assert not result.allows(Check.SP)
+    reason = result.refusals()["sp"]
+    assert reason.startswith("rank ") and "\n" not in reason
+    assert any(cache.glob("verify/*.json"))
+
+    out = tmp_path / "opt.json"
+    r = runner.invoke(app, ["plan", "--model", OPT, "--cluster", "dgx-h100", "--gpus", "64",
+                            "--global-batch", "512", "--tp", "2", "--out", str(out), "--json"])
+    assert r.exit_code == 0, r.output
+    plan = load_plan(out)
+    assert plan.mesh.tp == 2 and not plan.sequence_parallel
+    assert dict(plan.verified)["sp"] == reason and dict(plan.verified)["tp"] == ""
+
+    r = runner.invoke(app, ["plan", "--model", OPT, "--cluster", "dgx-h100", "--gpus", "64",
+                            "--global-batch", "512", "--tp", "2", "--sp"])
+    assert r.exit_code == 2 and "failed autopar verify's sp check" in r.output
+
+    sp_plan = dataclasses.replace(check_plan(result.twin, Check.SP), model=OPT, seq_len=512,
+                                  global_batch=4)
+    bad = tmp_path / "sp.json"
+    sp_plan.save(bad)
+    r = runner.invoke(app, ["run", str(bad), "--steps", "1"])
+    assert r.exit_code == 2 and "failed the sp check on its twin" in r.output, r.output
+
+    r = runner.invoke(app, ["explain", str(out), "--json", "--time-limit", "5"])
+    assert r.exit_code == 0, r.output
+    assert json.loads(r.output)["refused"] == {"sp": reason}
