@@ -44,6 +44,9 @@ class Anatomy:
     GQA ``qkv_proj``: q, k and v widths)."""
     norms: tuple[str, ...]
     """Norms of a block, relative to it."""
+    post_norms: tuple[str, ...] = ()
+    """Those of ``norms`` applied to a row-parallel GEMM's output before the residual add
+    (Gemma-2's sandwich norms), not feeding a sub-layer."""
 
 
 def _parent(name: str) -> str:
@@ -87,6 +90,7 @@ def anatomy(graph: ModelGraph, model: nn.Module, vocab: int) -> Anatomy:
     return Anatomy(blocks=block.names, container=_parent(first), embed=embed, first_extra=first_extra,
                    final_norm=after_blocks[-1] if after_blocks else "", head=head,
                    column=tuple(rel.get("column", ())), row=tuple(rel.get("row", ())), norms=norms,
+                   post_norms=tuple(n for n in norms if f"{first}.{n}" in block.fed_by_row),
                    packed=tuple((_parent(lin.name).removeprefix(first + "."),
                                  lin.sections or (lin.out_features // lin.packed,) * lin.packed)
                                 for lin in block.linears if lin.packed > 1))

@@ -56,17 +56,20 @@ if TYPE_CHECKING:
 
 def _block_tp_plans(anat: Anatomy, sp: bool) -> list[dict]:
     """Column-parallel GEMMs into each sub-layer, row-parallel out of it. With SP the row
-    GEMMs reduce-scatter onto sequence shards, the norms run on them, and each (pre-)norm's
+    GEMMs reduce-scatter onto sequence shards, the norms run on them, and each pre-norm's
     output is all-gathered for its sub-layer — one all-gather per sub-layer however the
-    sub-layer is called (HF attention takes ``hidden_states=`` by keyword). Returned as passes
-    applied in turn (a norm gets two styles)."""
+    sub-layer is called (HF attention takes ``hidden_states=`` by keyword); a post-norm (on a
+    row GEMM's output, before the residual add) stays on its shard. Returned as passes applied
+    in turn (a pre-norm gets two styles)."""
     plan: dict = {name: ColwiseParallel() for name in anat.column}
     plan.update({name: RowwiseParallel(output_layouts=Shard(1) if sp else Replicate()) for name in anat.row})
     if not sp:
         return [plan]
-    plan.update({name: SequenceParallel() for name in anat.norms})
+    pre = [name for name in anat.norms if name not in anat.post_norms]
+    plan.update({name: SequenceParallel() for name in pre})
+    plan.update({name: SequenceParallel(use_local_output=True) for name in anat.post_norms})
     gather = {name: PrepareModuleOutput(output_layouts=Shard(1), desired_output_layouts=Replicate(),
-                                        use_local_output=True) for name in anat.norms}
+                                        use_local_output=True) for name in pre}
     return [plan, gather]
 
 

@@ -108,6 +108,9 @@ class BlockInfo:
     head_dim: int = 0
     experts: int = 0
     """Experts of the block's MoE layer (0: dense)."""
+    fed_by_row: tuple[str, ...] = ()
+    """Modules of the first repeat whose input is a row-parallel GEMM's output (Gemma-2's
+    post-norms): with sequence parallelism they stay on sequence shards."""
 
     @property
     def count(self) -> int:

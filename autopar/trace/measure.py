@@ -202,6 +202,9 @@ class Recorder:
     embeddings: list[str] = field(default_factory=list)
     """Names of the tables read by embedding lookups, in order (a weight shared with a GEMM
     carries the name ``linears`` gives it)."""
+    seen_modules: set[str] = field(default_factory=set)
+    fed_by_row: dict[str, list[str]] = field(default_factory=lambda: defaultdict(list))
+    """Segment -> modules whose first operation reads a row-parallel GEMM's output."""
     expert_counts: frozenset[int] = frozenset()
     """Leading sizes of stacked expert weights: a GEMM with that many outputs is a router."""
     segment: str = ""
@@ -328,6 +331,7 @@ class MeasureRun(fx.Interpreter):
         if mod is not None:
             weights += list(mod.parameters())
         acts = [t for t in inputs if _key(t) not in rec.params and t.is_floating_point()]
+        _note_first_input(rec, _module_of(n, self.prefix), acts)
         in_state = [rec.state.get(_key(t), REP) for t in acts]
         rec.node_state = SHARD if SHARD in in_state else REP
         rec.node_core = bool(rec.segment) and any(_key(t) in rec.core for t in acts)
@@ -418,6 +422,18 @@ def _mark_packed(rec: Recorder, x: torch.Tensor, widths: list[int]) -> None:
     info = rec.linears[segment][index]
     if info.split == "column" and x.shape[-1] == info.out_features and sum(widths) == x.shape[-1]:
         rec.linears[segment][index] = replace(info, packed=len(widths), sections=tuple(widths))
+
+
+def _note_first_input(rec: Recorder, module: str, acts: list[torch.Tensor]) -> None:
+    """On a module's first operation, whether it reads a row-parallel GEMM's output."""
+    if not module or module in rec.seen_modules:
+        return
+    rec.seen_modules.add(module)
+    for t in acts:
+        at = rec.linear_at.get(rec.producer.get(_key(t), ""))
+        if at is not None and rec.linears[at[0]][at[1]].split == "row":
+            rec.fed_by_row[rec.segment].append(module)
+            return
 
 
 def _note_slice(rec: Recorder, x: torch.Tensor, args: tuple) -> None:
