@@ -227,8 +227,10 @@ def _run(twin: str, checks: list[Check], ref) -> dict[Check, Verdict]:
 
 
 def _crash(message: str) -> str:
-    """A failed run's line without the launcher's prefix and log location."""
-    return message.removeprefix("the run failed: ").split("; rank logs")[0].split("; full log")[0]
+    """A failed run's line without the launcher's prefix and log location, at most 240
+    characters."""
+    line = message.removeprefix("the run failed: ").split("; rank logs")[0].split("; full log")[0]
+    return line if len(line) <= 240 else line[:239] + "…"
 
 
 def _cache_file(twin: str) -> Path:

@@ -21,6 +21,7 @@ FAMILIES = {
     "gpt2": "hf:GPT2Config",
     "opt": "hf:OPTConfig",
     "falcon-mqa": "hf:FalconConfig",
+    "falcon-gqa": "hf:FalconConfig:new_decoder_architecture=True,num_attention_heads=128,hidden_size=8192,num_kv_heads=8",
     "bloom": "hf:BloomConfig:seq=2048",
     "stablelm": "hf:StableLmConfig",
     "phi": "hf:PhiConfig",

@@ -115,6 +115,14 @@ def apply_tensor_parallel(model: nn.Module, ctx: ParallelContext, sp: bool, anat
     for name in blocks:
         for plan in _block_tp_plans(anat, sp):
             parallelize_module(model.get_submodule(name), mesh, plan)
+        for row in anat.row:  # after the styles' own hooks
+            model.get_submodule(f"{name}.{row}").register_forward_hook(_own_output)
+
+
+def _own_output(module: nn.Module, args: tuple, output: torch.Tensor) -> torch.Tensor:
+    """A row GEMM's output as a tensor of its own: TP hands back ``to_local()``'s view, which
+    autograd forbids modifying in place, and models do (Falcon: ``mlp_output += attn``)."""
+    return output.clone()
 
 
 def _scatter_sequence(mesh) -> Callable:
