@@ -143,13 +143,16 @@ def launch_refusal(plan: Plan) -> str | None:
 
 
 def make_plan(job: Job, pins: Pins = Pins(), time_limit_s: float = 60.0,
-              profile: ModelProfile | None = None, verify: bool = True) -> tuple[Plan, Solution]:
-    """Trace, verify the runtime's features on the model's twin (unless ``verify`` is False),
-    search without the features that failed, and record the best strategy as a Plan."""
+              profile: ModelProfile | None = None, verify: bool = True,
+              verified: tuple[tuple[str, str], ...] | None = None) -> tuple[Plan, Solution]:
+    """Trace, verify the runtime's features on the model's twin (``verdicts``; unless ``verify``
+    is False or the verdicts are given, e.g. computed once for all ranks of a job), search
+    without the features that failed, and record the best strategy as a Plan."""
     if time_limit_s <= 0:
         raise UserError(f"--time-limit must be positive, got {time_limit_s}")
     profile = profile or profile_spec(job.spec)
-    verified = verdicts(job.spec) if verify else ()
+    if verified is None:
+        verified = verdicts(job.spec) if verify else ()
     pins = replace(pins, recipe=job.recipe, refused=tuple(c for c, reason in verified if reason))
     sol = search(profile, job.hw, job.gpus, job.global_batch, job.dtype, pins, time_limit_s)
     return plan_from_strategy(job, sol.strategy, sol.estimate, verified), sol
