@@ -95,9 +95,10 @@ def check_plan(plan: Plan, traced: Traced | None = None) -> None:
             raise ValueError(reason)
 
 
-def build_context(plan: Plan, device: torch.device) -> ParallelContext:
-    """The mesh of ``plan`` over the running job (one process: no mesh, no process group)."""
-    check_plan(plan)
+def build_context(plan: Plan, device: torch.device, traced: Traced | None = None) -> ParallelContext:
+    """The mesh of ``plan`` over the running job (one process: no mesh, no process group);
+    ``traced``: the user module the plan is for, when not its ``model`` (``check_plan``)."""
+    check_plan(plan, traced)
     m = plan.mesh
     world = dist.get_world_size() if dist.is_initialized() else 1
     if world != m.size:

@@ -36,7 +36,6 @@ from autopar.runtime.usermodule import (
     build_user_stage,
     localize_inputs,
     recompute_attention_calls,
-    trace_user,
     traced_file,
 )
 from autopar.trace import build_spec_model, trace_module
@@ -108,8 +107,7 @@ def build_program(plan: Plan, ctx: ParallelContext, cfg: TrainConfig = TrainConf
     if source is None and spec.arch == "module":
         source = UserModule(spec)
     if source is not None:  # a user module: shape and anatomy off its trace (``runtime.usermodule``)
-        traced = traced_file(plan.model, plan.seq_len) if type(source) is UserModule else \
-            trace_user(source, plan.seq_len)
+        traced = source.traced(plan.seq_len)
         check_plan(plan, traced)
         spec, anat = traced.spec, traced.anatomy
     else:

@@ -71,6 +71,8 @@ class Traced:
     anatomy: Anatomy
     sdpa: bool
     """Its blocks call ``scaled_dot_product_attention`` (what selective recompute checkpoints)."""
+    graph: ModelGraph
+    """The trace (bf16, one sequence), what the cost model prices."""
 
 
 class UserModule:
@@ -82,6 +84,10 @@ class UserModule:
 
     def base_spec(self) -> ModelSpec:
         return self._spec
+
+    def traced(self, seq: int) -> Traced:
+        """Its shape and anatomy at ``seq`` tokens (traced once per process)."""
+        return traced_file(self._spec.name, seq)
 
     @contextlib.contextmanager
     def on_meta(self) -> Iterator[tuple[nn.Module, tuple[torch.Tensor, ...]]]:
@@ -100,6 +106,7 @@ class ObjectModule(UserModule):
     def __init__(self, model: nn.Module, inputs: tuple[torch.Tensor, ...], name: str) -> None:
         super().__init__(ModelSpec(arch="module", layers=0, hidden=0, heads=0, vocab=0, seq=0, name=name))
         self._model, self._inputs, self._used = model, tuple(t.to("meta") for t in inputs), False
+        self._traced: dict[int, Traced] = {}
         params = [p.is_meta for p in model.parameters()]
         if any(params) and not all(params):
             raise UserError(f"{name} has parameters on meta and others not; give all of them real values, or none")
@@ -107,6 +114,11 @@ class ObjectModule(UserModule):
         if meta_buffers:
             raise UserError(f"{name}'s buffer {meta_buffers[0]} is on meta: autopar cannot compute its value; "
                             "build the model with real tensors, or use --model file.py:factory")
+
+    def traced(self, seq: int) -> Traced:
+        if seq not in self._traced:
+            self._traced[seq] = trace_user(self, seq)
+        return self._traced[seq]
 
     @contextlib.contextmanager
     def on_meta(self) -> Iterator[tuple[nn.Module, tuple[torch.Tensor, ...]]]:
@@ -153,7 +165,7 @@ def trace_user(source: UserModule, seq: int) -> Traced:
             anat = anatomy(graph, model, spec.vocab)
         except ValueError as exc:
             raise UserError(f"{source.name}: {exc}") from None
-    return Traced(spec=spec, anatomy=anat, sdpa=calls_sdpa(graph))
+    return Traced(spec=spec, anatomy=anat, sdpa=calls_sdpa(graph), graph=graph)
 
 
 @functools.lru_cache(maxsize=8)
