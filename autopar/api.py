@@ -114,7 +114,8 @@ def parallelize(model: nn.Module, example_inputs: tuple[torch.Tensor, ...], *, c
                         f"start it with torchrun --nproc-per-node {plan.gpus}")
     if _rebuildable(model):
         if len(example_inputs) != 1:
-            raise UserError(f"example_inputs of a {type(model).__name__} are (tokens,), got {len(example_inputs)} tensors")
+            raise UserError(f"example_inputs of a {type(model).__name__} are (tokens,), "
+                            f"got {len(example_inputs)} tensors")
         if plan is None:
             job = read_job(model_spec_text(model, seq), cluster, world, global_batch, seq_len=seq, dtype=dtype)
             plan, _ = make_plan(job, time_limit_s=time_limit_s)

@@ -59,7 +59,7 @@ def _parameters_on_meta() -> Iterator[None]:
         if param is not None and not param.is_meta:
             module._parameters[name] = nn.Parameter(param.to("meta"), requires_grad=param.requires_grad)
 
-    nn.Module.register_parameter = on_meta  # type: ignore[method-assign]
+    nn.Module.register_parameter = on_meta  # type: ignore[method-assign, assignment]
     try:
         with torch.device("cpu"):
             yield

@@ -74,8 +74,8 @@ def read_job(model: str | ModelSpec, cluster: str, gpus: int, global_batch: int,
         raise UserError(f"--dtype {dtype} has no peak in profile {hw.name}; use one of "
                         f"{', '.join(sorted(hw.peak_tflops))}")
     execution = read_recipe(recipe)
-    return Job(spec=spec if traced else shaped_spec(spec), hw=hw, cluster=cluster, gpus=gpus, global_batch=global_batch,
-               dtype=dtype, recipe=execution, recipe_name=recipe or DEFAULT_RECIPE)
+    return Job(spec=spec if traced else shaped_spec(spec), hw=hw, cluster=cluster, gpus=gpus,
+               global_batch=global_batch, dtype=dtype, recipe=execution, recipe_name=recipe or DEFAULT_RECIPE)
 
 
 def layer_layout(strat: Strategy, layers: int) -> tuple[tuple[int, ...], tuple[str, ...]]:

@@ -118,3 +118,17 @@ def test_autopar_plan_then_run(tmp_path, references):
     assert res.exit_code == 0, res.output
     losses = json.loads(res.stdout.strip().splitlines()[-1])["losses"]
     assert losses == pytest.approx(references[NANO][0].losses, abs=2e-6)
+
+
+@pytest.mark.slow
+def test_verify_proves_the_user_module_itself(tmp_path, monkeypatch):
+    """A factory cannot be resized: ``autopar verify``'s twin of a user module is the module at
+    its own size (all 4 blocks, 16 tokens). minGPT's written-out attention fails the selective
+    check with the runtime's one-line reason, which the planner then leaves out."""
+    from autopar.spec import parse_model_spec
+    from autopar.verify import Check, check_plan as twin_plan, twin_spec_text, verify
+    monkeypatch.setenv("AUTOPAR_CACHE", str(tmp_path))
+    assert twin_spec_text(parse_model_spec(MINI)) == MINI
+    assert twin_plan(MINI, Check.PP).stage_layers == (2, 2) and twin_plan(MINI, None).seq_len == 16
+    (verdict,) = verify(MINI, checks=(Check.SELECTIVE,)).verdicts
+    assert not verdict.ok and "written out op by op" in verdict.reason and "\n" not in verdict.reason

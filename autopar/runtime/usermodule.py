@@ -125,15 +125,15 @@ class ObjectModule(UserModule):
         if self._used:
             raise RuntimeError("the module object is already a stage")
         saved = [(m, dict(m._parameters), dict(m._buffers)) for m in self._model.modules()]
-        memo: dict[int, torch.Tensor] = {}
+        metas: dict[int, nn.Parameter] = {}  # tied parameters stay tied
         for module, params, buffers in saved:
             for key, p in params.items():
                 if p is not None:
-                    module._parameters[key] = memo.setdefault(
+                    module._parameters[key] = metas.setdefault(
                         id(p), nn.Parameter(p.detach().to("meta"), requires_grad=p.requires_grad))
             for key, b in buffers.items():
                 if b is not None:
-                    module._buffers[key] = memo.setdefault(id(b), b.to("meta"))
+                    module._buffers[key] = b.to("meta")
         try:
             yield self._model, self._inputs
         finally:
