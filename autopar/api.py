@@ -4,10 +4,13 @@
     loss = par.step(tokens, targets)        # one optimizer step on the global batch
 
 Run under torchrun (one process per device of the plan; a single process needs none). The
-model is the built-in ``autopar.model.Transformer`` or an HF transformers causal LM, on
-``meta`` (weights initialised by autopar, the same on every layout) or with real weights
-(copied into the shards). Without a ``plan`` it is planned here for the job's world size:
-traced, priced and solved exactly as ``autopar plan`` does; the plan is on ``par.plan``.
+model is the built-in ``autopar.model.Transformer``, an HF transformers causal LM, or your own
+decoder-only LM module (nanoGPT's ``GPT``: ``example_inputs`` are then what a training step
+passes it, ``(tokens, targets)``), on ``meta`` (weights initialised by autopar, the same on
+every layout) or with real weights (copied into the shards; every rank builds the same model).
+Your own module becomes this rank's pipeline stage in place (``runtime.usermodule``: one stage
+per rank, so no interleaved schedule). Without a ``plan`` it is planned here for the job's world
+size: traced, priced and solved as ``autopar plan`` does; the plan is on ``par.plan``.
 """
 
 from __future__ import annotations
@@ -26,7 +29,10 @@ from autopar.plan import Plan
 from autopar.runtime.context import build_context, init_distributed
 from autopar.runtime.models import runtime_state_dict
 from autopar.runtime.train import Program, TrainConfig, build_program, step_on_batch
+from autopar.runtime.usermodule import ObjectModule
+from autopar.solve import Pins
 from autopar.spec import ModelSpec
+from autopar.trace import profile_from_graph
 from autopar.workflow import make_plan, read_job
 
 
@@ -58,14 +64,19 @@ def _spec_text(spec: ModelSpec, seq: int) -> str:
 _HF_SKIP = {"use_cache", "dtype", "torch_dtype", "transformers_version", "model_type", "architectures"}
 
 
+def _rebuildable(model: nn.Module) -> bool:
+    """autopar's own Transformer or an HF model: a ``--model`` spec rebuilds it."""
+    return isinstance(model, Transformer) or hasattr(getattr(model, "config", None), "to_diff_dict")
+
+
 def model_spec_text(model: nn.Module, seq: int) -> str:
     """The ``--model`` spec that rebuilds ``model``'s architecture (for the plan file)."""
     if isinstance(model, Transformer):
         return _spec_text(model.spec, seq)
     config = getattr(model, "config", None)
     if config is None or not hasattr(config, "to_diff_dict"):
-        raise UserError(f"autopar.parallelize takes autopar.model.Transformer or an HF transformers causal LM, "
-                        f"not {type(model).__name__}; wrap other models with `autopar inspect --model file.py:factory`")
+        raise UserError(f"no --model spec rebuilds a {type(model).__name__}: it is not autopar.model.Transformer "
+                        "or an HF transformers model; give autopar.parallelize the module itself")
     values = {k: v for k, v in config.to_diff_dict().items()
               if k not in _HF_SKIP and isinstance(v, (bool, int, float, str)) and "," not in str(v)}
     return f"hf:{type(config).__name__}:" + ",".join(f"{k}={v}" for k, v in sorted(values.items())) + f",seq={seq}"
@@ -88,21 +99,40 @@ def parallelize(model: nn.Module, example_inputs: tuple[torch.Tensor, ...], *, c
                 lr: float = TrainConfig().lr, time_limit_s: float = 60.0) -> Parallelized:
     """Plan (unless ``plan`` is given) and build this rank's program for ``model``.
 
-    ``example_inputs`` is one micro-batch of tokens ``(tokens,)``, [b, seq] int64: its sequence
-    length is the training length. ``cluster`` is a hardware profile name or path; the number of
-    devices is the job's world size.
+    ``example_inputs`` is one micro-batch of tokens ``(tokens,)``, [b, seq] int64 (for your own
+    module, what its training step passes, e.g. ``(tokens, targets)``, tokens first): its
+    sequence length is the training length. ``cluster`` is a hardware profile name or path; the
+    number of devices is the job's world size.
     """
     device = init_distributed() if "WORLD_SIZE" in os.environ else torch.device("cpu")
     world = dist.get_world_size() if dist.is_initialized() else 1
-    (tokens,) = example_inputs
-    seq = int(tokens.shape[-1])
-    if plan is None:
-        job = read_job(model_spec_text(model, seq), cluster, world, global_batch, seq_len=seq, dtype=dtype)
-        plan, _ = make_plan(job, time_limit_s=time_limit_s)
-    elif plan.gpus != world:
+    if not example_inputs or not all(isinstance(t, torch.Tensor) for t in example_inputs):
+        raise UserError("example_inputs must be a tuple of tensors, the tokens first")
+    seq = int(example_inputs[0].shape[-1])
+    if plan is not None and plan.gpus != world:
         raise UserError(f"the plan is for {plan.gpus} devices but the job has {world}; "
                         f"start it with torchrun --nproc-per-node {plan.gpus}")
-    prog = build_program(plan, build_context(plan, device), TrainConfig(lr=lr))
-    if not any(p.is_meta for p in model.parameters()):
-        _load_weights(prog, model)
+    if _rebuildable(model):
+        if len(example_inputs) != 1:
+            raise UserError(f"example_inputs of a {type(model).__name__} are (tokens,), "
+                            f"got {len(example_inputs)} tensors")
+        if plan is None:
+            job = read_job(model_spec_text(model, seq), cluster, world, global_batch, seq_len=seq, dtype=dtype)
+            plan, _ = make_plan(job, time_limit_s=time_limit_s)
+        prog = build_program(plan, build_context(plan, device), TrainConfig(lr=lr))
+        if not any(p.is_meta for p in model.parameters()):
+            _load_weights(prog, model)
+        return Parallelized(plan=plan, program=prog)
+    cls = type(model)
+    source = ObjectModule(model, tuple(example_inputs), f"{cls.__module__}.{cls.__qualname__}")
+    if plan is None:
+        traced = source.traced(seq)
+        job = read_job(traced.spec, cluster, world, global_batch, seq_len=seq, dtype=dtype)
+        refused = () if traced.sdpa else ("selective",)  # no SDPA call to checkpoint
+        plan, _ = make_plan(job, Pins(virtual_stages=1, refused=refused), time_limit_s=time_limit_s,
+                            profile=profile_from_graph(traced.graph, traced.spec), verify=False)
+    elif plan.virtual_stages > 1:
+        raise UserError(f"{source.name} becomes one pipeline stage per rank; give a plan with virtual_stages=1")
+    ctx = build_context(plan, device, source.traced(plan.seq_len))
+    prog = build_program(plan, ctx, TrainConfig(lr=lr), source=source)
     return Parallelized(plan=plan, program=prog)

@@ -10,6 +10,11 @@ The inputs are what a training step passes: the tracer calls ``module(*example_i
 and counts that computation. A forward that computes the loss (and the logits of every
 position) only when given targets, like nanoGPT's, needs ``(tokens, targets)``; the first input
 is the tokens, ``[batch, seq]``. What the file prints goes to stderr (stdout carries ``--json``).
+
+The runtime needs the buffers' values (a causal mask, rotary frequencies), which meta does not
+hold: ``load_user_model(spec, buffers=True)`` runs the factory on the CPU with every parameter
+moved to meta as it is registered (accelerate's ``init_empty_weights(include_buffers=False)``),
+so only buffers are computed (a parameter's ``torch.empty`` is allocated and dropped unused).
 """
 
 from __future__ import annotations
@@ -44,8 +49,27 @@ def _as_script(directory: Path) -> Iterator[None]:
         sys.path.remove(entry)
 
 
-def load_user_model(spec: ModelSpec) -> tuple[nn.Module, tuple[torch.Tensor, ...]]:
-    """Import the file of ``spec.source``, call its factory on meta, check what it returns."""
+@contextmanager
+def _parameters_on_meta() -> Iterator[None]:
+    """Factories run on the CPU, but each parameter moves to meta as a module registers it."""
+    register = nn.Module.register_parameter
+
+    def on_meta(module: nn.Module, name: str, param: nn.Parameter | None) -> None:
+        register(module, name, param)
+        if param is not None and not param.is_meta:
+            module._parameters[name] = nn.Parameter(param.to("meta"), requires_grad=param.requires_grad)
+
+    nn.Module.register_parameter = on_meta  # type: ignore[method-assign, assignment]
+    try:
+        with torch.device("cpu"):
+            yield
+    finally:
+        nn.Module.register_parameter = register  # type: ignore[method-assign]
+
+
+def load_user_model(spec: ModelSpec, *, buffers: bool = False) -> tuple[nn.Module, tuple[torch.Tensor, ...]]:
+    """Import the file of ``spec.source``, call its factory on meta, check what it returns.
+    ``buffers``: the module's buffers are computed on the CPU (its parameters stay on meta)."""
     path, _, factory = spec.source.rpartition(":")
     file = Path(path)
     name = f"autopar_user_{abs(hash(str(file.resolve())))}"
@@ -63,7 +87,7 @@ def load_user_model(spec: ModelSpec) -> tuple[nn.Module, tuple[torch.Tensor, ...
         if not callable(fn):
             raise UserError(f"{path} has no function {factory!r}")
         try:
-            with torch.device("meta"):
+            with _parameters_on_meta() if buffers else torch.device("meta"):
                 result = fn()
         except Exception as exc:
             raise UserError(f"{path}:{factory}() failed: {_one_line(exc)}") from None
@@ -74,4 +98,16 @@ def load_user_model(spec: ModelSpec) -> tuple[nn.Module, tuple[torch.Tensor, ...
     inputs = inputs if isinstance(inputs, (tuple, list)) else (inputs,)
     if not inputs or not all(isinstance(t, torch.Tensor) for t in inputs):
         raise UserError(f"{path}:{factory}() must return example inputs as a tensor or tuple of tensors")
+    if buffers:
+        moved: dict[int, nn.Parameter] = {}
+        for module in model.modules():  # a factory that placed tensors itself (tied ones stay tied)
+            for key, param in module._parameters.items():
+                if param is not None and not param.is_meta:
+                    if id(param) not in moved:
+                        moved[id(param)] = nn.Parameter(param.to("meta"), requires_grad=param.requires_grad)
+                    module._parameters[key] = moved[id(param)]
+            for key, buf in module._buffers.items():
+                if buf is not None:
+                    module._buffers[key] = buf.to("cpu")
+        return model, tuple(t.to("meta") for t in inputs)
     return model.to("meta"), tuple(t.to("meta") for t in inputs)

@@ -8,6 +8,11 @@ batch: the losses and every updated weight must agree. SGD makes a weight's chan
 ``-lr·g``, so equal weights mean equal gradients (AdamW's ``g/(|g|+ε)`` turns entries whose
 true gradient is zero into noise-sized steps of size lr).
 
+A user module (``path/to/file.py:factory``) cannot be resized: its twin is the factory itself,
+at its own size and number of blocks, trained on sequences of ``TWIN_SEQ`` tokens (fewer if
+the factory's are shorter); its cache key also covers the Python files under the factory's
+directory.
+
 A dimension that crashes or differs is refused: :func:`verify` says which and why in one line,
 the planner leaves it out of the search (``Verification.pins``) and ``explain`` shows the
 reason. Verdicts are cached per architecture (the twin's spec, autopar's and torch's versions)
@@ -132,34 +137,50 @@ def _hf_twin(spec: ModelSpec) -> str:
 
 
 def twin_spec_text(spec: ModelSpec) -> str:
-    """The ``--model`` spec of ``spec``'s twin."""
+    """The ``--model`` spec of ``spec``'s twin (a user module's: itself)."""
     if spec.arch == "hf":
         return _hf_twin(spec)
+    if spec.arch == "module":
+        return spec.name
     if spec.builtin:
         base = (f"layers={TWIN_LAYERS},hidden={TWIN_HEADS * TWIN_HEAD_DIM},heads={TWIN_HEADS},"
                 f"vocab={TWIN_VOCAB},seq={TWIN_SEQ}")
         if spec.arch == "llama":
             return f"llama:{base},kv_heads={twin_kv_heads(spec)},ffn={TWIN_FFN}"
         return f"gpt:{base},tied={int(spec.tied)}"
-    raise UserError(f"autopar verify checks HF and built-in models, not {spec.arch} models ({spec.name})")
+    raise UserError(f"autopar verify checks HF, built-in and user models, not {spec.arch} models ({spec.name})")
+
+
+def twin_shape(twin: str) -> tuple[int, int]:
+    """(blocks, sequence length) the twin's checks train: ``TWIN_LAYERS`` and ``TWIN_SEQ``,
+    or a user module's own blocks and at most ``TWIN_SEQ`` of its tokens."""
+    spec = parse_model_spec(twin)
+    if spec.arch != "module":
+        return TWIN_LAYERS, TWIN_SEQ
+    from autopar.runtime.usermodule import traced_file
+    own = traced_file(twin, 0).spec  # at the factory's own sequence length
+    return own.layers, min(TWIN_SEQ, own.seq) if own.seq else TWIN_SEQ
 
 
 def check_plan(twin: str, check: Check | None):
     """The 2-rank plan of ``check`` on the twin; ``None``: the one-process reference."""
     from autopar.plan import Mesh, Plan
-    kw: dict = dict(model=twin, cluster="cpu-local", global_batch=TWIN_BATCH, seq_len=TWIN_SEQ, dtype="fp32",
-                    stage_layers=(TWIN_LAYERS,), recompute=("none",) * TWIN_LAYERS)
+    layers, seq = twin_shape(twin)
+    kw: dict = dict(model=twin, cluster="cpu-local", global_batch=TWIN_BATCH, seq_len=seq, dtype="fp32",
+                    stage_layers=(layers,), recompute=("none",) * layers)
     if check is None:
         return Plan(gpus=1, mesh=Mesh(), micro_batch_size=TWIN_BATCH, num_microbatches=1, **kw)
     if check == Check.DP:
         return Plan(gpus=2, mesh=Mesh(dp=2), zero_stage=3, micro_batch_size=1, num_microbatches=2, **kw)
     if check == Check.SELECTIVE:
-        kw["recompute"] = ("selective",) * TWIN_LAYERS
+        kw["recompute"] = ("selective",) * layers
         return Plan(gpus=2, mesh=Mesh(dp=2), micro_batch_size=1, num_microbatches=2, **kw)
     if check in (Check.TP, Check.SP):
         return Plan(gpus=2, mesh=Mesh(tp=2), sequence_parallel=check == Check.SP, micro_batch_size=2,
                     num_microbatches=2, **kw)
-    kw["stage_layers"] = (1,) * 2
+    if layers < 2:
+        raise UserError(f"{twin} has one block: nothing to pipeline")
+    kw["stage_layers"] = (layers - layers // 2, layers // 2)
     return Plan(gpus=2, mesh=Mesh(pp=2), micro_batch_size=1, num_microbatches=4, **kw)
 
 
@@ -241,6 +262,10 @@ def _cache_file(twin: str) -> Path:
     here = Path(__file__).parent
     for f in sorted([*here.glob("runtime/*.py"), here / "model.py", here / "hf.py", Path(__file__)]):
         digest.update(f.read_bytes())
+    spec = parse_model_spec(twin)
+    if spec.arch == "module":  # the user's code: the factory's directory
+        for f in sorted(Path(spec.source.rpartition(":")[0]).resolve().parent.rglob("*.py")):
+            digest.update(f.read_bytes())
     root = Path(os.environ.get("AUTOPAR_CACHE") or Path.home() / ".cache" / "autopar")
     return root / "verify" / f"{digest.hexdigest()[:24]}.json"
 

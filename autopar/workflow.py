@@ -46,12 +46,14 @@ def read_recipe(name: str | None) -> ExecutionRecipe:
         raise UserError(str(exc)) from None
 
 
-def read_job(model: str, cluster: str, gpus: int, global_batch: int,
+def read_job(model: str | ModelSpec, cluster: str, gpus: int, global_batch: int,
              seq_len: int | None = None, dtype: str | None = None,
              recipe: str | None = None) -> Job:
     """Parse and check the inputs; every problem is a ``UserError`` naming the fix. A user
-    module's shape (layers, heads ...) is traced last, so that ``Job.spec`` states it."""
-    spec = parse_model_spec(model)
+    module's shape (layers, heads ...) is traced last, so that ``Job.spec`` states it. A
+    ``ModelSpec`` is taken as it is (a module object's shape, traced by ``autopar.parallelize``)."""
+    traced = isinstance(model, ModelSpec)
+    spec = model if isinstance(model, ModelSpec) else parse_model_spec(model)
     if seq_len is not None:
         if seq_len <= 0:
             raise UserError(f"--seq-len must be positive, got {seq_len}")
@@ -72,8 +74,8 @@ def read_job(model: str, cluster: str, gpus: int, global_batch: int,
         raise UserError(f"--dtype {dtype} has no peak in profile {hw.name}; use one of "
                         f"{', '.join(sorted(hw.peak_tflops))}")
     execution = read_recipe(recipe)
-    return Job(spec=shaped_spec(spec), hw=hw, cluster=cluster, gpus=gpus, global_batch=global_batch,
-               dtype=dtype, recipe=execution, recipe_name=recipe or DEFAULT_RECIPE)
+    return Job(spec=spec if traced else shaped_spec(spec), hw=hw, cluster=cluster, gpus=gpus,
+               global_batch=global_batch, dtype=dtype, recipe=execution, recipe_name=recipe or DEFAULT_RECIPE)
 
 
 def layer_layout(strat: Strategy, layers: int) -> tuple[tuple[int, ...], tuple[str, ...]]:

@@ -15,6 +15,7 @@ import datetime
 import os
 from dataclasses import dataclass
 from enum import StrEnum
+from typing import TYPE_CHECKING
 
 import torch
 import torch.distributed as dist
@@ -22,6 +23,9 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 from autopar.plan import Plan, runtime_unsupported
 from autopar.spec import parse_model_spec
+
+if TYPE_CHECKING:
+    from autopar.runtime.usermodule import Traced
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 """Training dtypes by the plan's name."""
@@ -66,9 +70,14 @@ def init_distributed(timeout_s: float = 300.0) -> torch.device:
     return device
 
 
-def check_plan(plan: Plan) -> None:
-    """Refuse, naming the fix, what this runtime cannot run."""
-    spec = parse_model_spec(plan.model)
+def check_plan(plan: Plan, traced: Traced | None = None) -> None:
+    """Refuse, naming the fix, what this runtime cannot run. A user module's shape and anatomy
+    come from its trace (``traced``; a factory file's is traced here, once per process)."""
+    spec = traced.spec if traced is not None else parse_model_spec(plan.model)
+    if traced is None and spec.arch == "module":
+        from autopar.runtime.usermodule import traced_file
+        traced = traced_file(plan.model, plan.seq_len)
+        spec = traced.spec
     m = plan.mesh
     reason = runtime_unsupported(dp=m.dp, pp=m.pp, zero=plan.zero_stage, schedule=plan.schedule,
                                  virtual_stages=plan.virtual_stages, cp=m.cp, ep=m.ep, offload=plan.offload)
@@ -79,11 +88,17 @@ def check_plan(plan: Plan) -> None:
                          f"{spec.num_kv_heads} kv heads")
     if plan.dtype not in DTYPES:
         raise ValueError(f"dtype {plan.dtype!r} is not one of {', '.join(DTYPES)}")
+    if traced is not None:
+        from autopar.runtime.usermodule import unsupported
+        reason = unsupported(plan, traced)
+        if reason:
+            raise ValueError(reason)
 
 
-def build_context(plan: Plan, device: torch.device) -> ParallelContext:
-    """The mesh of ``plan`` over the running job (one process: no mesh, no process group)."""
-    check_plan(plan)
+def build_context(plan: Plan, device: torch.device, traced: Traced | None = None) -> ParallelContext:
+    """The mesh of ``plan`` over the running job (one process: no mesh, no process group);
+    ``traced``: the user module the plan is for, when not its ``model`` (``check_plan``)."""
+    check_plan(plan, traced)
     m = plan.mesh
     world = dist.get_world_size() if dist.is_initialized() else 1
     if world != m.size:

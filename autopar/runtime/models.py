@@ -1,5 +1,6 @@
 """Build one pipeline stage of a model, materialised and initialised, for the built-in models and
-HF transformers causal LMs, from the model's anatomy (``runtime.anatomy``).
+HF transformers causal LMs, from the model's anatomy (``runtime.anatomy``); a user's own module
+is built by ``runtime.usermodule`` on the same helpers.
 
 Both are built on ``meta``, cut to the stage's blocks (the block container keeps the original
 keys, so every parameter keeps its single-process name), moved to the device with
@@ -213,8 +214,8 @@ def build_stage(spec: ModelSpec, anat: Anatomy, plan: Plan, stage: int, device: 
         model.reset_parameters(seed)
         return model
     if spec.arch != "hf":
-        raise ValueError(f"the runtime trains the built-in gpt/llama models and HF causal LMs, not {spec.arch!r} "
-                         "models; use gpt:, llama: or hf: specs")
+        raise ValueError(f"build_stage builds the built-in gpt/llama models and HF causal LMs, not {spec.arch!r} "
+                         "models (user modules: runtime.usermodule.build_user_stage)")
     model = build_hf(spec, torch.float32)
     if spec.tied and plan.mesh.pp > 1 and not first:
         # The last stage's head is its own copy of the embedding: untie before removing it.

@@ -92,7 +92,7 @@ def apply_tensor_parallel(model: nn.Module, ctx: ParallelContext, sp: bool, anat
     mesh = ctx.submesh(Axis.TP)
     for name in blocks:
         _localize_block(model.get_submodule(name), anat, mesh.size(), set(heads))
-    here = {n for n, _ in model.named_modules()}
+    here = {n for n, m in model.named_modules() if next(m.parameters(), None) is not None}  # not stand-ins
     top: dict = {}
     if anat.embed in here:
         top[anat.embed] = RowwiseParallel(input_layouts=Replicate(), output_layouts=Replicate())

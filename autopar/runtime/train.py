@@ -2,7 +2,8 @@
 
 ``build_program`` is the codegen: spec → model on ``meta``, traced once for its anatomy →
 this rank's pipeline stages (pruned, materialised, every parameter seeded by its name so any
-layout holds the single-process values; ``runtime.models``) → TP/SP → recompute → DP →
+layout holds the single-process values; ``runtime.models``, or ``runtime.usermodule`` for a
+user's own module, whose shape also comes from the trace) → TP/SP → recompute → DP →
 pipeline schedule. ``train`` runs optimizer steps and returns one global-batch loss per step.
 
 The global batch is the same for every plan of a model (``synthetic_batch``); dp rank r takes
@@ -29,8 +30,15 @@ from autopar.plan import Plan
 from autopar.runtime import parallelize
 from autopar.runtime.context import DTYPES, Axis, ParallelContext, check_plan
 from autopar.runtime.anatomy import Anatomy, anatomy
-from autopar.runtime.models import build_stage
+from autopar.runtime.models import build_stage, stage_blocks
 from autopar.runtime.pipeline import build_schedule, stage_ids
+from autopar.runtime.usermodule import (
+    UserModule,
+    build_user_stage,
+    localize_inputs,
+    recompute_attention_calls,
+    traced_file,
+)
 from autopar.trace import build_spec_model, trace_module
 from autopar.spec import ModelSpec, parse_model_spec, with_seq
 
@@ -82,31 +90,55 @@ class RunResult:
 def synthetic_batch(plan: Plan, step: int, seed: int, vocab: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """The global batch of ``step``: uniform random tokens, inputs and next-token targets,
     each [global_batch, seq_len] int64, identical on every rank and for every plan."""
-    vocab = vocab or parse_model_spec(plan.model).vocab
+    if not vocab:
+        spec = parse_model_spec(plan.model)
+        if spec.arch == "module":
+            spec = traced_file(plan.model, plan.seq_len).spec
+        vocab = spec.vocab
     gen = torch.Generator().manual_seed(seed * 1_000_003 + step)
     tokens = torch.randint(0, vocab, (plan.global_batch, plan.seq_len + 1), generator=gen)
     return tokens[:, :-1], tokens[:, 1:]
 
 
-def build_program(plan: Plan, ctx: ParallelContext, cfg: TrainConfig = TrainConfig()) -> Program:
-    """Codegen: the plan's per-rank program on ``ctx``."""
-    check_plan(plan)
-    spec = with_seq(parse_model_spec(plan.model), plan.seq_len)
-    whole, example = build_spec_model(spec)
-    anat = anatomy(trace_module(whole, example, spec.name, capture="fx" if spec.builtin else "export"),
-                   whole, spec.vocab)
+def build_program(plan: Plan, ctx: ParallelContext, cfg: TrainConfig = TrainConfig(),
+                  source: UserModule | None = None) -> Program:
+    """Codegen: the plan's per-rank program on ``ctx``. ``source``: a user module object
+    (``autopar.parallelize``) in place of the plan's ``model``."""
+    spec = parse_model_spec(plan.model) if source is None else source.base_spec()
+    if source is None and spec.arch == "module":
+        source = UserModule(spec)
+    if source is not None:  # a user module: shape and anatomy off its trace (``runtime.usermodule``)
+        traced = source.traced(plan.seq_len)
+        check_plan(plan, traced)
+        spec, anat = traced.spec, traced.anatomy
+    else:
+        check_plan(plan)
+        spec = with_seq(spec, plan.seq_len)
+        whole, example = build_spec_model(spec)
+        anat = anatomy(trace_module(whole, example, spec.name, capture="fx" if spec.builtin else "export"),
+                       whole, spec.vocab)
     if plan.num_layers != len(anat.blocks) or len(plan.recompute) != len(anat.blocks):
         raise ValueError(f"the plan places {plan.num_layers} layers but {spec.name} has {len(anat.blocks)}; "
                          "make the plan for this model with autopar plan")
     ids = stage_ids(plan, ctx.pp_rank) if plan.mesh.pp > 1 else [0]
     modules: list[nn.Module] = []
     for sid in ids:
-        model = build_stage(spec, anat, plan, sid, ctx.device, cfg.seed)
+        if source is not None:
+            model = build_user_stage(source, anat, plan, sid, stage_blocks(plan, sid), ctx.device, cfg.seed,
+                                     spec.tied)
+        else:
+            model = build_stage(spec, anat, plan, sid, ctx.device, cfg.seed)
         if plan.mesh.tp > 1:
             parallelize.apply_tensor_parallel(model, ctx, plan.sequence_parallel, anat,
                                               (spec.heads, spec.num_kv_heads),
                                               whole_sequences_between_stages=not spec.builtin)
-        parallelize.apply_recompute(model, plan.recompute, anat)
+            if source is not None:
+                localize_inputs(model, anat, plan.mesh.tp)
+        recompute = plan.recompute
+        if source is not None:  # selective: the blocks' SDPA calls (check_plan refused other attention)
+            recompute_attention_calls(model, recompute, anat)
+            recompute = tuple("none" if r == "selective" else r for r in recompute)
+        parallelize.apply_recompute(model, recompute, anat)
         modules.append(parallelize.apply_data_parallel(model, plan, ctx, anat))
     optimizers = [parallelize.make_optimizer(mod, cfg) for mod in modules]
     schedule = build_schedule(plan, ctx, modules, ids, cross_entropy) if plan.mesh.pp > 1 else None
