@@ -33,7 +33,7 @@ from autopar.runtime.usermodule import ObjectModule
 from autopar.solve import Pins
 from autopar.spec import ModelSpec
 from autopar.trace import profile_from_graph
-from autopar.workflow import make_plan, read_job
+from autopar.workflow import make_plan, read_job, verdicts
 
 
 @dataclass(kw_only=True, slots=True, eq=False)
@@ -94,6 +94,16 @@ def _load_weights(prog: Program, model: nn.Module) -> None:
                              options=StateDictOptions(full_state_dict=True))
 
 
+def _verdicts_once(spec: ModelSpec) -> tuple[tuple[str, str], ...]:
+    """The twin's verdicts (``workflow.verdicts``), computed by rank 0 of the job and sent to
+    the others: one verification, not one per rank."""
+    if not dist.is_initialized():
+        return verdicts(spec)
+    box = [verdicts(spec) if dist.get_rank() == 0 else None]
+    dist.broadcast_object_list(box, src=0)
+    return box[0]
+
+
 def parallelize(model: nn.Module, example_inputs: tuple[torch.Tensor, ...], *, cluster: str,
                 global_batch: int, plan: Plan | None = None, dtype: str | None = None,
                 lr: float = TrainConfig().lr, time_limit_s: float = 60.0) -> Parallelized:
@@ -118,7 +128,7 @@ def parallelize(model: nn.Module, example_inputs: tuple[torch.Tensor, ...], *, c
                             f"got {len(example_inputs)} tensors")
         if plan is None:
             job = read_job(model_spec_text(model, seq), cluster, world, global_batch, seq_len=seq, dtype=dtype)
-            plan, _ = make_plan(job, time_limit_s=time_limit_s)
+            plan, _ = make_plan(job, time_limit_s=time_limit_s, verified=_verdicts_once(job.spec))
         prog = build_program(plan, build_context(plan, device), TrainConfig(lr=lr))
         if not any(p.is_meta for p in model.parameters()):
             _load_weights(prog, model)

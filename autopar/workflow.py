@@ -124,7 +124,7 @@ def verdicts(spec: ModelSpec) -> tuple[tuple[str, str], ...]:
     """(check, "" or why it failed) of every runtime feature on ``spec``'s twin (``autopar.verify``,
     cached per architecture); empty for the built-in models, which autopar's own parity tests
     prove, and for models the runtime does not train."""
-    if spec.arch != "hf":
+    if spec.arch not in ("hf", "module"):
         return ()
     from autopar.verify import verify
     return tuple((v.check.value, v.reason) for v in verify(spec.name).verdicts)
@@ -137,7 +137,7 @@ def launch_refusal(plan: Plan) -> str | None:
     if known or plan.verified or not plan.features():
         return known
     spec = parse_model_spec(plan.model)
-    if spec.arch != "hf":
+    if spec.arch not in ("hf", "module"):
         return None
     from autopar.verify import Check, verify
     result = verify(plan.model, checks=tuple(Check(f) for f in plan.features()))

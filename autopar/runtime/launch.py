@@ -55,6 +55,12 @@ def _meaningful(lines: list[str]) -> str:
     return next((line.strip() for line in reversed(lines) if any(c.isalnum() for c in line)), "")
 
 
+_TORCHRUN_ENV = {"RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "GROUP_RANK", "GROUP_WORLD_SIZE",
+                 "ROLE_RANK", "ROLE_WORLD_SIZE", "ROLE_NAME", "MASTER_ADDR", "MASTER_PORT"}
+"""What a torchrun worker inherits from its own launcher: a job started from inside one (a
+rank verifying a model's twin) must not join that job."""
+
+
 def _first_error(wd: Path, logs: Path | None, log: str) -> str:
     """The one-line report of the rank that failed first (the earliest ``rank<R>.err``);
     without one, the rank torchrun names as the root cause and its exit code or last line."""
@@ -113,7 +119,8 @@ def run_job(runs: list[RunSpec], *, workdir: Path | None = None, cfg: TrainConfi
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={world}",
            f"--log-dir={wd / 'logs'}", "--redirects=3",
            "-m", "autopar.runtime.worker", str(wd / "job.json")]
-    env = {**os.environ, "OMP_NUM_THREADS": str(threads_per_rank), "PYTHONWARNINGS": "ignore"}
+    env = {**{k: v for k, v in os.environ.items() if k not in _TORCHRUN_ENV and not k.startswith("TORCHELASTIC_")},
+           "OMP_NUM_THREADS": str(threads_per_rank), "PYTHONWARNINGS": "ignore"}
     with subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env) as proc:
         try:
             log, _ = proc.communicate(timeout=timeout_s)
