@@ -101,6 +101,7 @@ def _verdicts_once(spec: ModelSpec) -> tuple[tuple[str, str], ...]:
         return verdicts(spec)
     box = [verdicts(spec) if dist.get_rank() == 0 else None]
     dist.broadcast_object_list(box, src=0)
+    assert box[0] is not None
     return box[0]
 
 

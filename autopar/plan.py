@@ -14,6 +14,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from autopar.errors import UserError
+from autopar.layout import Anatomy
 from cost_models.recipe import ExecutionRecipe, RecipeError, load_recipe
 from cost_models.strategy import RECOMPUTE, Estimate, Strategy
 
@@ -74,6 +75,10 @@ class Plan:
     """(check, "" if it passed else the one-line reason it failed) of each runtime feature
     proved on the model's tiny twin before planning (``autopar verify``; ``features``); empty
     when not verified (the built-in models are proved by autopar's own parity tests)."""
+    layout: Anatomy | None = None
+    """The model's layout as the runtime shards it (blocks, embedding, head, column/row GEMMs,
+    packed projections, norms: ``autopar.layout``), read off the trace when planning; None for
+    a plan made elsewhere (the runtime then derives it)."""
     estimate: Estimate | None = None
 
     def __post_init__(self) -> None:
@@ -168,8 +173,12 @@ def _build(tp: typing.Any, value: typing.Any) -> typing.Any:
             raise UserError(f"plan has unknown {tp.__name__} fields {sorted(unknown)}")
         return tp(**{k: _build(hints[k], v) for k, v in value.items()})
     if origin is tuple:
-        (inner, *_), = [typing.get_args(tp)]
-        return tuple(_build(inner, v) for v in value)
+        args = typing.get_args(tp)
+        if len(args) == 2 and args[1] is Ellipsis:
+            return tuple(_build(args[0], v) for v in value)
+        if len(value) != len(args):
+            raise UserError(f"plan field {value!r} must have {len(args)} entries")
+        return tuple(_build(a, v) for a, v in zip(args, value))
     if origin is dict:
         return dict(value)
     return value

@@ -11,7 +11,8 @@ from autopar.errors import UserError
 from autopar.plan import Mesh, Plan
 from autopar.solve import Pins, Solution, search
 from autopar.spec import ModelSpec, parse_model_spec, with_seq
-from autopar.trace import profile_spec, shaped_spec
+from autopar.layout import Anatomy
+from autopar.trace import profile_and_layout, profile_spec, shaped_spec
 from cost_models import HardwareProfile, ModelProfile, ProfileError, Strategy, estimate, load_profile
 from cost_models.estimate import even_stage_layers
 from cost_models.recipe import DEFAULT_RECIPE, ExecutionRecipe, RecipeError, load_recipe
@@ -107,7 +108,7 @@ def layer_layout(strat: Strategy, layers: int) -> tuple[tuple[int, ...], tuple[s
 
 
 def plan_from_strategy(job: Job, strat: Strategy, est: Estimate | None,
-                       verified: tuple[tuple[str, str], ...] = ()) -> Plan:
+                       verified: tuple[tuple[str, str], ...] = (), layout: Anatomy | None = None) -> Plan:
     """The Plan that records ``strat`` (with its placement) for ``job``."""
     stage_layers, recompute = layer_layout(strat, job.spec.layers)
     return Plan(model=job.spec.name, cluster=job.cluster, gpus=job.gpus,
@@ -117,7 +118,8 @@ def plan_from_strategy(job: Job, strat: Strategy, est: Estimate | None,
                 schedule=strat.schedule, virtual_stages=strat.virtual_stages,
                 sequence_parallel=strat.sequence_parallel, stage_layers=stage_layers,
                 recompute=recompute, offload=strat.offload,
-                axis_order=strat.axis_order, recipe=job.recipe_name, verified=verified, estimate=est)
+                axis_order=strat.axis_order, recipe=job.recipe_name, verified=verified, layout=layout,
+                estimate=est)
 
 
 def verdicts(spec: ModelSpec) -> tuple[tuple[str, str], ...]:
@@ -152,12 +154,14 @@ def make_plan(job: Job, pins: Pins = Pins(), time_limit_s: float = 60.0,
     without the features that failed, and record the best strategy as a Plan."""
     if time_limit_s <= 0:
         raise UserError(f"--time-limit must be positive, got {time_limit_s}")
-    profile = profile or profile_spec(job.spec)
+    layout = None
+    if profile is None:
+        profile, layout = profile_and_layout(job.spec)
     if verified is None:
         verified = verdicts(job.spec) if verify else ()
     pins = replace(pins, recipe=job.recipe, refused=tuple(c for c, reason in verified if reason))
     sol = search(profile, job.hw, job.gpus, job.global_batch, job.dtype, pins, time_limit_s)
-    return plan_from_strategy(job, sol.strategy, sol.estimate, verified), sol
+    return plan_from_strategy(job, sol.strategy, sol.estimate, verified, layout), sol
 
 
 def fixed_strategy(job: Job, *, tp: int, pp: int, dp: int | None, zero: int, micro_batch: int,

@@ -1,5 +1,5 @@
 """Build one pipeline stage of a model, materialised and initialised, for the built-in models and
-HF transformers causal LMs, from the model's anatomy (``runtime.anatomy``); a user's own module
+HF transformers causal LMs, from the model's anatomy (``trace.anatomy``); a user's own module
 is built by ``runtime.usermodule`` on the same helpers.
 
 Both are built on ``meta``, cut to the stage's blocks (the block container keeps the original
@@ -30,7 +30,7 @@ from torch.distributed.tensor import DTensor
 from autopar.hf import build_hf
 from autopar.model import build_model
 from autopar.plan import Plan
-from autopar.runtime.anatomy import Anatomy
+from autopar.layout import Anatomy
 from autopar.spec import ModelSpec
 
 
@@ -139,7 +139,7 @@ def _conv1d() -> tuple[type, ...]:
     return (Conv1D,)
 
 
-def _to_pack(model: nn.Module, anat: Anatomy) -> list[tuple[str, nn.Module, int]]:
+def _to_pack(model: nn.Module, anat: Anatomy) -> list[tuple[str, nn.Module, tuple[int, ...]]]:
     """(name, module, projection widths) of each module the runtime stores in another layout:
     HF's ``Conv1D`` (GPT-2: ``x @ W + b``, W [in, out]) and any packed ``nn.Linear``."""
     conv1d = _conv1d()

@@ -4,7 +4,7 @@ Applied in torchtitan's order — TP, then activation checkpointing, then the da
 wrapper — each with stock torch.distributed:
 
 - TP/SP: ``parallelize_module`` with ``ColwiseParallel``/``RowwiseParallel`` on the GEMMs the
-  tracer labelled column/row (``runtime.anatomy``: Megatron's split, so each sub-layer needs one
+  tracer labelled column/row (``trace.anatomy``: Megatron's split, so each sub-layer needs one
   all-reduce, or with SP one all-gather + one reduce-scatter), a vocab-parallel embedding
   (``RowwiseParallel`` over the vocabulary) and a column-parallel head whose logits stay
   sharded for a vocab-parallel cross-entropy (``loss_parallel``: no [b, s, V] gather); with SP
@@ -46,7 +46,7 @@ from torch.nn.parallel import DistributedDataParallel
 
 from autopar.model import CoreAttention
 from autopar.plan import Plan
-from autopar.runtime.anatomy import Anatomy
+from autopar.layout import Anatomy
 from autopar.runtime.context import DTYPES, Axis, ParallelContext
 
 if TYPE_CHECKING:

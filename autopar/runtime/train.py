@@ -29,7 +29,8 @@ from autopar.model import cross_entropy
 from autopar.plan import Plan
 from autopar.runtime import parallelize
 from autopar.runtime.context import DTYPES, Axis, ParallelContext, check_plan
-from autopar.runtime.anatomy import Anatomy, anatomy
+from autopar.layout import Anatomy
+from autopar.trace.anatomy import anatomy
 from autopar.runtime.models import build_stage, stage_blocks
 from autopar.runtime.pipeline import build_schedule, stage_ids
 from autopar.runtime.usermodule import (
@@ -114,9 +115,7 @@ def build_program(plan: Plan, ctx: ParallelContext, cfg: TrainConfig = TrainConf
     else:
         check_plan(plan)
         spec = with_seq(spec, plan.seq_len)
-        whole, example = build_spec_model(spec)
-        anat = anatomy(trace_module(whole, example, spec.name, capture="fx" if spec.builtin else "export"),
-                       whole, spec.vocab)
+        anat = plan.layout or _traced_layout(spec)
     if plan.num_layers != len(anat.blocks) or len(plan.recompute) != len(anat.blocks):
         raise ValueError(f"the plan places {plan.num_layers} layers but {spec.name} has {len(anat.blocks)}; "
                          "make the plan for this model with autopar plan")
@@ -145,6 +144,13 @@ def build_program(plan: Plan, ctx: ParallelContext, cfg: TrainConfig = TrainConf
     tied = _tied_group(ctx, plan.mesh.pp) if spec.tied and plan.mesh.pp > 1 else None
     return Program(plan=plan, ctx=ctx, spec=spec, anatomy=anat, modules=modules, stage_ids=ids,
                    optimizers=optimizers, schedule=schedule, tied_group=tied)
+
+
+def _traced_layout(spec: ModelSpec) -> Anatomy:
+    """The layout of a plan that does not record one (made by hand or elsewhere): traced here."""
+    whole, example = build_spec_model(spec)
+    return anatomy(trace_module(whole, example, spec.name, capture="fx" if spec.builtin else "export"),
+                   whole, spec.vocab)
 
 
 def _tied_group(ctx: ParallelContext, pp: int) -> dist.ProcessGroup | None:

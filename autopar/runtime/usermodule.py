@@ -6,7 +6,7 @@ computed on the CPU (``load_user_model(spec, buffers=True)``: a causal mask is a
 shape). A module object is the one stage of its rank, changed in place; it is traced with all its
 tensors swapped for meta copies and restored.
 
-Stage. The anatomy (``runtime.anatomy``, read off the trace) names the blocks, the embeddings
+Stage. The anatomy (``trace.anatomy``, read off the trace) names the blocks, the embeddings
 before them, the final norm and the head. A stage keeps its blocks (the container keeps the
 original keys, so every parameter keeps its single-process name); later stages get zero stand-ins
 for the embeddings (an ``nn.Embedding``'s output shape, no parameter), earlier ones lose the final
@@ -51,7 +51,8 @@ from torch.utils.checkpoint import checkpoint
 
 from autopar.errors import UserError
 from autopar.plan import Plan
-from autopar.runtime.anatomy import Anatomy, _is_norm, anatomy
+from autopar.layout import Anatomy
+from autopar.trace.anatomy import _is_norm, anatomy
 from autopar.runtime.models import _as_linear, _keep_blocks, _seeded_normal_, _set
 from autopar.spec import ModelSpec, parse_model_spec, with_seq
 from autopar.trace import ModelGraph, trace_module, traced_spec

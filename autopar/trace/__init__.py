@@ -9,10 +9,11 @@ meta), ``tracer`` (putting it together), ``shape`` (the shape), ``profile`` (the
 
 from autopar.trace.capture import find_repeated_blocks
 from autopar.trace.graph import ActivationBytes, BlockInfo, LinearInfo, ModelGraph, NodeInfo
-from autopar.trace.profile import korthikanti_bytes_per_token, profile_from_graph, profile_spec, shaped_spec
+from autopar.trace.profile import (korthikanti_bytes_per_token, profile_and_layout, profile_from_graph, profile_spec,
+                                   shaped_spec)
 from autopar.trace.shape import traced_spec
 from autopar.trace.tracer import MEGATRON_GPT_DROPOUT, build_spec_model, trace_module, trace_spec
 
 __all__ = ["ActivationBytes", "BlockInfo", "LinearInfo", "MEGATRON_GPT_DROPOUT", "ModelGraph", "NodeInfo",
            "build_spec_model", "find_repeated_blocks", "korthikanti_bytes_per_token", "profile_from_graph",
-           "profile_spec", "shaped_spec", "trace_module", "trace_spec", "traced_spec"]
+           "profile_and_layout", "profile_spec", "shaped_spec", "trace_module", "trace_spec", "traced_spec"]

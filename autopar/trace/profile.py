@@ -15,10 +15,12 @@ instead of ``5as`` per token.
 from __future__ import annotations
 
 from autopar.errors import UserError
+from autopar.layout import Anatomy
 from autopar.spec import ModelSpec
 from autopar.trace.graph import ModelGraph
 from autopar.trace.shape import traced_spec
-from autopar.trace.tracer import trace_spec
+from autopar.trace.anatomy import anatomy
+from autopar.trace.tracer import trace_spec, trace_spec_model
 from cost_models.model_profile import ModelProfile
 
 
@@ -62,6 +64,17 @@ def profile_from_graph(graph: ModelGraph, spec: ModelSpec) -> ModelProfile:
 def profile_spec(spec: ModelSpec) -> ModelProfile:
     """Trace the model of ``spec`` and summarise it for the cost model."""
     return profile_from_graph(trace_spec(spec), spec)
+
+
+def profile_and_layout(spec: ModelSpec) -> tuple[ModelProfile, Anatomy | None]:
+    """One trace of ``spec``: the cost model's profile and the layout the runtime shards (None
+    where the runtime cannot take the model, e.g. mixture-of-experts blocks)."""
+    graph, model = trace_spec_model(spec)
+    try:
+        layout = anatomy(graph, model, spec.vocab)
+    except ValueError:
+        layout = None
+    return profile_from_graph(graph, spec), layout
 
 
 def shaped_spec(spec: ModelSpec) -> ModelSpec:

@@ -170,11 +170,17 @@ def _at_seq(inputs: tuple[torch.Tensor, ...], seq: int) -> tuple[torch.Tensor, .
 
 def trace_spec(spec: ModelSpec, micro_batch: int = 1) -> ModelGraph:
     """Trace the model of ``spec`` at its sequence length, on meta."""
+    return trace_spec_model(spec, micro_batch)[0]
+
+
+def trace_spec_model(spec: ModelSpec, micro_batch: int = 1) -> tuple[ModelGraph, nn.Module]:
+    """``trace_spec``'s graph and the meta model it traced."""
     model, inputs = build_spec_model(spec, micro_batch)
     if spec.arch == "module":
         inputs = _at_seq(inputs, spec.seq)
         inputs = inputs if micro_batch == 1 else tuple(t.expand(micro_batch * t.shape[0], *t.shape[1:])
                                                        for t in inputs)
-    return trace_module(model, inputs, spec.name,
-                        recipe_dropout=MEGATRON_GPT_DROPOUT if spec.arch == "gpt" else 0.0,
-                        capture="auto" if spec.arch == "module" else ("fx" if spec.builtin else "export"))
+    graph = trace_module(model, inputs, spec.name,
+                         recipe_dropout=MEGATRON_GPT_DROPOUT if spec.arch == "gpt" else 0.0,
+                         capture="auto" if spec.arch == "module" else ("fx" if spec.builtin else "export"))
+    return graph, model

@@ -1,0 +1,46 @@
+"""A model's layout as the runtime shards it: its blocks, embedding, head and each block's
+column/row GEMMs, packed projections and norms, by module name. Read off the trace
+(``autopar.trace.anatomy``), recorded in the Plan, read by the runtime. Pure data: no torch.
+
+A decoder-only LM is: parameterised modules before the first block (the vocabulary embedding,
+learned positions), a stack of identical blocks, a final norm and the output head. Inside a
+block, the tracer labels every weight GEMM ``column`` (reads the replicated input, writes a
+sharded output) or ``row`` (reads the sharded activation, all-reduces its output) — Megatron's
+split — and the modules whose parameters are all 1-D are the norms.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class Anatomy:
+    """Module names (fully qualified in the whole model, or relative to a block)."""
+
+    blocks: tuple[str, ...]
+    """The repeated blocks, in order."""
+    container: str
+    """The ModuleList/ModuleDict holding them."""
+    embed: str
+    """The vocabulary embedding (first stage)."""
+    first_extra: tuple[str, ...]
+    """Other parameterised modules before the blocks: learned positions, an embedding norm
+    (Bloom), an embedding projection (OPT's ``project_in``)."""
+    final_norm: str
+    """The norm between the last block and the head ("" if none)."""
+    head: str
+    """The output projection to the vocabulary (last stage)."""
+    column: tuple[str, ...]
+    """Column-parallel GEMMs of a block, relative to it."""
+    row: tuple[str, ...]
+    """Row-parallel GEMMs of a block, relative to it."""
+    packed: tuple[tuple[str, tuple[int, ...]], ...] = ()
+    """(column GEMM, widths of its projections) of each GEMM whose output the block cuts into
+    consecutive projections (GPT-2's fused Q/K/V: ``("attn.c_attn", (768, 768, 768))``; Phi-3's
+    GQA ``qkv_proj``: q, k and v widths)."""
+    norms: tuple[str, ...]
+    """Norms of a block, relative to it."""
+    post_norms: tuple[str, ...] = ()
+    """Those of ``norms`` applied to a row-parallel GEMM's output before the residual add
+    (Gemma-2's sandwich norms), not feeding a sub-layer."""
