@@ -257,6 +257,38 @@ def explain(plan_file: Path = typer.Argument(..., help="A plan JSON from `autopa
 
 
 @app.command()
+def profile(ranks: int = typer.Option(4, "--ranks", help="Processes to measure at once (devices of the cluster)"),
+            out: Path = typer.Option(Path("my-cluster.json"), "--out", help="Where to write the hardware profile"),
+            name: Optional[str] = typer.Option(None, "--name", help="The profile's name (default: --out's stem)"),
+            as_json: bool = JSON) -> None:
+    """Measure this machine as a cluster (GEMMs, memory bandwidth, per-op dispatch, collectives
+    fitted to the cost model's α-β law) and write a hardware profile for --cluster."""
+    def body() -> None:
+        from rich.progress import Progress
+        from autopar.profile import PHASES, profile_machine
+        with Progress(console=Console(stderr=True), transient=True) as bar:
+            task = bar.add_task("profiling", total=len(PHASES))
+
+            def on_phase(phase: str) -> None:
+                bar.update(task, completed=PHASES.index(phase) if phase in PHASES else 0,
+                           description=f"profiling: {phase}")
+            result = profile_machine(ranks, out, name or out.stem, on_phase)
+        if as_json:
+            typer.echo(json.dumps(result, indent=2))
+            return
+        table = Table("figure", "value", title=f"{result['name']}: {result['device']} x {ranks}")
+        tier = result["intra_node"]
+        for key, value in (("peak TFLOP/s", result["peak_tflops"]), ("matmul efficiency", result["matmul_efficiency"]),
+                           ("memory GB/s", result["hbm_bw_gbps"]), ("dispatch us/op", result["kernel_dispatch_us"]),
+                           ("collective alpha us/step", tier["latency_us"]), ("bus GB/s", tier["bw_gbps"]),
+                           ("p2p GB/s", tier["p2p_bw_gbps"])):
+            table.add_row(key, str(value))
+        console.print(table)
+        console.print(f"written to {out}; use it with --cluster {out}")
+    _guard(body)
+
+
+@app.command()
 def verify(model: str = MODEL,
            cached: bool = typer.Option(True, "--cache/--no-cache", help="Reuse verdicts cached for this architecture"),
            as_json: bool = JSON) -> None:

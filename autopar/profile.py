@@ -1,0 +1,258 @@
+"""``autopar profile``: measure this machine as a cluster and write a hardware profile.
+
+The parent starts ``--ranks`` processes under torchrun (gloo on CPU, NCCL on GPU), each with
+the threads a rank of a plan gets (cores // ranks on CPU), so every figure is what one rank
+sees while the others run. Each rank times (medians of repeats):
+
+- GEMMs: a large square one (the peak), and transformer-shaped ones (b·s tokens through
+  h -> 3h, h -> 4h, 4h -> h): their rate over the peak is the matmul efficiency;
+- an element-wise add over 32 MiB arrays (memory bandwidth);
+- the host time of one eager op autograd records (the per-kernel dispatch floor);
+- all-reduce, reduce-scatter and all-gather over the whole group at message sizes from 4 B to
+  16 MiB, and point-to-point send/recv between pairs.
+
+The collectives are fitted, by non-negative least squares over every size and kind at once,
+to the cost model's own α-β formulas (``cost_models.comm``): t = a(n, bytes)·α + b(n, bytes)/β,
+where a and b are what those formulas give for α = 1 s, β = ∞ and for α = 0, β = 1 B/s. The
+point-to-point bandwidth is the slope of send/recv time over bytes. Rank 0 writes the profile
+(the shipped format, ``cost_models.hardware``) with each figure's source in its notes.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Callable
+
+import numpy as np
+
+from autopar.errors import UserError
+
+PHASES = ("gemm", "memory", "dispatch", "collectives", "p2p")
+SIZES = tuple(4 ** k for k in range(1, 13))
+"""Collective message sizes, bytes: 4 B to 16 MiB."""
+SHAPES = ((512, 128, 384), (512, 128, 512), (512, 512, 128), (2048, 512, 2048), (2048, 2048, 512))
+"""(tokens, in, out) of the transformer-shaped GEMMs (b·s through h -> 3h, h -> 4h, 4h -> h)."""
+
+
+def _median_time(fn: Callable[[], object], repeats: int, sync: Callable[[], None]) -> float:
+    fn()
+    sync()
+    times = []
+    for _ in range(repeats):
+        t = time.perf_counter()
+        fn()
+        sync()
+        times.append(time.perf_counter() - t)
+    return statistics.median(times)
+
+
+def _measure(rank: int, world: int, device, dtype, say: Callable[[str], None]) -> dict:
+    """This rank's timings (seconds, bytes, FLOP/s)."""
+    import torch
+    import torch.distributed as dist
+    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
+    big = 8192 if device.type == "cuda" else 1024
+    out: dict = {}
+    say("gemm")
+    dist.barrier()
+    a, b = torch.randn(big, big, device=device, dtype=dtype), torch.randn(big, big, device=device, dtype=dtype)
+    out["peak"] = 2.0 * big ** 3 / _median_time(lambda: torch.mm(a, b), 10, sync)
+    rates = []
+    for n, k, m in SHAPES:
+        x, w = torch.randn(n, k, device=device, dtype=dtype), torch.randn(k, m, device=device, dtype=dtype)
+        rates.append(2.0 * n * k * m / _median_time(lambda: torch.mm(x, w), 20, sync))
+    out["shaped"] = rates
+    say("memory")
+    dist.barrier()
+    x, y = torch.randn(2 ** 23, device=device), torch.randn(2 ** 23, device=device)
+    out["bw"] = 3 * x.numel() * 4 / _median_time(lambda: torch.add(x, y, out=x), 10, sync)
+    say("dispatch")
+    dist.barrier()
+    leaf = torch.zeros(64, requires_grad=True, device=device)
+    out["dispatch"] = _median_time(lambda: [leaf * 2.0 for _ in range(200)], 20, sync) / 200
+    say("collectives")
+    rows = []
+    for nbytes in SIZES:
+        numel = max(world, nbytes // 4 // world * world)
+        t = torch.zeros(numel, device=device)
+        shard = torch.zeros(numel // world, device=device)
+        reps = 20 if nbytes < 2 ** 20 else 5
+        dist.barrier()
+        rows.append(("all_reduce", numel * 4, _median_time(lambda: dist.all_reduce(t), reps, sync)))
+        dist.barrier()
+        rows.append(("reduce_scatter", numel * 4,
+                     _median_time(lambda: dist.reduce_scatter_tensor(shard, t), reps, sync)))
+        dist.barrier()
+        rows.append(("all_gather", numel * 4,
+                     _median_time(lambda: dist.all_gather_into_tensor(t, shard), reps, sync)))
+    out["collectives"] = rows
+    say("p2p")
+    p2p = []
+    peer = rank ^ 1
+    for nbytes in SIZES[::2]:
+        t = torch.zeros(max(1, nbytes // 4), device=device)
+        dist.barrier()
+        if peer < world:
+            def ping() -> None:
+                if rank % 2 == 0:
+                    dist.send(t, peer)
+                    dist.recv(t, peer)
+                else:
+                    dist.recv(t, peer)
+                    dist.send(t, peer)
+            p2p.append((t.numel() * 4, _median_time(ping, 10, sync) / 2))
+    out["p2p"] = p2p
+    return out
+
+
+def fit_collectives(rows: list[tuple[str, int, float]], world: int) -> tuple[float, float]:
+    """(α s, β bytes/s) of ``rows`` (kind, bytes, seconds) under the cost model's formulas."""
+    from cost_models import comm
+    ops = {"all_reduce": comm.all_reduce_s, "reduce_scatter": comm.reduce_scatter_s,
+           "all_gather": comm.all_gather_s}
+    unit_alpha = comm.Group(size=world, bw_bytes_s=float("inf"), p2p_bytes_s=float("inf"), latency_s=1.0,
+                            inter_node=False)
+    unit_beta = comm.Group(size=world, bw_bytes_s=1.0, p2p_bytes_s=1.0, latency_s=0.0, inter_node=False)
+    design = np.array([[ops[k](b, unit_alpha), ops[k](b, unit_beta)] for k, b, _ in rows])
+    times = np.array([t for _, _, t in rows])
+    # Relative error is what a plan's estimate feels: weight each row by 1/t.
+    weights = 1.0 / np.maximum(times, 1e-9)
+    alpha, inv_beta = _nonnegative_lstsq(design * weights[:, None], times * weights)
+    return alpha, 1.0 / max(inv_beta, 1e-30)
+
+
+def _nonnegative_lstsq(a: np.ndarray, y: np.ndarray) -> tuple[float, float]:
+    """argmin |a x - y| over x >= 0 for two unknowns: the unconstrained solution if it is
+    non-negative, else the better of the two one-unknown fits (the optimum lies on a face)."""
+    x = np.linalg.lstsq(a, y, rcond=None)[0]
+    if (x >= 0).all():
+        return float(x[0]), float(x[1])
+    best: tuple[float, float, float] | None = None
+    for j in range(2):
+        col = a[:, j]
+        c = max(0.0, float(col @ y / (col @ col))) if col @ col > 0 else 0.0
+        r = float(np.sum((col * c - y) ** 2))
+        if best is None or r < best[0]:
+            best = (r, c if j == 0 else 0.0, c if j == 1 else 0.0)
+    assert best is not None
+    return best[1], best[2]
+
+
+def _fit_p2p(rows: list[tuple[int, float]]) -> float:
+    """Point-to-point bytes/s: the slope of time over bytes."""
+    if len(rows) < 2:
+        return 0.0
+    x, y = np.array([b for b, _ in rows], dtype=float), np.array([t for _, t in rows])
+    slope = np.polyfit(x, y, 1)[0]
+    return 1.0 / slope if slope > 0 else 0.0
+
+
+def build_profile(results: list[dict], world: int, threads: int, device: str, dtype: str, name: str,
+                  command: str) -> dict:
+    """The hardware profile of the ranks' ``results`` (medians over ranks)."""
+    med = lambda key: statistics.median(r[key] for r in results)  # noqa: E731
+    peak = med("peak")
+    shaped = statistics.median(statistics.median(r["shaped"]) for r in results)
+    rows = [row for r in results for row in r["collectives"]]
+    alpha, beta = fit_collectives(rows, world)
+    p2p = _fit_p2p([row for r in results for row in r["p2p"]])
+    tier = {"bw_gbps": round(beta / 1e9, 4), "latency_us": round(alpha * 1e6, 2), "efficiency": 1.0,
+            "p2p_bw_gbps": round(p2p / 1e9, 4)}
+    where = "GPU" if device == "cuda" else f"CPU rank ({threads} thread{'s' if threads > 1 else ''} of {os.cpu_count()} cores)"
+    return {
+        "name": name,
+        "device": where,
+        "devices_per_node": world,
+        "memory_gib": round(_device_memory_gib(device) / (1 if device == "cuda" else world), 2),
+        "peak_tflops": {dtype: round(peak / 1e12, 5)},
+        "hbm_bw_gbps": round(med("bw") / 1e9, 3),
+        "intra_node": tier,
+        "inter_node": tier,
+        "matmul_efficiency": round(min(1.0, shaped / peak), 3),
+        "memory_efficiency": 1.0,
+        "reserve_gib": 0.0,
+        "kernel_dispatch_us": round(med("dispatch") * 1e6, 2),
+        "launcher": "nccl" if device == "cuda" else "gloo",
+        "notes": {
+            "source": f"measured by `{command}`: {world} ranks running at once, {threads} thread(s) each",
+            "peak_tflops": f"median per-rank {dtype} rate of a square GEMM (1024^3 on CPU, 8192^3 on GPU)",
+            "matmul_efficiency": f"median rate of the GEMMs {SHAPES} (tokens, in, out) over the peak",
+            "hbm_bw_gbps": "median per-rank rate of a 32 MiB element-wise add (3 arrays touched)",
+            "intra_node": (f"all-reduce, reduce-scatter and all-gather over {world} ranks at 4 B..16 MiB, fitted "
+                           "to cost_models.comm's ring formulas (alpha per ring step, bus bandwidth) by "
+                           "non-negative least squares on relative error; p2p_bw_gbps: slope of send/recv "
+                           "time over bytes. inter_node: one machine measured, the same tier"),
+            "memory_gib": "device memory (GPU) or host memory divided by the ranks (CPU)",
+            "kernel_dispatch_us": "median host time of one eager op autograd records (x * 2 on 64 floats)",
+        },
+    }
+
+
+def _device_memory_gib(device: str) -> float:
+    if device == "cuda":
+        import torch
+        return torch.cuda.get_device_properties(0).total_memory / 2 ** 30
+    with open("/proc/meminfo") as f:
+        kib = next(int(line.split()[1]) for line in f if line.startswith("MemTotal"))
+    return kib / 2 ** 20
+
+
+def worker(out: Path, name: str, command: str) -> None:
+    """One rank under torchrun: measure, gather to rank 0, which fits and writes ``out``."""
+    import torch
+    import torch.distributed as dist
+    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    cuda = torch.cuda.is_available()
+    device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0))) if cuda else torch.device("cpu")
+    if cuda:
+        torch.cuda.set_device(device)
+    dist.init_process_group("nccl" if cuda else "gloo")
+    say = (lambda phase: print(f"phase {phase}", flush=True)) if rank == 0 else (lambda phase: None)
+    dtype = torch.bfloat16 if cuda else torch.float32
+    mine = _measure(rank, world, device, dtype, say)
+    gathered: list = [None] * world
+    dist.all_gather_object(gathered, mine)
+    if rank == 0:
+        profile = build_profile(gathered, world, torch.get_num_threads(), device.type,
+                                "bf16" if cuda else "fp32", name, command)
+        out.write_text(json.dumps(profile, indent=2) + "\n")
+    dist.destroy_process_group()
+
+
+def profile_machine(ranks: int, out: Path, name: str, on_phase: Callable[[str], None] = lambda p: None) -> dict:
+    """Run the measurements on ``ranks`` local ranks; write and return the profile."""
+    if ranks < 2:
+        raise UserError(f"--ranks must be at least 2 (collectives need a group), got {ranks}")
+    if not out.parent.is_dir():
+        raise UserError(f"--out {out}: directory {out.parent} does not exist")
+    threads = max(1, (os.cpu_count() or 1) // ranks)
+    command = f"autopar profile --ranks {ranks}"
+    with tempfile.TemporaryDirectory(prefix="autopar-profile-") as tmp:
+        result = Path(tmp) / "profile.json"
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={ranks}",
+               "-m", "autopar.profile", str(result), name, command]
+        env = {**os.environ, "OMP_NUM_THREADS": str(threads), "PYTHONWARNINGS": "ignore"}
+        with subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env) as proc:
+            log = []
+            assert proc.stdout is not None
+            for line in proc.stdout:
+                log.append(line)
+                if line.startswith("phase "):
+                    on_phase(line.split()[1])
+        if proc.returncode != 0 or not result.is_file():
+            tail = [line.strip() for line in log if line.strip()][-1:] or ["no output"]
+            raise UserError(f"profiling failed: {tail[0]}")
+        profile = json.loads(result.read_text())
+    out.write_text(json.dumps(profile, indent=2) + "\n")
+    return profile
+
+
+if __name__ == "__main__":
+    worker(Path(sys.argv[1]), sys.argv[2], sys.argv[3])

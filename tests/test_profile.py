@@ -1,0 +1,45 @@
+"""``autopar profile``: the collectives are fitted to the cost model's own α-β formulas (so a
+profile prices what it measured), and the command writes a profile that --cluster accepts."""
+
+from __future__ import annotations
+
+import json
+import math
+
+import pytest
+from typer.testing import CliRunner
+
+from autopar.cli import app
+from autopar.profile import SIZES, fit_collectives
+from cost_models import comm, load_profile
+
+runner = CliRunner()
+
+
+@pytest.mark.parametrize("alpha,beta,world", [(150e-6, 0.7e9, 4), (5e-6, 150e9, 8), (1e-3, 2e9, 2)])
+def test_fit_recovers_alpha_and_beta_of_the_cost_models_formulas(alpha, beta, world):
+    g = comm.Group(size=world, bw_bytes_s=beta, p2p_bytes_s=beta, latency_s=alpha, inter_node=False)
+    rows = [(kind, b, f(b, g) * (1 + 0.02 * ((i % 3) - 1)))  # ±2 % noise
+            for i, b in enumerate(SIZES)
+            for kind, f in (("all_reduce", comm.all_reduce_s), ("reduce_scatter", comm.reduce_scatter_s),
+                            ("all_gather", comm.all_gather_s))]
+    a, b = fit_collectives(rows, world)
+    assert math.isclose(a, alpha, rel_tol=0.05) and math.isclose(b, beta, rel_tol=0.05)
+
+
+@pytest.mark.slow
+def test_profile_writes_a_profile_the_cost_model_uses(tmp_path):
+    out = tmp_path / "here.json"
+    res = runner.invoke(app, ["profile", "--ranks", "2", "--out", str(out), "--json"])
+    assert res.exit_code == 0, res.output
+    data = json.loads(out.read_text())
+    hw = load_profile(str(out))
+    assert hw.name == "here" and hw.devices_per_node == 2 and hw.launcher == "gloo"
+    assert hw.peak_tflops["fp32"] > 0 and hw.intra_node.bw_gbps > 0 and hw.intra_node.latency_us > 0
+    assert "autopar profile --ranks 2" in data["notes"]["source"]
+    est = runner.invoke(app, ["estimate", "--model", "gpt:layers=2,hidden=64,heads=4,vocab=128,seq=16",
+                              "--cluster", str(out), "--gpus", "2", "--global-batch", "4", "--dtype", "fp32",
+                              "--tp", "1", "--pp", "1", "--json"])
+    assert est.exit_code == 0 and json.loads(est.stdout)["step_time_s"] > 0
+    bad = runner.invoke(app, ["profile", "--ranks", "1", "--out", str(tmp_path / "x.json")])
+    assert bad.exit_code == 2 and "--ranks must be at least 2" in bad.output
