@@ -348,12 +348,33 @@ def test_cli_export_json_lists_the_warnings_and_stdout_carries_the_file(tmp_path
 
 @pytest.mark.parametrize("args, fragment", [
     (["export", "missing.json", "--to", "megatron"], "does not exist"),
-    (["export", "PLAN", "--to", "jax"], "'jax' is not one of"),
     (["export", "PLAN", "--to", "torchtitan", "--out", "bad-name.py"], "name the file like a Python module"),
 ])
 def test_cli_export_bad_input_is_one_line_exit_2(tmp_path, args, fragment):
     path = tmp_path / "plan.json"
     PLANS["dp"].save(path)
-    args = [str(path) if a == "PLAN" else str(tmp_path / a) if a.endswith(".py") else a for a in args]
-    res = subprocess.run([sys.executable, "-m", "autopar.cli", *args], capture_output=True, text=True, cwd=tmp_path)
-    assert res.returncode == 2 and fragment in res.stderr and len(res.stderr.strip().splitlines()) == 1, res.stderr
+    res = runner.invoke(app, [str(path) if a == "PLAN" else str(tmp_path / a) if a.endswith(".py") else a for a in args])
+    assert res.exit_code == 2 and res.stderr.startswith("autopar: error: ") and fragment in res.stderr
+    assert len(res.stderr.strip().splitlines()) == 1, res.stderr
+
+
+def test_cli_export_unknown_target_is_one_line_exit_2(tmp_path):
+    res = subprocess.run([sys.executable, "-m", "autopar.cli", "export", "plan.json", "--to", "jax"],
+                         capture_output=True, text=True, cwd=tmp_path)
+    assert res.returncode == 2 and "'jax' is not one of" in res.stderr and len(res.stderr.strip().splitlines()) == 1
+
+
+def test_model_family_maps_to_each_builder(pricer):
+    gpt2 = plan(model="hf:GPT2Config:n_layer=2,n_embd=64,n_head=4,vocab_size=100,n_positions=64", gpus=2,
+                mesh=Mesh(dp=2), global_batch=4, seq_len=64, micro_batch_size=2, num_microbatches=1,
+                stage_layers=(2,), recompute=("none",) * 2)
+    megatron = export_plan(gpt2, "megatron", pricer=pricer)
+    assert not megatron.gaps  # GPT-2's block is Megatron's GPT block: learned positions, LayerNorm, tied head
+    assert "--position-embedding-type learned_absolute" in megatron.content
+    assert "--untie-embeddings-and-output-weights" not in megatron.content and "--swiglu" not in megatron.content
+    titan = export_plan(gpt2, "torchtitan", pricer=pricer)
+    (gap,) = titan.gaps
+    assert gap.setting == "model" and titan.plan.model.startswith("llama:layers=2,hidden=64,heads=4")
+    assert "TIED = 2, 64, 4, 4, 256, 100, True" in titan.content.replace("LAYERS, DIM, HEADS, KV_HEADS, FFN, VOCAB, ", "")
+    llama = export_plan(PLANS["tp-sp"], "megatron", pricer=pricer).content
+    assert "--group-query-attention \\\n    --num-query-groups 8" in llama and "--swiglu" in llama

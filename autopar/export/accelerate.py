@@ -20,7 +20,7 @@ from __future__ import annotations
 from autopar.errors import UserError
 from autopar.export import megatron
 from autopar.export.common import (Adapter, Nodes, Option, Settings, chunks, contiguous, counts, describe_recompute,
-                                   per_rank, replace_plan, uniform_recompute, with_chunks)
+                                   nodes, per_rank, replace_plan, uniform_recompute, with_chunks)
 from autopar.plan import Plan
 
 FRAMEWORK = "Accelerate 1.15 (accelerate launch --config_file)"
@@ -77,6 +77,7 @@ def _fsdp(a: Adapter) -> None:
         a.gap("recompute", describe_recompute(a.plan), "fsdp_activation_checkpointing checkpoints every block or none",
               [Option(nearest="fsdp_activation_checkpointing: true", plan=uniform_recompute(a.plan, "full")),
                Option(nearest="fsdp_activation_checkpointing: false", plan=uniform_recompute(a.plan, "none"))])
+    a.refit({"full": "fsdp_activation_checkpointing: true"})
     _order(a, "Accelerate's mesh is dp_replicate > dp_shard > cp > tp")
 
 
@@ -96,7 +97,8 @@ def _megatron(a: Adapter) -> None:
                Option(nearest="megatron_lm_use_custom_fsdp: true (ZeRO-3)", plan=replace_plan(a.plan, zero_stage=3))])
     if a.plan.virtual_stages > 1 or a.plan.schedule != "1f1b":
         merged = per_rank(a.plan)
-        a.gap("schedule", f"{a.plan.schedule} (v={a.plan.virtual_stages})", "Accelerate's Megatron-LM section has no "
+        a.gap("schedule", f"{a.plan.schedule} (v={a.plan.virtual_stages})" if a.plan.virtual_stages > 1
+              else a.plan.schedule, "Accelerate's Megatron-LM section has no "
               "virtual pipeline stages; Megatron runs 1F1B", [Option(
                   nearest="1F1B, one stage per rank",
                   plan=contiguous(replace_plan(a.plan, recompute=tuple(m for r in merged for m in r)),
@@ -126,6 +128,8 @@ def _megatron(a: Adapter) -> None:
                 options.append(Option(nearest=f"megatron_lm_recompute_granularity: full, method block, {k} layers",
                                       plan=with_chunks(a.plan, new)))
         a.gap("recompute", describe_recompute(a.plan), reason, options)
+    a.refit({"selective": "megatron_lm_recompute_granularity: selective",
+             "full": "megatron_lm_recompute_granularity: full (uniform)"})
     _order(a, "Accelerate's Megatron-LM section uses Megatron's default rank order")
 
 
@@ -140,7 +144,6 @@ def _stage_keys(plan: Plan) -> dict | None:
 
 def sections(plan: Plan) -> dict:
     """The config of the (adapted) plan, as nested dicts of scalars."""
-    from autopar.export.common import nodes
     kind = backend(plan)
     where = nodes(plan)
     cfg: dict = {"compute_environment": "LOCAL_MACHINE", "debug": False, "distributed_type": kind,
@@ -163,7 +166,7 @@ def sections(plan: Plan) -> dict:
               "zero3_init_flag": False}
         cfg["deepspeed_config"] = ds
     elif kind == "MEGATRON_LM":
-        mg = {"megatron_lm_tp_degree": m.tp, "megatron_lm_pp_degree": m.pp,
+        mg: dict[str, object] = {"megatron_lm_tp_degree": m.tp, "megatron_lm_pp_degree": m.pp,
               "megatron_lm_context_parallel_size": m.cp,
               "megatron_lm_num_micro_batches": plan.num_microbatches,
               "megatron_lm_sequence_parallelism": plan.sequence_parallel and m.tp > 1,
@@ -251,23 +254,22 @@ def parse(text: str, layers: int) -> Settings:
     cfg = read_yaml(text)
     kind, gpus = cfg.get("distributed_type"), cfg.get("num_processes")
     dtype = {"no": "fp32"}.get(cfg.get("mixed_precision", "no"), cfg.get("mixed_precision"))
-    common = dict(gpus=gpus, dtype=dtype)
     if kind == "FSDP":
         f, p = cfg["fsdp_config"], cfg.get("parallelism_config", {})
         dp = p.get(PREFIX + "dp_shard_size", 1) * p.get(PREFIX + "dp_replicate_size", 1)
         tp, cp = p.get(PREFIX + "tp_size", 1), p.get(PREFIX + "cp_size", 1)
         full = f.get("fsdp_activation_checkpointing", False)
-        return Settings(**common, dp=dp, tp=tp, pp=1, cp=cp, zero=(3 if f.get("fsdp_reshard_after_forward") else 2)
+        return Settings(gpus=gpus, dtype=dtype, dp=dp, tp=tp, pp=1, cp=cp, zero=(3 if f.get("fsdp_reshard_after_forward") else 2)
                         if dp > 1 else 0, offload=f.get("fsdp_offload_params", False), schedule=None, virtual_stages=1,
                         sequence_parallel=False, stage_layers=(layers,), recompute=((0, 0, layers) if full else (layers, 0, 0),),
                         axis_order=tuple(x for x, d in (("dp", dp), ("tp", tp)) if d > 1))
     if kind in ("MULTI_GPU", "NO"):
-        return Settings(**common, dp=gpus, tp=1, pp=1, cp=1, zero=0, offload=False, schedule=None, virtual_stages=1,
+        return Settings(gpus=gpus, dtype=dtype, dp=gpus, tp=1, pp=1, cp=1, zero=0, offload=False, schedule=None, virtual_stages=1,
                         sequence_parallel=False, stage_layers=(layers,), recompute=((layers, 0, 0),),
                         axis_order=("dp",) if gpus and gpus > 1 else ())
     if kind == "DEEPSPEED":
         d = cfg["deepspeed_config"]
-        return Settings(**common, dp=gpus, tp=1, pp=1, cp=1, zero=d.get("zero_stage"),
+        return Settings(gpus=gpus, dtype=dtype, dp=gpus, tp=1, pp=1, cp=1, zero=d.get("zero_stage"),
                         offload=d.get("offload_optimizer_device", "none") == "cpu",
                         num_microbatches=d.get("gradient_accumulation_steps"), schedule=None, virtual_stages=1,
                         sequence_parallel=False, stage_layers=(layers,), recompute=((layers, 0, 0),),
@@ -288,7 +290,7 @@ def parse(text: str, layers: int) -> Settings:
             done = n if method == "uniform" else min(k, n)
             return (n - done, 0, done)
         zero = 1 if g.get("megatron_lm_use_distributed_optimizer") else 3 if g.get("megatron_lm_use_custom_fsdp") else 0
-        return Settings(**common, dp=dp, tp=tp, pp=pp, cp=cp, zero=zero if dp > 1 else 0,
+        return Settings(gpus=gpus, dtype=dtype, dp=dp, tp=tp, pp=pp, cp=cp, zero=zero if dp > 1 else 0,
                         offload=g.get("megatron_lm_optimizer_cpu_offload", False),
                         num_microbatches=g.get("megatron_lm_num_micro_batches"), schedule="1f1b", virtual_stages=1,
                         sequence_parallel=g.get("megatron_lm_sequence_parallelism", False) and tp > 1,

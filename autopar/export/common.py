@@ -88,7 +88,19 @@ def llama_twin(shape: Shape) -> str:
     """A ``llama:`` spec with ``shape``'s dimensions: the nearest model a target that builds
     only Llama-style blocks can train, and a spec the cost model can price."""
     return (f"llama:layers={shape.layers},hidden={shape.hidden},heads={shape.heads},"
-            f"kv_heads={shape.kv_heads},ffn={shape.ffn},vocab={shape.vocab},seq={shape.max_positions}")
+            f"kv_heads={shape.kv_heads},ffn={shape.ffn},vocab={shape.vocab},seq={shape.max_positions},"
+            f"tied={int(shape.tied)}")
+
+
+def twin_options(plan: Plan, shape: Shape, nearest: str) -> list[Option]:
+    """The Llama-style twin of ``shape`` as the one candidate for a model gap (``nearest`` with
+    ``{spec}`` for its spec), or none when no such spec exists (odd head size ...)."""
+    twin = llama_twin(shape)
+    try:
+        parse_model_spec(twin)
+    except UserError:
+        return []
+    return [Option(nearest=nearest.format(spec=twin), plan=replace_plan(plan, model=twin))]
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -196,15 +208,21 @@ def strategy(plan: Plan, recipe: ExecutionRecipe) -> Strategy:
     return dataclasses.replace(plan.strategy(), offload=plan.offload, axis_order=plan.axis_order, recipe=recipe)
 
 
+_PRICED = ("model", "cluster", "gpus", "global_batch", "seq_len", "dtype", "mesh", "zero_stage", "micro_batch_size",
+           "num_microbatches", "schedule", "virtual_stages", "sequence_parallel", "stage_layers", "recompute",
+           "offload", "axis_order")
+"""The plan fields a price depends on (the recipe is priced as given)."""
+
+
 class Pricer:
     """Prices plans of one job with ``cost_models.estimate``; traces each model once."""
 
     def __init__(self) -> None:
         self._profiles: dict[tuple[str, int], object] = {}
-        self._cache: dict[tuple[Plan, ExecutionRecipe], Priced] = {}
+        self._cache: dict[tuple[tuple, ExecutionRecipe], Priced] = {}
 
     def __call__(self, plan: Plan, recipe: ExecutionRecipe) -> Priced:
-        key = (dataclasses.replace(plan, estimate=None, verified=()), recipe)
+        key = (tuple(getattr(plan, f) for f in _PRICED), recipe)
         if key not in self._cache:
             self._cache[key] = self._price(plan, recipe)
         return self._cache[key]
@@ -302,6 +320,21 @@ class Adapter:
         if chosen.recipe is not None:
             self.recipe = chosen.recipe
         return chosen
+
+    def refit(self, modes: dict[str, str]) -> None:
+        """When the nearest settings chosen so far no longer fit in device memory but the plan
+        did, recompute every block with one of ``modes`` (mode -> how the target writes it),
+        the fastest that fits; nothing when none does."""
+        if not self.gaps or self._price(self.plan, self.recipe).fits is not False:
+            return
+        if self._price(self.original, self.original.execution_recipe()).fits is not True:
+            return
+        options = [Option(nearest=text, plan=uniform_recompute(self.plan, mode)) for mode, text in modes.items()
+                   if set(self.plan.recompute) != {mode}]
+        fitting = [o for o in options if self._price(o.plan, self.recipe).fits]
+        if fitting:
+            self.gap("recompute", describe_recompute(self.plan), "the nearest settings above do not fit in "
+                     "device memory", fitting)
 
     def total(self) -> tuple[Priced, Priced]:
         """(the original plan, the plan as exported) priced."""

@@ -19,7 +19,7 @@ import json
 
 from autopar.errors import UserError
 from autopar.export.common import (Adapter, Nodes, Option, Settings, contiguous, describe_recompute, per_rank,
-                                   replace_plan, uniform_recompute)
+                                   replace_plan, strategy, uniform_recompute)
 from autopar.plan import Plan
 from cost_models.recipe import ExecutionRecipe
 
@@ -65,6 +65,7 @@ def adapt(a: Adapter) -> None:
               "(activation_checkpointing; pipeline.activation_checkpoint_interval)",
               [Option(nearest="activation checkpointing of every block", plan=uniform_recompute(a.plan, "full")),
                Option(nearest="no activation checkpointing", plan=uniform_recompute(a.plan, "none"))])
+    a.refit({"full": "activation checkpointing of every block"})
     order = [x for x in a.plan.axis_order if {"pp": a.plan.mesh.pp, "dp": a.plan.mesh.dp, "tp": a.plan.mesh.tp}[x] > 1]
     if order != [x for x in ("pp", "dp", "tp") if x in order]:
         a.gap("axis_order", ",".join(a.plan.axis_order), "DeepSpeed's topology orders pipe > data > model",
@@ -81,7 +82,6 @@ def config(plan: Plan, recipe: ExecutionRecipe) -> dict:
         cfg[plan.dtype] = {"enabled": True}
     zero: dict = {"stage": plan.zero_stage}
     if plan.zero_stage > 0:
-        from autopar.export.common import strategy
         zero["overlap_comm"] = strategy(plan, recipe).dp_overlap
     if plan.offload:
         zero["offload_optimizer"] = {"device": "cpu", "pin_memory": True}

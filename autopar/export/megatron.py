@@ -15,33 +15,34 @@ import argparse
 import shlex
 
 from autopar.errors import UserError
-from autopar.export.common import (Adapter, Family, Nodes, Option, Settings, Shape, chunks, counts, derive_batch,
-                                   describe_recompute, llama_twin, replace_plan, with_chunks)
+from autopar.export.common import (Adapter, Family, Nodes, Option, Settings, Shape, axis_order, chunks, counts,
+                                   derive_batch, describe_recompute, replace_plan, strategy, twin_options,
+                                   with_chunks)
 from autopar.plan import Plan
 from cost_models.recipe import Attention, ExecutionRecipe
 
 FRAMEWORK = "Megatron-LM core_v0.19 (megatron/training/arguments.py)"
 DEFAULT_FILE = "pretrain_autopar.sh"
 SCRIPT = "pretrain_gpt.py"
-_MESH_ORDERS = {("pp", "dp", "tp"): False, ("dp", "pp", "tp"): True}
-"""Megatron's rank orders (outermost first) and whether they need ``--use-tp-pp-dp-mapping``."""
+_MESH_ORDERS = (("pp", "dp", "tp"), ("dp", "pp", "tp"))
+"""Megatron's rank orders, outermost first: its default and ``--use-tp-pp-dp-mapping``'s."""
 
 
 def adapt(a: Adapter, shape: Shape) -> None:
     """Replace what Megatron cannot express by the nearest setting it can."""
     if shape.family == Family.OTHER:
         a.gap("model", shape.source, "Megatron's GPT builder makes GPT-2-style or Llama-style blocks, not "
-              "this architecture", [Option(nearest=f"a Llama-style model of the same shape ({llama_twin(shape)})",
-                                           plan=replace_plan(a.plan, model=llama_twin(shape)))])
+              "this architecture", twin_options(a.plan, shape, "a Llama-style model of the same shape ({spec})"))
     plan = a.plan
     if plan.mesh.pp > 1:
         _schedule(a)
-    order = tuple(x for x in plan.axis_order if {"pp": plan.mesh.pp, "dp": plan.mesh.dp, "tp": plan.mesh.tp}[x] > 1)
-    if not any(_is_suborder(order, o) for o in _MESH_ORDERS):
+    if not any(_is_suborder(axis_order(plan), o) for o in _MESH_ORDERS):
         a.gap("axis_order", ",".join(a.plan.axis_order), "Megatron places tp innermost and pp outside or inside dp",
               [Option(nearest="the default order tp-cp-ep-dp-pp", plan=replace_plan(a.plan, axis_order=("pp", "dp", "tp")))])
     if _recompute_flags(a.plan) is None:
         _recompute(a)
+    a.refit({"selective": "--recompute-granularity selective", "full": "--recompute-granularity full "
+             "--recompute-method uniform"})
     if a.recipe.tp_comm_overlap and a.plan.mesh.tp > 1 and not a.plan.sequence_parallel:
         recipe = _replace_recipe(a.recipe, tp_comm_overlap=False)
         a.gap("recipe.tp_comm_overlap", True, "--tp-comm-overlap needs --sequence-parallel",
@@ -137,7 +138,6 @@ def _zero_flags(plan: Plan, shape: Shape, recipe: ExecutionRecipe) -> list[str]:
 
 
 def _dp_overlap(plan: Plan, recipe: ExecutionRecipe) -> bool:
-    from autopar.export.common import strategy
     return strategy(plan, recipe).dp_overlap
 
 
@@ -190,7 +190,8 @@ def arguments(plan: Plan, shape: Shape, recipe: ExecutionRecipe) -> list[str]:
     args += _pipeline_flags(plan)
     if m.cp > 1:
         args += ["--context-parallel-size", str(m.cp)]
-    if _MESH_ORDERS.get(plan.axis_order) and m.pp > 1 and m.dp > 1:
+    order = axis_order(plan)
+    if "dp" in order and "pp" in order and order.index("dp") < order.index("pp"):
         args.append("--use-tp-pp-dp-mapping")
     args += ["--micro-batch-size", str(plan.micro_batch_size), "--global-batch-size", str(plan.global_batch)]
     args += _recompute_flags(plan) or []

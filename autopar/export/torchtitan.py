@@ -24,7 +24,7 @@ import ast
 
 from autopar.errors import UserError
 from autopar.export.common import (Adapter, Family, Nodes, Option, Settings, Shape, derive_batch, describe_recompute,
-                                   llama_twin, replace_plan, uniform_recompute)
+                                   replace_plan, twin_options, uniform_recompute)
 from autopar.plan import Plan
 
 FRAMEWORK = "torchtitan 0.3 (torchtitan.config.ConfigManager, Trainer.Config)"
@@ -40,9 +40,7 @@ _MULTI = {"Interleaved1F1B", "InterleavedZeroBubble"}
 def adapt(a: Adapter, shape: Shape) -> None:
     if shape.family != Family.LLAMA:
         a.gap("model", shape.source, "torchtitan 0.3 trains its own model definitions; the nearest is its "
-              "Llama 3 decoder", [Option(nearest=f"torchtitan's Llama 3 decoder at the same shape "
-                                                f"({llama_twin(shape)})",
-                                         plan=replace_plan(a.plan, model=llama_twin(shape)))])
+              "Llama 3 decoder", twin_options(a.plan, shape, "torchtitan's Llama 3 decoder at the same shape ({spec})"))
     if a.plan.zero_stage == 1:
         a.gap("zero_stage", 1, "FSDP2 shards gradients whenever it shards optimizer states",
               [Option(nearest="data_parallel_shard_degree with fsdp_reshard_after_forward='never' (ZeRO-2)",
@@ -65,6 +63,7 @@ def adapt(a: Adapter, shape: Shape) -> None:
               "policy is op-level (saves matmul and attention outputs), not autopar's attention-core recompute",
               [Option(nearest="activation_checkpoint=FullAC.Config()", plan=uniform_recompute(a.plan, "full")),
                Option(nearest="activation_checkpoint=None", plan=uniform_recompute(a.plan, "none"))])
+    a.refit({"full": "activation_checkpoint=FullAC.Config()"})
     deg = {"pp": a.plan.mesh.pp, "dp": a.plan.mesh.dp, "tp": a.plan.mesh.tp}
     order = [x for x in a.plan.axis_order if deg[x] > 1]
     if order != [x for x in ("pp", "dp", "tp") if x in order]:
