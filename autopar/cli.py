@@ -352,6 +352,8 @@ def export(plan_file: Path = typer.Argument(..., help="A plan JSON from `autopar
         result = export_plan(load_plan(plan_file), to, str(out) if out is not None else None)
         for gap in result.gaps:
             typer.echo(f"autopar: warning: {gap.line(result.target)}", err=True)
+        if result.gaps:
+            typer.echo(f"autopar: warning: as exported: {result.summary()}", err=True)
         if out is not None:
             try:
                 out.write_text(result.content)

@@ -59,6 +59,13 @@ PLANS = {
     "3d": plan(model="llama3-70b", seq_len=8192, gpus=256, mesh=Mesh(dp=8, tp=8, pp=4), global_batch=256,
                num_microbatches=32, zero_stage=1, schedule="interleaved", virtual_stages=5,
                sequence_parallel=True, stage_layers=(4,) * 20, recompute=("selective",) * 40 + ("full",) * 40),
+    # context parallelism next to TP and ZeRO-3
+    "cp": plan(gpus=16, mesh=Mesh(dp=4, tp=2, cp=2), seq_len=16384, global_batch=16, num_microbatches=4,
+               zero_stage=3, recompute=("full",) * 32),
+    # data parallelism outside the pipeline (Megatron's --use-tp-pp-dp-mapping), ZeRO-0
+    "dp-outside-pp": plan(model="gpt2-medium", seq_len=1024, gpus=8, mesh=Mesh(dp=2, tp=2, pp=2),
+                          axis_order=("dp", "pp", "tp"), global_batch=16, num_microbatches=8, stage_layers=(12, 12),
+                          recompute=("none",) * 24),
     # an HF config class (tiny Llama), TP x PP x DP
     "hf": plan(model=TINY_HF, seq_len=512, gpus=8, mesh=Mesh(dp=2, tp=2, pp=2), global_batch=16,
                micro_batch_size=2, num_microbatches=4, zero_stage=1, sequence_parallel=True, stage_layers=(2, 2),
@@ -327,8 +334,9 @@ def test_cli_export_writes_the_file_and_warns_on_stderr(tmp_path):
     assert json.loads(out.read_text())["pipeline"]["stages"] == 2
     assert "launch: deepspeed --num_nodes 1 --num_gpus 8" in res.stdout
     warnings = [line for line in res.stderr.splitlines() if line.startswith("autopar: warning: ")]
-    assert warnings and all("deepspeed cannot express" in w for w in warnings)
+    assert warnings and all("deepspeed cannot express" in w for w in warnings[:-1])
     assert any("schedule=zero-bubble (v=2)" in w and "predicted step" in w for w in warnings)
+    assert warnings[-1].startswith("autopar: warning: as exported: predicted step")
 
 
 def test_cli_export_json_lists_the_warnings_and_stdout_carries_the_file(tmp_path):
@@ -340,7 +348,7 @@ def test_cli_export_json_lists_the_warnings_and_stdout_carries_the_file(tmp_path
     assert data["target"] == "torchtitan" and data["framework"].startswith("torchtitan 0.3")
     assert {w["setting"] for w in data["warnings"]} == {"zero_stage", "recompute"}
     assert all(w["nearest_step_time_s"] and w["nearest_fits"] is not None for w in data["warnings"])
-    assert len([line for line in res.stderr.splitlines() if line.startswith("autopar: warning:")]) == 2
+    assert len([line for line in res.stderr.splitlines() if line.startswith("autopar: warning:")]) == 3
     res = runner.invoke(app, ["export", str(path), "--to", "megatron"])
     assert res.exit_code == 0 and res.stdout.startswith("#!/usr/bin/env bash")
     assert "--tensor-model-parallel-size 8" in res.stdout and "autopar: launch:" in res.stderr

@@ -41,6 +41,10 @@ class Export:
     exported: Priced
     """The cost model on the original plan and on ``plan``."""
 
+    def summary(self) -> str:
+        """The cost model on the plan as exported against the plan as planned."""
+        return cost_note(self.planned, self.exported, "as planned")
+
     def as_dict(self) -> dict:
         return {"target": self.target.value, "framework": self.framework, "file": self.filename,
                 "content": self.content, "launch": self.launch,
@@ -74,9 +78,11 @@ def export_plan(plan: Plan, target: Target | str, filename: str | None = None,
     out = a.plan
     shape = model_shape(out) if out.model != plan.model else shape
     where = nodes(out)
+    planned, exported = a.total() if a.gaps else (Priced(), Priced())
     header = [f"{FRAMEWORKS[target]}: exported by `autopar export --to {target.value}` from the plan for",
               f"{plan.model} on {plan.gpus} x {plan.cluster} (global batch {plan.global_batch}, seq {plan.seq_len}).",
-              *(f"WARNING: {g.line(target)}" for g in a.gaps)]
+              *(f"WARNING: {g.line(target)}" for g in a.gaps),
+              *([f"WARNING: as exported: {cost_note(planned, exported, 'as planned')}"] if a.gaps else [])]
     if target == Target.MEGATRON:
         content, launch = megatron.render(out, shape, a.recipe, where, header)
         launch = launch.replace("<script>", Path(name).name)
@@ -86,7 +92,6 @@ def export_plan(plan: Plan, target: Target | str, filename: str | None = None,
         content, launch = torchtitan.render(out, shape, where, header, Path(name).stem)
     else:
         content, launch = accelerate.render(out, where, header, Path(name).name)
-    planned, exported = a.total() if a.gaps else (Priced(), Priced())
     return Export(target=target, framework=FRAMEWORKS[target], filename=name, content=content, launch=launch,
                   gaps=tuple(a.gaps), plan=out, planned=planned, exported=exported)
 

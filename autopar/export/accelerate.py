@@ -202,10 +202,10 @@ def _yaml(cfg: dict, indent: str = "") -> list[str]:
 
 
 def render(plan: Plan, where: Nodes, header: list[str], filename: str) -> tuple[str, str]:
-    del where
     env = (f"ACCELERATE_GRADIENT_ACCUMULATION_STEPS={plan.num_microbatches} "
            if backend(plan) in ("MULTI_GPU", "FSDP", "NO") else "")
-    launch = f"{env}accelerate launch --config_file {filename} --machine_rank <this node> train.py"
+    nodes_flags = " --machine_rank <this node> --main_process_ip <node 0>" if where.count > 1 else ""
+    launch = f"{env}accelerate launch --config_file {filename}{nodes_flags} train.py"
     text = "\n".join([*(f"# {h}" for h in header), *_yaml(sections(plan))]) + "\n"
     return text, launch
 

@@ -12,10 +12,9 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass
 from enum import Enum
-from typing import Callable
 
 from autopar.errors import UserError
-from autopar.plan import AXES, Plan
+from autopar.plan import Plan
 from autopar.spec import ModelSpec, parse_model_spec, with_seq
 from cost_models import ProfileError, estimate, load_profile
 from cost_models.recipe import ExecutionRecipe
@@ -152,21 +151,6 @@ def per_rank(plan: Plan) -> list[tuple[str, ...]]:
     return [tuple(m for c in range(plan.virtual_stages) for m in cs[c * pp + r]) for r in range(pp)]
 
 
-def split_even(modes_per_rank: list[tuple[str, ...]], v: int) -> list[list[str]]:
-    """Virtual stages (stage order) from each rank's modes cut into ``v`` contiguous chunks,
-    the earlier chunks taking the remainder (what ``workflow.layer_layout`` does)."""
-    pp = len(modes_per_rank)
-    out: list[list[str]] = [[] for _ in range(pp * v)]
-    for r, modes in enumerate(modes_per_rank):
-        q, rem = divmod(len(modes), v)
-        at = 0
-        for c in range(v):
-            size = q + (1 if c < rem else 0)
-            out[c * pp + r] = list(modes[at:at + size])
-            at += size
-    return out
-
-
 def contiguous(plan: Plan, sizes: tuple[int, ...], virtual_stages: int = 1, **changes: object) -> Plan:
     """``plan`` with its blocks re-cut into stages of ``sizes`` (stage order), each block
     keeping its recompute mode."""
@@ -274,13 +258,13 @@ class Gap:
                 "not_priced": self.nearest_cost.why_not or None}
 
 
-def cost_note(before: Priced, after: Priced) -> str:
-    """``predicted step 1.31 s vs 1.25 s as planned (+4.8%), fits`` or why there is no price."""
+def cost_note(before: Priced, after: Priced, what: str = "before it") -> str:
+    """``predicted step 1.31 s (+4.8% on 1.25 s before it), fits`` or why there is no price."""
     if after.step_time_s is None or before.step_time_s is None:
         return f"not priced ({after.why_not or before.why_not})"
     change = after.step_time_s / before.step_time_s - 1
-    return (f"predicted step {after.step_time_s:.4g} s vs {before.step_time_s:.4g} s as planned "
-            f"({change:+.1%}), {'fits' if after.fits else 'DOES NOT FIT in device memory'}")
+    return (f"predicted step {after.step_time_s:.4g} s ({change:+.1%} on {before.step_time_s:.4g} s {what}), "
+            f"{'fits' if after.fits else 'DOES NOT FIT in device memory'}")
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -356,11 +340,6 @@ def _text(value: object) -> str:
     return str(value)
 
 
-def recompute_options(adapter: Adapter, modes: dict[str, str]) -> list[Option]:
-    """Uniform recompute candidates: ``modes`` maps a mode to how the target writes it."""
-    return [Option(nearest=text, plan=uniform_recompute(adapter.plan, mode)) for mode, text in modes.items()]
-
-
 def describe_recompute(plan: Plan) -> str:
     """``full x12, none x20`` when every stage holds the same mix, else per run of stages:
     ``stages 0-9: selective x4; stages 10-19: full x4``."""
@@ -428,21 +407,10 @@ class Settings:
         return out
 
 
-def derive_batch(gpus: int | None, dp: int | None, micro: int | None, global_batch: int | None) -> int | None:
-    """Micro-batches per step per dp rank from a global batch: G / (micro x dp)."""
-    if None in (dp, micro, global_batch) or not dp or not micro:
+def derive_batch(dp: int, micro: int | None, global_batch: int | None) -> int | None:
+    """Micro-batches per step per dp rank from a global batch: G / (micro x dp), None when it
+    does not divide."""
+    if not micro or not global_batch or dp < 1:
         return None
-    assert dp is not None and micro is not None and global_batch is not None
     n, rem = divmod(global_batch, dp * micro)
     return n if not rem else None
-
-
-def recompute_settings(stage_layers: tuple[int, ...], per_stage: Callable[[int, int], tuple[int, int, int]]
-                       ) -> tuple[tuple[int, int, int], ...]:
-    """Per-stage recompute counts from a rule (stage index, its blocks) -> counts."""
-    return tuple(per_stage(i, n) for i, n in enumerate(stage_layers))
-
-
-__all__ = ["AXES", "Adapter", "Family", "Gap", "Nodes", "Option", "Priced", "Pricer", "Settings",
-           "Shape", "Target", "chunks", "contiguous", "counts", "model_shape", "nodes", "per_rank",
-           "replace_plan", "split_even", "with_chunks"]

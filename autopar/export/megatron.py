@@ -33,10 +33,9 @@ def adapt(a: Adapter, shape: Shape) -> None:
     if shape.family == Family.OTHER:
         a.gap("model", shape.source, "Megatron's GPT builder makes GPT-2-style or Llama-style blocks, not "
               "this architecture", twin_options(a.plan, shape, "a Llama-style model of the same shape ({spec})"))
-    plan = a.plan
-    if plan.mesh.pp > 1:
+    if a.plan.mesh.pp > 1:
         _schedule(a)
-    if not any(_is_suborder(axis_order(plan), o) for o in _MESH_ORDERS):
+    if not any(_is_suborder(axis_order(a.plan), o) for o in _MESH_ORDERS):
         a.gap("axis_order", ",".join(a.plan.axis_order), "Megatron places tp innermost and pp outside or inside dp",
               [Option(nearest="the default order tp-cp-ep-dp-pp", plan=replace_plan(a.plan, axis_order=("pp", "dp", "tp")))])
     if _recompute_flags(a.plan) is None:
@@ -314,7 +313,7 @@ def parse(text: str) -> Settings:
         zero = {"optim": 1, "optim_grads": 2, "optim_grads_params": 3}[a.data_parallel_sharding_strategy]
     return Settings(gpus=gpus, dp=dp, tp=tp, pp=pp, cp=cp, zero=zero if dp > 1 else 0, offload=a.optimizer_cpu_offload,
                     micro_batch_size=a.micro_batch_size,
-                    num_microbatches=derive_batch(gpus, dp, a.micro_batch_size, a.global_batch_size),
+                    num_microbatches=derive_batch(dp, a.micro_batch_size, a.global_batch_size),
                     global_batch=a.global_batch_size,
                     schedule=None if pp == 1 else ("interleaved" if v > 1 else "1f1b"), virtual_stages=v,
                     sequence_parallel=a.sequence_parallel and tp > 1, stage_layers=stage_layers,

@@ -205,14 +205,14 @@ def parse(text: str) -> Settings:
     dp = rep * shard
     if pp > 1:
         micro = p.get("pipeline_parallel_microbatch_size", 1)
-        n = t["local_batch_size"] // micro * (derive_batch(None, dp, t["local_batch_size"], t["global_batch_size"]) or 0)
+        n = t["local_batch_size"] // micro * (derive_batch(dp, t["local_batch_size"], t["global_batch_size"]) or 0)
         parts = p.get("module_fqns_per_model_part")
         stage_layers = tuple(sum(1 for f in part if f.startswith("layers.")) for part in parts) if parts else None
         v = len(parts) // pp if parts else None
         schedule = {v: k for k, v in SCHEDULES.items()}.get(p.get("pipeline_parallel_schedule", "1F1B"))
     else:
         micro = t["local_batch_size"]
-        n = derive_batch(None, dp, micro, t["global_batch_size"]) or 0
+        n = derive_batch(dp, micro, t["global_batch_size"]) or 0
         stage_layers, v, schedule = ((layers,) if layers else None), 1, None
     reshard = p.get("fsdp_reshard_after_forward", "default")
     zero = 0 if shard == 1 else 3 if reshard == "always" or (reshard == "default" and pp == 1) else 2
