@@ -65,18 +65,16 @@ def export_plan(plan: Plan, target: Target | str, filename: str | None = None,
     if target == Target.TORCHTITAN and not Path(name).stem.isidentifier():
         raise UserError(f"--out {name}: torchtitan imports the config as a module (--module {Path(name).stem}); "
                         "name the file like a Python module, e.g. autopar_torchtitan.py")
-    shape = model_shape(plan)
     a = Adapter(plan, target, pricer)
-    if target == Target.MEGATRON:
-        megatron.adapt(a, shape)
-    elif target == Target.DEEPSPEED:
+    if target == Target.DEEPSPEED:
         deepspeed.adapt(a)
-    elif target == Target.TORCHTITAN:
-        torchtitan.adapt(a, shape)
-    else:
+    elif target == Target.ACCELERATE:
         accelerate.adapt(a)
+    else:  # the targets that build the model need its shape
+        shape = model_shape(plan)
+        (megatron if target == Target.MEGATRON else torchtitan).adapt(a, shape)
+        shape = model_shape(a.plan) if a.plan.model != plan.model else shape
     out = a.plan
-    shape = model_shape(out) if out.model != plan.model else shape
     where = nodes(out)
     planned, exported = a.total() if a.gaps else (Priced(), Priced())
     header = [f"{FRAMEWORKS[target]}: exported by `autopar export --to {target.value}` from the plan for",
