@@ -1,4 +1,4 @@
-"""The ``autopar`` command line (design.md): plan, estimate, explain, inspect, run, demo.
+"""The ``autopar`` command line (design.md): plan, estimate, explain, inspect, run, export, demo.
 
 Bad input exits 2 with one line on stderr; ``--json`` prints machine-readable output.
 """
@@ -22,6 +22,7 @@ from rich.console import Console
 from rich.table import Table
 
 from autopar.errors import UserError
+from autopar.export.common import Target as ExportTarget
 from autopar.plan import AXES, Plan, load_plan
 from autopar.solve import Pins, Solution, explain as explain_plan, explanation_dict
 from autopar.workflow import estimate_strategy, fixed_strategy, launch_refusal, make_plan, read_job
@@ -366,6 +367,37 @@ def run(plan_file: Path = typer.Argument(..., help="A plan JSON from `autopar pl
             return
         for i, (loss, t) in enumerate(zip(result.losses, result.step_times_s), start=result.start_step):
             console.print(f"step {i}: loss {loss:.6f}  {t:.3f} s")
+    _guard(body)
+
+
+@app.command()
+def export(plan_file: Path = typer.Argument(..., help="A plan JSON from `autopar plan --out`"),
+           to: ExportTarget = typer.Option(..., "--to", help="Framework: megatron (launch script with "
+                                           "pretrain_gpt.py arguments), deepspeed (ds_config.json), torchtitan "
+                                           "(config module), accelerate (config YAML)"),
+           out: Optional[Path] = typer.Option(None, "--out", help="Write the configuration here (default: stdout)"),
+           as_json: bool = JSON) -> None:
+    """Write a plan as another framework's configuration. What the framework cannot express is a
+    warning on stderr naming the nearest setting written instead and its predicted cost."""
+    def body() -> None:
+        from autopar.export import export_plan
+        result = export_plan(load_plan(plan_file), to, str(out) if out is not None else None)
+        for gap in result.gaps:
+            typer.echo(f"autopar: warning: {gap.line(result.target)}", err=True)
+        if result.gaps:
+            typer.echo(f"autopar: warning: as exported: {result.summary()}", err=True)
+        if out is not None:
+            try:
+                out.write_text(result.content)
+            except OSError as exc:
+                raise UserError(f"cannot write {out}: {exc.strerror}") from None
+        if as_json:
+            typer.echo(json.dumps(result.as_dict(), indent=2, sort_keys=True))
+        elif out is not None:
+            typer.echo(f"wrote {out} ({result.framework})\nlaunch: {result.launch}")
+        else:
+            typer.echo(result.content, nl=False)
+            typer.echo(f"autopar: launch: {result.launch}", err=True)
     _guard(body)
 
 

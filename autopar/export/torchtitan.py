@@ -1,0 +1,228 @@
+"""torchtitan: a config module in torchtitan 0.3's format.
+
+Since 0.3 a torchtitan job is a Python function returning ``Trainer.Config`` (selected with
+``--module <module> --config <function>``; ``--section.key`` flags override it). The export
+is such a module: the model (torchtitan's Llama 3 decoder at the plan's shape) and
+``TrainingConfig``/``ParallelismConfig``/activation checkpointing written as literal keyword
+arguments, so that ``parse`` reads them back with ``ast``.
+
+Mapping: ZeRO 0 is ``data_parallel_replicate_degree`` (FSDP2 over a one-rank shard mesh: DDP),
+ZeRO 2/3 ``data_parallel_shard_degree`` with ``fsdp_reshard_after_forward`` never/always;
+stages are explicit ``module_fqns_per_model_part``; micro-batches are pipeline micro-batches
+(``pipeline_parallel_microbatch_size``, ``local_batch_size`` = all of them) with a pipeline,
+gradient-accumulation steps (``global_batch_size``) without.
+
+What it cannot express: ZeRO-1 (FSDP2 always shards gradients), fp16, autopar's selective
+recompute (torchtitan's selective AC is op-level: it saves matmul and attention outputs and
+recomputes the rest), per-block recompute mixes, mesh orders other than pp > dp > cp > tp, and
+blocks other than Llama's (RMSNorm, SwiGLU, RoPE).
+"""
+
+from __future__ import annotations
+
+import ast
+
+from autopar.errors import UserError
+from autopar.export.common import (Adapter, Family, Nodes, Option, Settings, Shape, derive_batch, describe_recompute,
+                                   replace_plan, twin_options, uniform_recompute)
+from autopar.plan import Plan
+
+FRAMEWORK = "torchtitan 0.3 (torchtitan.config.ConfigManager, Trainer.Config)"
+DEFAULT_FILE = "autopar_torchtitan.py"
+FUNCTION = "autopar_plan"
+SCHEDULES = {"gpipe": "GPipe", "1f1b": "1F1B", "interleaved": "Interleaved1F1B",
+             "zero-bubble": "InterleavedZeroBubble"}
+"""autopar's schedules and the torch.distributed.pipelining schedules torchtitan names (all
+place stages looped: rank r runs stages r, r + pp, ...)."""
+_MULTI = {"Interleaved1F1B", "InterleavedZeroBubble"}
+
+
+def adapt(a: Adapter, shape: Shape) -> None:
+    if shape.family != Family.LLAMA:
+        a.gap("model", shape.source, "torchtitan 0.3 trains its own model definitions; the nearest is its "
+              "Llama 3 decoder", twin_options(a.plan, shape, "torchtitan's Llama 3 decoder at the same shape ({spec})"))
+    if a.plan.zero_stage == 1:
+        a.gap("zero_stage", 1, "FSDP2 shards gradients whenever it shards optimizer states",
+              [Option(nearest="data_parallel_shard_degree with fsdp_reshard_after_forward='never' (ZeRO-2)",
+                      plan=replace_plan(a.plan, zero_stage=2)),
+               Option(nearest="data_parallel_shard_degree with fsdp_reshard_after_forward='always' (ZeRO-3)",
+                      plan=replace_plan(a.plan, zero_stage=3))])
+    if a.plan.offload and a.plan.zero_stage == 0:
+        a.gap("offload", True, "enable_cpu_offload offloads FSDP shards", [
+            Option(nearest="no CPU offload", plan=replace_plan(a.plan, offload=False))])
+    if a.plan.dtype == "fp16":
+        a.gap("dtype", "fp16", "torchtitan trains in bfloat16 or float32",
+              [Option(nearest="mixed_precision_param='bfloat16'", plan=replace_plan(a.plan, dtype="bf16"))])
+    if a.plan.mesh.pp > 1 and a.plan.virtual_stages > 1 and SCHEDULES[a.plan.schedule] not in _MULTI:
+        a.gap("schedule", a.plan.schedule, f"{a.plan.virtual_stages} stages per rank need a looped schedule",
+              [Option(nearest="Interleaved1F1B", plan=replace_plan(a.plan, schedule="interleaved"))])
+    modes = set(a.plan.recompute)
+    if "selective" in modes or len(modes) > 1:
+        a.gap("recompute", describe_recompute(a.plan),
+              "torchtitan applies one activation-checkpointing policy to every block, and its selective "
+              "policy is op-level (saves matmul and attention outputs), not autopar's attention-core recompute",
+              [Option(nearest="activation_checkpoint=FullAC.Config()", plan=uniform_recompute(a.plan, "full")),
+               Option(nearest="activation_checkpoint=None", plan=uniform_recompute(a.plan, "none"))])
+    a.refit({"full": "activation_checkpoint=FullAC.Config()"})
+    deg = {"pp": a.plan.mesh.pp, "dp": a.plan.mesh.dp, "tp": a.plan.mesh.tp}
+    order = [x for x in a.plan.axis_order if deg[x] > 1]
+    if order != [x for x in ("pp", "dp", "tp") if x in order]:
+        a.gap("axis_order", ",".join(a.plan.axis_order), "torchtitan's mesh is pp > dp_replicate > dp_shard > cp > tp",
+              [Option(nearest="pp > dp > tp", plan=replace_plan(a.plan, axis_order=("pp", "dp", "tp")))])
+
+
+def _fqns(plan: Plan) -> list[list[str]]:
+    out, at = [], 0
+    last = len(plan.stage_layers) - 1
+    for i, n in enumerate(plan.stage_layers):
+        names = [f"layers.{j}" for j in range(at, at + n)]
+        at += n
+        out.append((["tok_embeddings"] if i == 0 else []) + names + (["norm", "lm_head"] if i == last else []))
+    return out
+
+
+def settings_kwargs(plan: Plan) -> tuple[dict, dict]:
+    """(TrainingConfig, ParallelismConfig) keyword arguments of the (adapted) plan."""
+    m = plan.mesh
+    pipelined = m.pp > 1
+    local = plan.micro_batch_size * plan.num_microbatches if pipelined else plan.micro_batch_size
+    training = {"local_batch_size": local, "global_batch_size": plan.global_batch, "seq_len": plan.seq_len,
+                "dtype": "float32", "mixed_precision_param": "float32" if plan.dtype == "fp32" else "bfloat16",
+                "enable_cpu_offload": plan.offload}
+    if pipelined:
+        training["disable_cuda_graphs"] = True  # torchtitan's CUDA graphs refuse pipelines
+    sharded = plan.zero_stage > 0
+    parallelism: dict = {"data_parallel_replicate_degree": 1 if sharded else m.dp,
+                         "data_parallel_shard_degree": m.dp if sharded else 1,
+                         "fsdp_reshard_after_forward": "always" if plan.zero_stage == 3 else "never",
+                         "tensor_parallel_degree": m.tp,
+                         "enable_sequence_parallel": plan.sequence_parallel and m.tp > 1,
+                         "pipeline_parallel_degree": m.pp,
+                         "context_parallel_degree": m.cp}
+    if pipelined:
+        parallelism.update(pipeline_parallel_schedule=SCHEDULES[plan.schedule],
+                           pipeline_parallel_microbatch_size=plan.micro_batch_size,
+                           module_fqns_per_model_part=_fqns(plan))
+    return training, parallelism
+
+
+def _kwargs(d: dict, indent: str) -> str:
+    return ",\n".join(f"{indent}{k}={v!r}" for k, v in d.items())
+
+
+def render(plan: Plan, shape: Shape, where: Nodes, header: list[str], module: str) -> tuple[str, str]:
+    training, parallelism = settings_kwargs(plan)
+    ac = "FullAC.Config()" if "full" in plan.recompute else "None"
+    launch = (f"PYTHONPATH=<directory of {module}.py> torchrun --nnodes {where.count} --nproc-per-node "
+              f"{where.per_node} -m torchtitan.train --module {module} --config {FUNCTION}")
+    doc = "\n".join(header + ["", "Launch on every node:", f"    {launch}",
+                              "Set hf_assets_path (tokenizer) and the dataloader to your data; any field can "
+                              "be overridden with --section.key."])
+    text = f'''"""{doc}
+"""
+
+from torchtitan.components.loss import ChunkedLossWrapper, CrossEntropyLoss
+from torchtitan.config import ParallelismConfig, TrainingConfig
+from torchtitan.distributed.activation_checkpoint import FullAC
+from torchtitan.models.common import ComplexRoPE, Embedding, Linear, RMSNorm
+from torchtitan.models.llama3 import (_EMBEDDING_INIT, _NORM_INIT, _build_llama3_layers, _output_linear_init,
+                                      model_registry)
+from torchtitan.models.llama3.config_registry import llama3_8b
+from torchtitan.models.llama3.model import Llama3Model
+from torchtitan.trainer import Trainer
+
+LAYERS, DIM, HEADS, KV_HEADS, FFN, VOCAB, TIED = {shape.layers}, {shape.hidden}, {shape.heads}, {shape.kv_heads}, {shape.ffn}, {shape.vocab}, {shape.tied}
+
+
+def _model() -> Llama3Model.Config:
+    """torchtitan's Llama 3 decoder at the plan's shape."""
+    return Llama3Model.Config(
+        dim=DIM, vocab_size=VOCAB, enable_weight_tying=TIED,
+        tok_embeddings=Embedding.Config(num_embeddings=VOCAB, embedding_dim=DIM, param_init=_EMBEDDING_INIT),
+        norm=RMSNorm.Config(normalized_shape=DIM, param_init=_NORM_INIT),
+        lm_head=Linear.Config(in_features=DIM, out_features=VOCAB, param_init=_output_linear_init(DIM)),
+        layers=_build_llama3_layers(
+            n_layers=LAYERS, dim=DIM, n_heads=HEADS, n_kv_heads=KV_HEADS, hidden_dim=FFN, fuse_qkv=True,
+            rope=ComplexRoPE.Config(dim=DIM // HEADS, max_seq_len={max(shape.max_positions, 131072)}, theta=500000, scaling="llama"),
+            attn_backend="flex"))
+
+
+def {FUNCTION}() -> Trainer.Config:
+    config = llama3_8b()  # optimizer, data loader, checkpointing: torchtitan's Llama 3 8B recipe
+    spec = model_registry("8B")
+    spec.model = _model()
+    spec.flavor = "autopar"
+    config.model_spec = spec
+    config.loss = ChunkedLossWrapper.Config(loss_fn=CrossEntropyLoss.Config(global_vocab_size=VOCAB))
+    config.training = TrainingConfig(
+{_kwargs(training, "        ")})
+    config.parallelism = ParallelismConfig(
+{_kwargs(parallelism, "        ")})
+    config.activation_checkpoint = {ac}
+    return config
+'''
+    return text, launch
+
+
+# ---- reading a config module back ---------------------------------------------------------------
+
+def _calls(tree: ast.AST) -> dict[str, dict]:
+    """Literal keyword arguments of the ``TrainingConfig(...)`` and ``ParallelismConfig(...)``
+    calls, and the module's ``NAME = value`` constants."""
+    out: dict[str, dict] = {"constants": {}}
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.func.id in (
+                "TrainingConfig", "ParallelismConfig"):
+            out[node.func.id] = {k.arg: ast.literal_eval(k.value) for k in node.keywords if k.arg}
+        if isinstance(node, ast.Assign) and isinstance(node.targets[0], ast.Tuple) and isinstance(node.value, ast.Tuple):
+            for name, value in zip(node.targets[0].elts, node.value.elts):
+                if isinstance(name, ast.Name):
+                    out["constants"][name.id] = ast.literal_eval(value)
+        if (isinstance(node, ast.Assign) and isinstance(node.targets[0], ast.Attribute)
+                and node.targets[0].attr == "activation_checkpoint"):
+            out["ac"] = {"full": "FullAC" in ast.unparse(node.value)}
+    return out
+
+
+def literals(text: str) -> dict[str, dict]:
+    """The keyword arguments of the module's ``TrainingConfig(...)`` and ``ParallelismConfig(...)``
+    (keys ``TrainingConfig``, ``ParallelismConfig``), its constants and whether it sets full AC."""
+    try:
+        found = _calls(ast.parse(text))
+    except (SyntaxError, ValueError) as exc:
+        raise UserError(f"torchtitan config is not a module of literal settings: {exc}") from None
+    if "TrainingConfig" not in found or "ParallelismConfig" not in found:
+        raise UserError("torchtitan config has no TrainingConfig(...) or ParallelismConfig(...) call")
+    return found
+
+
+def parse(text: str) -> Settings:
+    found = literals(text)
+    t, p = found["TrainingConfig"], found["ParallelismConfig"]
+    layers = found["constants"].get("LAYERS")
+    rep, shard = p.get("data_parallel_replicate_degree", 1), p.get("data_parallel_shard_degree", -1)
+    tp, pp, cp = p.get("tensor_parallel_degree", 1), p.get("pipeline_parallel_degree", 1), p.get("context_parallel_degree", 1)
+    dp = rep * shard
+    if pp > 1:
+        micro = p.get("pipeline_parallel_microbatch_size", 1)
+        n = t["local_batch_size"] // micro * (derive_batch(dp, t["local_batch_size"], t["global_batch_size"]) or 0)
+        parts = p.get("module_fqns_per_model_part")
+        stage_layers = tuple(sum(1 for f in part if f.startswith("layers.")) for part in parts) if parts else None
+        v = len(parts) // pp if parts else None
+        schedule = {v: k for k, v in SCHEDULES.items()}.get(p.get("pipeline_parallel_schedule", "1F1B"))
+    else:
+        micro = t["local_batch_size"]
+        n = derive_batch(dp, micro, t["global_batch_size"]) or 0
+        stage_layers, v, schedule = ((layers,) if layers else None), 1, None
+    reshard = p.get("fsdp_reshard_after_forward", "default")
+    zero = 0 if shard == 1 else 3 if reshard == "always" or (reshard == "default" and pp == 1) else 2
+    full = found.get("ac", {}).get("full", False)
+    return Settings(gpus=dp * tp * pp * cp, dp=dp, tp=tp, pp=pp, cp=cp, zero=zero,
+                    offload=t.get("enable_cpu_offload", False), micro_batch_size=micro, num_microbatches=n or None,
+                    global_batch=t["global_batch_size"], schedule=schedule, virtual_stages=v,
+                    sequence_parallel=p.get("enable_sequence_parallel", True) and tp > 1, stage_layers=stage_layers,
+                    recompute=tuple((0, 0, k) if full else (k, 0, 0) for k in stage_layers) if stage_layers else None,
+                    dtype="fp32" if t.get("mixed_precision_param") == "float32" else "bf16",
+                    axis_order=tuple(x for x, d in (("pp", pp), ("dp", dp), ("tp", tp)) if d > 1))
+
+

@@ -1,0 +1,388 @@
+"""`autopar export`: every target's file reads back to the plan it was written for (or to the
+nearest expressible plan, every difference a priced warning), and each framework's own config
+code, where it is installed, accepts the exports and rejects broken ones."""
+
+import copy
+import dataclasses
+import json
+import subprocess
+import sys
+
+import pytest
+from typer.testing import CliRunner
+
+from autopar.cli import app
+from autopar.errors import UserError
+from autopar.export import Settings, Target, export_plan, read_back
+from autopar.export.common import Pricer
+from autopar.plan import Mesh, Plan
+
+TINY_HF = ("hf:LlamaConfig:num_hidden_layers=4,hidden_size=256,num_attention_heads=8,num_key_value_heads=2,"
+           "intermediate_size=512,vocab_size=1024,max_position_embeddings=512")
+
+
+def plan(**kw) -> Plan:
+    base = dict(model="llama3-8b", cluster="dgx-a100-80g", gpus=8, global_batch=64, seq_len=4096,
+                mesh=Mesh(dp=8), micro_batch_size=1, num_microbatches=8, stage_layers=(32,),
+                recompute=("none",) * 32)
+    base.update(kw)
+    return Plan(**base)
+
+
+PLANS = {
+    # pure data parallelism: GPT-2 (tied head, learned positions), DDP
+    "dp": plan(model="gpt2", seq_len=1024, micro_batch_size=4, num_microbatches=2, stage_layers=(12,),
+               recompute=("none",) * 12),
+    # FSDP ZeRO-3 with CPU offload, full recompute
+    "fsdp3-offload": plan(gpus=16, mesh=Mesh(dp=16), global_batch=32, num_microbatches=2, zero_stage=3,
+                          offload=True, recompute=("full",) * 32),
+    # tensor + sequence parallelism with ZeRO-1, selective recompute, GQA
+    "tp-sp": plan(gpus=16, mesh=Mesh(dp=2, tp=8), global_batch=16, micro_batch_size=2, num_microbatches=4,
+                  zero_stage=1, sequence_parallel=True, recompute=("selective",) * 32),
+    # 1F1B with uneven stages and two fully recomputed blocks per stage, fp16
+    "pp-1f1b-uneven": plan(model="gpt:layers=30,hidden=2048,heads=16,vocab=51200,seq=2048", seq_len=2048,
+                           gpus=32, mesh=Mesh(dp=4, tp=2, pp=4), global_batch=128, num_microbatches=32,
+                           zero_stage=1, dtype="fp16", stage_layers=(8, 7, 7, 8),
+                           recompute=(("full",) * 2 + ("none",) * 6 + ("full",) * 2 + ("none",) * 5
+                                      + ("full",) * 2 + ("none",) * 5 + ("full",) * 2 + ("none",) * 6)),
+    # interleaved 1F1B, three virtual stages per rank
+    "pp-interleaved": plan(model="megatron-7.5b", seq_len=2048, gpus=16, mesh=Mesh(dp=2, tp=2, pp=4),
+                           global_batch=32, num_microbatches=16, zero_stage=1, schedule="interleaved",
+                           virtual_stages=3, sequence_parallel=True, stage_layers=(3,) * 12,
+                           recompute=("selective",) * 36),
+    # zero-bubble with uneven virtual stages on a small GQA Llama, ZeRO-2
+    "pp-zero-bubble": plan(model="llama:layers=10,hidden=1024,heads=16,kv_heads=4,ffn=2816,vocab=32000,seq=2048",
+                           seq_len=2048, gpus=8, mesh=Mesh(dp=4, pp=2), global_batch=32, num_microbatches=8,
+                           zero_stage=2, schedule="zero-bubble", virtual_stages=2, stage_layers=(3, 3, 2, 2),
+                           recompute=("none",) * 10),
+    # 3-D: TP x PP x DP with interleaving, mixed recompute
+    "3d": plan(model="llama3-70b", seq_len=8192, gpus=256, mesh=Mesh(dp=8, tp=8, pp=4), global_batch=256,
+               num_microbatches=32, zero_stage=1, schedule="interleaved", virtual_stages=5,
+               sequence_parallel=True, stage_layers=(4,) * 20, recompute=("selective",) * 40 + ("full",) * 40),
+    # context parallelism next to TP and ZeRO-3
+    "cp": plan(gpus=16, mesh=Mesh(dp=4, tp=2, cp=2), seq_len=16384, global_batch=16, num_microbatches=4,
+               zero_stage=3, recompute=("full",) * 32),
+    # data parallelism outside the pipeline (Megatron's --use-tp-pp-dp-mapping), ZeRO-0
+    "dp-outside-pp": plan(model="gpt2-medium", seq_len=1024, gpus=8, mesh=Mesh(dp=2, tp=2, pp=2),
+                          axis_order=("dp", "pp", "tp"), global_batch=16, num_microbatches=8, stage_layers=(12, 12),
+                          recompute=("none",) * 24),
+    # an HF config class (tiny Llama), TP x PP x DP
+    "hf": plan(model=TINY_HF, seq_len=512, gpus=8, mesh=Mesh(dp=2, tp=2, pp=2), global_batch=16,
+               micro_batch_size=2, num_microbatches=4, zero_stage=1, sequence_parallel=True, stage_layers=(2, 2),
+               recompute=("none",) * 4),
+}
+TARGETS = [t.value for t in Target]
+
+
+@pytest.fixture(scope="module")
+def pricer():
+    return Pricer()
+
+
+@pytest.fixture(scope="module")
+def exports(pricer):
+    """Every plan exported to every target (shared: pricing traces each model once)."""
+    return {(name, t): export_plan(p, t, pricer=pricer) for name, p in PLANS.items() for t in TARGETS}
+
+
+CAUSES = {"stage_layers": {"stage_layers", "schedule"}, "recompute": {"recompute", "schedule", "stage_layers"},
+          "virtual_stages": {"schedule"}, "schedule": {"schedule"}, "zero": {"zero_stage"},
+          "sequence_parallel": {"sequence_parallel"}, "axis_order": {"axis_order"}, "dtype": {"dtype"},
+          "offload": {"offload", "zero_stage"}}
+"""Which warnings may account for a difference in each field."""
+
+
+@pytest.mark.parametrize("target", TARGETS)
+@pytest.mark.parametrize("name", list(PLANS))
+def test_export_reads_back_to_the_plan_it_expresses(exports, name, target):
+    result, original = exports[name, target], PLANS[name]
+    read = read_back(target, result.content, result.plan.num_layers)
+    assert read.mismatches(Settings.of(result.plan)) == {}
+    # degrees are always stated, and always the plan's; so is the global batch, but in Accelerate's
+    # file, which has no micro-batch (a warning says so)
+    assert (read.gpus, read.dp, read.tp, read.pp) == (original.gpus, original.mesh.dp, original.mesh.tp,
+                                                      original.mesh.pp)
+    assert read.global_batch == (None if target == "accelerate" else original.global_batch)
+    # every difference from the plan is named by a warning
+    named = {s for g in result.gaps for s in g.setting.split(",")}
+    for field in Settings.of(result.plan).mismatches(Settings.of(original)):
+        assert CAUSES[field] & named, (field, named)
+    assert (result.plan == original) == (not any(g.setting not in ("micro_batch_size", "micro_batch_size,num_microbatches")
+                                                 for g in result.gaps))
+
+
+# ---- the frameworks' own config code ------------------------------------------------------------------
+
+class _Mpu:
+    """The data-parallel size DeepSpeed's config asks a model-parallel unit for."""
+
+    def __init__(self, dp: int) -> None:
+        self.dp = dp
+
+    def get_data_parallel_world_size(self) -> int:
+        return self.dp
+
+
+@pytest.mark.parametrize("name", list(PLANS))
+def test_deepspeed_config_accepts_the_export_and_rejects_broken_batch_arithmetic(exports, name, monkeypatch):
+    pytest.importorskip("deepspeed", reason="DeepSpeed is not installed (pip install 'autopar[test]')")
+    import deepspeed.comm
+    from deepspeed.runtime.config import DeepSpeedConfig
+    monkeypatch.setattr(deepspeed.comm, "get_rank", lambda *a, **k: 0)  # no process group: the mpu gives dp
+    result = exports[name, "deepspeed"]
+    p, cfg = result.plan, json.loads(result.content)
+    ds = DeepSpeedConfig(copy.deepcopy(cfg), mpu=_Mpu(p.mesh.dp))
+    assert (ds.train_batch_size, ds.train_micro_batch_size_per_gpu, ds.gradient_accumulation_steps) == (
+        p.global_batch, p.micro_batch_size, p.num_microbatches)
+    assert ds.zero_optimization_stage == p.zero_stage
+    assert (ds.zero_config.offload_optimizer is not None) == p.offload
+    assert ds.tensor_parallel_config.autotp_size == (p.mesh.tp if p.mesh.tp > 1 else 0)
+    assert ds.pipeline["stages"] == (p.mesh.pp if p.mesh.pp > 1 else "auto")
+    assert p.mesh.pp == 1 or ds.zero_optimization_stage <= 1  # the pipeline engine asserts ZeRO <= 1
+    broken = dict(cfg, train_batch_size=cfg["train_batch_size"] + cfg["train_micro_batch_size_per_gpu"])
+    with pytest.raises(AssertionError, match="train_batch_size is not equal"):
+        DeepSpeedConfig(broken, mpu=_Mpu(p.mesh.dp))
+
+
+def _transformer_config(text: str, **override):
+    """megatron-core's TransformerConfig from an exported script, as Megatron-LM's
+    ``core_transformer_config_from_args`` builds it from the same arguments."""
+    import torch
+    from megatron.core.transformer.transformer_config import TransformerConfig
+
+    from autopar.export import megatron
+    _, a = megatron.read_arguments(text)
+    pp = a.pipeline_model_parallel_size or 1
+    layout = a.pipeline_model_parallel_layout
+    vpp = len(layout.split("|")) // pp if layout else a.num_virtual_stages_per_pipeline_rank
+    dtype = torch.bfloat16 if a.bf16 else torch.float16 if a.fp16 else torch.float32
+    kw = dict(num_layers=a.num_layers, hidden_size=a.hidden_size, num_attention_heads=a.num_attention_heads,
+              num_query_groups=a.num_query_groups if a.group_query_attention else None,
+              ffn_hidden_size=a.ffn_hidden_size, tensor_model_parallel_size=a.tensor_model_parallel_size,
+              pipeline_model_parallel_size=pp, virtual_pipeline_model_parallel_size=vpp if vpp and vpp > 1 else None,
+              pipeline_model_parallel_layout=layout,
+              num_layers_in_first_pipeline_stage=a.decoder_first_pipeline_num_layers,
+              num_layers_in_last_pipeline_stage=a.decoder_last_pipeline_num_layers,
+              sequence_parallel=a.sequence_parallel, context_parallel_size=a.context_parallel_size or 1,
+              recompute_granularity=a.recompute_granularity, recompute_method=a.recompute_method,
+              recompute_num_layers=a.recompute_num_layers, bf16=a.bf16, fp16=a.fp16, params_dtype=dtype,
+              pipeline_dtype=dtype, normalization=a.normalization or "LayerNorm", gated_linear_unit=a.swiglu,
+              add_bias_linear=not a.disable_bias_linear, num_moe_experts=a.num_experts, moe_router_topk=a.moe_router_topk or 2)
+    if a.recompute_modules:
+        kw["recompute_modules"] = a.recompute_modules
+    return TransformerConfig(**{**kw, **override})
+
+
+@pytest.mark.parametrize("name", list(PLANS))
+def test_megatron_core_accepts_the_export_and_rejects_a_broken_layout(exports, name):
+    pytest.importorskip("megatron.core", reason="megatron-core is not installed (pip install 'autopar[test]')")
+    result = exports[name, "megatron"]
+    p = result.plan
+    cfg = _transformer_config(result.content)
+    assert (cfg.tensor_model_parallel_size, cfg.pipeline_model_parallel_size, cfg.num_layers) == (
+        p.mesh.tp, p.mesh.pp, p.num_layers)
+    assert (cfg.virtual_pipeline_model_parallel_size or 1) == p.virtual_stages
+    assert cfg.sequence_parallel == p.sequence_parallel
+    if cfg.pipeline_model_parallel_layout is not None:  # megatron-core's own view of the stages
+        layout = cfg.pipeline_model_parallel_layout.layout
+        blocks = [sum(1 for t in layout[r][c] if t.name == "decoder") for c in range(p.virtual_stages)
+                  for r in range(p.mesh.pp)]
+        assert tuple(blocks) == p.stage_layers
+    if cfg.pipeline_model_parallel_layout is not None or cfg.num_layers_in_first_pipeline_stage is not None:
+        with pytest.raises((AssertionError, ValueError)):  # one block more than the stages hold
+            _transformer_config(result.content, num_layers=p.num_layers + 1)
+    else:  # an even split, which Megatron-LM's validate_args requires to be exact
+        assert p.num_layers % (p.mesh.pp * p.virtual_stages) == 0
+    with pytest.raises(ValueError, match="multiple of tensor_model_parallel_size"):
+        _transformer_config(result.content, tensor_model_parallel_size=cfg.num_attention_heads + 1)
+
+
+@pytest.mark.parametrize("name", list(PLANS))
+def test_torchtitan_config_accepts_the_export_and_rejects_a_wrong_world_size(exports, name):
+    pytest.importorskip("torchtitan", reason="torchtitan is not installed")
+    from torchtitan.config import ParallelismConfig, TrainingConfig
+    from torchtitan.distributed.parallel_dims import ParallelDims
+
+    from autopar.export import torchtitan
+    result = exports[name, "torchtitan"]
+    p, found = result.plan, torchtitan.literals(result.content)
+    parallelism = ParallelismConfig(**found["ParallelismConfig"])
+    training = TrainingConfig(**found["TrainingConfig"])
+    dims = ParallelDims.from_config(parallelism, world_size=p.gpus)
+    assert (dims.dp_replicate * dims.dp_shard, dims.tp, dims.pp, dims.cp) == (p.mesh.dp, p.mesh.tp, p.mesh.pp, p.mesh.cp)
+    assert training.global_batch_size == p.global_batch
+    if p.mesh.pp > 1:  # the trainer's check: pipeline micro-batches divide the local batch
+        assert training.local_batch_size % parallelism.pipeline_parallel_microbatch_size == 0
+        assert training.local_batch_size // parallelism.pipeline_parallel_microbatch_size == p.num_microbatches
+    with pytest.raises(AssertionError, match="Invalid parallel dims"):
+        ParallelDims.from_config(parallelism, world_size=2 * p.gpus)
+
+
+def test_torchtitan_loads_the_export_module(exports, tmp_path, monkeypatch):
+    pytest.importorskip("torchtitan", reason="torchtitan is not installed")
+    import importlib.util
+    if importlib.util.find_spec("triton") is None:
+        pytest.skip("torchtitan 0.3's model definitions import triton, which is not installed")
+    import torch
+    from torchtitan.config import ConfigManager
+    result = exports["pp-zero-bubble", "torchtitan"]
+    (tmp_path / "tt_zero_bubble.py").write_text(result.content)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    config = ConfigManager().parse_args(["--module", "tt_zero_bubble", "--config", "autopar_plan"])
+    assert config.parallelism.pipeline_parallel_schedule == "InterleavedZeroBubble"
+    with torch.device("meta"):
+        model = config.model_spec.model.build()
+    names = {n for n, _ in model.named_modules()}
+    assert {f for part in config.parallelism.module_fqns_per_model_part for f in part} <= names
+
+
+@pytest.mark.parametrize("name", list(PLANS))
+def test_accelerate_launcher_accepts_the_export_and_rejects_broken_ones(exports, name, tmp_path, monkeypatch):
+    pytest.importorskip("accelerate", reason="Accelerate is not installed (pip install 'autopar[test]')")
+    import types
+
+    from accelerate.commands.config.config_args import load_config_from_file
+    from accelerate.commands.launch import _validate_launch_command, launch_command_parser
+    from accelerate.parallelism_config import ParallelismConfig
+    from accelerate.utils import DeepSpeedPlugin, DistributedType, FullyShardedDataParallelPlugin, MegatronLMPlugin
+    from accelerate.utils.launch import prepare_deepspeed_cmd_env, prepare_multi_gpu_env
+    result = exports[name, "accelerate"]
+    p, path = result.plan, tmp_path / "accelerate_config.yaml"
+    path.write_text(result.content)
+    kind = load_config_from_file(str(path)).distributed_type
+    args = launch_command_parser().parse_args(["--config_file", str(path), "train.py"])
+    _validate_launch_command(args)
+    env = prepare_deepspeed_cmd_env(args)[1] if kind == DistributedType.DEEPSPEED else prepare_multi_gpu_env(args)
+    for key, value in env.items():
+        monkeypatch.setenv(key, value)
+    if kind == DistributedType.FSDP:
+        fsdp, mesh = FullyShardedDataParallelPlugin(), ParallelismConfig()
+        accelerator = types.SimpleNamespace(multi_device=True, num_processes=p.gpus, is_fsdp2=True,
+                                            distributed_type=kind, is_main_process=False)
+        mesh._validate_accelerator(accelerator)  # what Accelerator() checks: sizes multiply to the world
+        assert (fsdp.fsdp_version, fsdp.reshard_after_forward) == (2, p.zero_stage == 3)
+        assert (mesh.dp_shard_size, mesh.tp_size, mesh.cp_size) == (p.mesh.dp, p.mesh.tp, p.mesh.cp)
+        monkeypatch.setenv("PARALLELISM_CONFIG_TP_SIZE", str(p.mesh.tp + 1))
+        with pytest.raises(ValueError, match="total_size"):
+            ParallelismConfig()._validate_accelerator(accelerator)
+    elif kind == DistributedType.MEGATRON_LM:
+        mp = MegatronLMPlugin()
+        assert (mp.tp_degree, mp.pp_degree, mp.context_parallel_size, mp.num_micro_batches) == (
+            p.mesh.tp, p.mesh.pp, p.mesh.cp, p.num_microbatches)
+        assert mp.use_distributed_optimizer == (p.zero_stage == 1)
+    elif kind == DistributedType.DEEPSPEED:
+        ds = DeepSpeedPlugin()
+        assert (ds.zero_stage, ds.gradient_accumulation_steps) == (p.zero_stage, p.num_microbatches)
+    else:
+        assert kind == DistributedType.MULTI_GPU and int(args.num_processes) == p.gpus
+    broken = tmp_path / "broken.yaml"
+    broken.write_text(result.content + "tensor_parallel_degree: 2\n")
+    with pytest.raises(ValueError, match="unknown keys"):
+        load_config_from_file(str(broken))
+
+
+# ---- gaps, their prices, and the command line -------------------------------------------------------
+
+def test_a_gap_names_the_nearest_setting_and_prices_it(exports):
+    result = exports["pp-zero-bubble", "megatron"]
+    (gap,) = [g for g in result.gaps if g.setting == "schedule"]
+    assert gap.planned == "zero-bubble" and "interleaved" in gap.nearest
+    assert result.plan.schedule == "interleaved" and result.plan.virtual_stages == 2
+    assert gap.planned_cost.step_time_s and gap.nearest_cost.step_time_s and gap.nearest_cost.fits
+    assert gap.nearest_cost.step_time_s != gap.planned_cost.step_time_s  # zero-bubble's bubble is smaller
+    assert "--pipeline-model-parallel-layout 'E,t*3|t*3|t*2|t*2,L'" in result.content  # uneven stages kept
+    line = gap.line(result.target)
+    assert line.startswith("megatron cannot express schedule=zero-bubble") and "predicted step" in line
+
+
+# llama3-70b as `autopar plan --cluster dgx-h100 --gpus 256 --global-batch 512` chose it: zero-bubble
+# over uneven stages that only just fit
+SEVENTY = plan(model="llama3-70b", cluster="dgx-h100", gpus=256, global_batch=512, seq_len=8192,
+               mesh=Mesh(dp=16, tp=4, pp=4), num_microbatches=32, zero_stage=1, schedule="zero-bubble",
+               sequence_parallel=True, stage_layers=(19, 21, 21, 19), recompute=("none",) * 80)
+
+
+def test_when_the_nearest_settings_do_not_fit_recompute_is_added_until_they_do(pricer):
+    result = export_plan(SEVENTY, "deepspeed", pricer=pricer)
+    assert [g.setting for g in result.gaps][:3] == ["schedule", "stage_layers", "sequence_parallel"]
+    if any(g.nearest_cost.fits is False for g in result.gaps):
+        assert result.gaps[-1].setting == "recompute" and "do not fit" in result.gaps[-1].reason
+        assert set(result.plan.recompute) == {"full"}
+    assert result.exported.fits and result.planned.fits
+    assert json.loads(result.content)["pipeline"]["activation_checkpoint_interval"] == (
+        1 if "full" in result.plan.recompute else 0)
+
+
+def test_targets_refuse_what_has_no_nearest_setting():
+    with pytest.raises(UserError, match="ep=2"):
+        export_plan(dataclasses.replace(PLANS["dp"], gpus=16, mesh=Mesh(dp=8, ep=2)), "megatron")
+    with pytest.raises(UserError, match="name the file like a Python module"):
+        export_plan(PLANS["dp"], "torchtitan", "my-config.py")
+    with pytest.raises(UserError, match="dp_shard or cp above 1"):  # Accelerate's TP runs under FSDP2
+        export_plan(plan(mesh=Mesh(tp=8), num_microbatches=64, zero_stage=3), "accelerate")
+
+
+runner = CliRunner()
+
+
+def test_cli_export_writes_the_file_and_warns_on_stderr(tmp_path):
+    path = tmp_path / "plan.json"
+    PLANS["pp-zero-bubble"].save(path)
+    out = tmp_path / "ds_config.json"
+    res = runner.invoke(app, ["export", str(path), "--to", "deepspeed", "--out", str(out)])
+    assert res.exit_code == 0, res.output
+    assert json.loads(out.read_text())["pipeline"]["stages"] == 2
+    assert "launch: deepspeed --num_nodes 1 --num_gpus 8" in res.stdout
+    warnings = [line for line in res.stderr.splitlines() if line.startswith("autopar: warning: ")]
+    assert warnings and all("deepspeed cannot express" in w for w in warnings[:-1])
+    assert any("schedule=zero-bubble (v=2)" in w and "predicted step" in w for w in warnings)
+    assert warnings[-1].startswith("autopar: warning: as exported: predicted step")
+
+
+def test_cli_export_json_lists_the_warnings_and_stdout_carries_the_file(tmp_path):
+    path = tmp_path / "plan.json"
+    PLANS["tp-sp"].save(path)
+    res = runner.invoke(app, ["export", str(path), "--to", "torchtitan", "--json"])
+    assert res.exit_code == 0, res.output
+    data = json.loads(res.stdout)
+    assert data["target"] == "torchtitan" and data["framework"].startswith("torchtitan 0.3")
+    assert {w["setting"] for w in data["warnings"]} == {"zero_stage", "recompute"}
+    assert all(w["nearest_step_time_s"] and w["nearest_fits"] is not None for w in data["warnings"])
+    assert len([line for line in res.stderr.splitlines() if line.startswith("autopar: warning:")]) == 3
+    res = runner.invoke(app, ["export", str(path), "--to", "megatron"])
+    assert res.exit_code == 0 and res.stdout.startswith("#!/usr/bin/env bash")
+    assert "--tensor-model-parallel-size 8" in res.stdout and "autopar: launch:" in res.stderr
+
+
+@pytest.mark.parametrize("args, fragment", [
+    (["export", "missing.json", "--to", "megatron"], "does not exist"),
+    (["export", "PLAN", "--to", "torchtitan", "--out", "bad-name.py"], "name the file like a Python module"),
+])
+def test_cli_export_bad_input_is_one_line_exit_2(tmp_path, args, fragment):
+    path = tmp_path / "plan.json"
+    PLANS["dp"].save(path)
+    res = runner.invoke(app, [str(path) if a == "PLAN" else str(tmp_path / a) if a.endswith(".py") else a for a in args])
+    assert res.exit_code == 2 and res.stderr.startswith("autopar: error: ") and fragment in res.stderr
+    assert len(res.stderr.strip().splitlines()) == 1, res.stderr
+
+
+def test_cli_export_unknown_target_is_one_line_exit_2(tmp_path):
+    res = subprocess.run([sys.executable, "-m", "autopar.cli", "export", "plan.json", "--to", "jax"],
+                         capture_output=True, text=True, cwd=tmp_path)
+    assert res.returncode == 2 and "'jax' is not one of" in res.stderr and len(res.stderr.strip().splitlines()) == 1
+
+
+def test_model_family_maps_to_each_builder(pricer):
+    gpt2 = plan(model="hf:GPT2Config:n_layer=2,n_embd=64,n_head=4,vocab_size=100,n_positions=64", gpus=2,
+                mesh=Mesh(dp=2), global_batch=4, seq_len=64, micro_batch_size=2, num_microbatches=1,
+                stage_layers=(2,), recompute=("none",) * 2)
+    megatron = export_plan(gpt2, "megatron", pricer=pricer)
+    assert not megatron.gaps  # GPT-2's block is Megatron's GPT block: learned positions, LayerNorm, tied head
+    assert "--position-embedding-type learned_absolute" in megatron.content
+    assert "--untie-embeddings-and-output-weights" not in megatron.content and "--swiglu" not in megatron.content
+    titan = export_plan(gpt2, "torchtitan", pricer=pricer)
+    (gap,) = titan.gaps
+    assert gap.setting == "model" and titan.plan.model.startswith("llama:layers=2,hidden=64,heads=4")
+    assert "TIED = 2, 64, 4, 4, 256, 100, True" in titan.content.replace("LAYERS, DIM, HEADS, KV_HEADS, FFN, VOCAB, ", "")
+    llama = export_plan(PLANS["tp-sp"], "megatron", pricer=pricer).content
+    assert "--group-query-attention \\\n    --num-query-groups 8" in llama and "--swiglu" in llama
