@@ -1,5 +1,5 @@
-"""The ``autopar`` command line (design.md): plan, estimate, explain, inspect, run, tokenize,
-demo.
+"""The ``autopar`` command line (design.md): plan, estimate, explain, inspect, run, launch,
+tokenize, demo.
 
 Bad input exits 2 with one line on stderr; ``--json`` prints machine-readable output.
 """
@@ -343,12 +343,45 @@ def run(plan_file: Path = typer.Argument(..., help="A plan JSON from `autopar pl
 
 
 @app.command()
+def launch(plan_file: Path = typer.Argument(..., help="A plan JSON from `autopar plan --out`"),
+           out: Path = typer.Option(..., "--out", help="Directory to write node.sh, sbatch.sh, run.md and the plan into"),
+           nodes: Optional[int] = typer.Option(None, "--nodes", help="Nodes (default: the plan's devices over "
+                                               "--gpus-per-node)"),
+           gpus_per_node: Optional[int] = typer.Option(None, "--gpus-per-node", help="Devices per node (default: "
+                                                       "the cluster profile's, at most the plan's)"),
+           rdzv_endpoint: Optional[str] = typer.Option(None, "--rdzv-endpoint", help="HOST:PORT of the c10d "
+                                                       "rendezvous, on the first node (default for one node: "
+                                                       "localhost:29500; Slurm: the allocation's first node)"),
+           max_restarts: int = typer.Option(0, "--max-restarts", help="torchrun restarts after a failure"),
+           steps: int = typer.Option(3, "--steps", help="Optimizer steps"),
+           data: Optional[Path] = DATA,
+           save: Optional[Path] = typer.Option(None, "--save", help="Write a checkpoint (DCP) here after the last step"),
+           resume: Optional[Path] = typer.Option(None, "--resume",
+                                                 help="Start from a checkpoint saved by any plan of this model")) -> None:
+    """Write the commands that train a plan on several nodes: torchrun per node, Slurm sbatch, run.md."""
+    def body() -> None:
+        from autopar.jobscripts import local_notes, plan_launch, write_launch
+        the_plan = load_plan(plan_file)
+        refusal = launch_refusal(the_plan)
+        if refusal:
+            raise UserError(refusal)
+        spec = plan_launch(the_plan, out, nodes=nodes, gpus_per_node=gpus_per_node, endpoint=rdzv_endpoint,
+                           max_restarts=max_restarts, steps=steps, data=data, save=save, resume=resume)
+        for note in local_notes(spec):
+            typer.echo(f"autopar: note: {note}", err=True)
+        files = write_launch(spec)
+        typer.echo(f"wrote {', '.join(p.name for p in files)} to {spec.out}; see run.md: sbatch sbatch.sh, "
+                   f"or bash node.sh on each of {spec.nodes} node(s) x {spec.gpus_per_node} devices")
+    _guard(body)
+
+
+@app.command()
 def tokenize(text: Path = typer.Argument(..., help="A text file"),
              out: Path = typer.Option(..., "--out", help="The token file to write (uint16; uint32 if named *.u32)"),
              tokenizer: Optional[Path] = typer.Option(None, "--tokenizer", help="An HF tokenizers file "
                                                       "(tokenizer.json; needs the tokenizers package); "
                                                       "default: byte-level, ids 0-255")) -> None:
-    """Tokenize a text file into a token file for `autopar run --data`."""
+    """Tokenize a text file into a token file for `autopar run --data` and `autopar launch --data`."""
     def body() -> None:
         from autopar.data import tokenize_file
         done = tokenize_file(text, out, tokenizer)
