@@ -1,4 +1,5 @@
-"""The ``autopar`` command line (design.md): plan, estimate, explain, inspect, run, export, demo.
+"""The ``autopar`` command line (design.md): plan, estimate, explain, inspect, verify, profile,
+run, launch, tokenize, export, demo.
 
 Bad input exits 2 with one line on stderr; ``--json`` prints machine-readable output.
 """
@@ -347,21 +348,25 @@ def inspect(model: str = MODEL, seq_len: Optional[int] = SEQ, as_json: bool = JS
     _guard(body)
 
 
+DATA = typer.Option(None, "--data", help="Train on this token file (nanoGPT's flat uint16 .bin, uint32 if "
+                    "named *.u32; `autopar tokenize` writes one) instead of synthetic tokens")
+
+
 @app.command()
 def run(plan_file: Path = typer.Argument(..., help="A plan JSON from `autopar plan --out`"),
         steps: int = typer.Option(3, "--steps", min=1, help="Optimizer steps"),
         save: Optional[Path] = typer.Option(None, "--save", help="Write a checkpoint (DCP) here after the last step"),
         resume: Optional[Path] = typer.Option(None, "--resume",
                                               help="Start from a checkpoint saved by any plan of this model"),
-        as_json: bool = JSON) -> None:
-    """Run a plan locally under torchrun (gloo on CPU) on synthetic tokens."""
+        data: Optional[Path] = DATA, as_json: bool = JSON) -> None:
+    """Run a plan locally under torchrun (gloo on CPU) on a token file or synthetic tokens."""
     def body() -> None:
         the_plan = load_plan(plan_file)
         refusal = launch_refusal(the_plan)
         if refusal:
             raise UserError(refusal)
-        from autopar.runtime import run_plan
-        result = run_plan(the_plan, steps, resume=resume, save=save)
+        from autopar.runtime import TrainConfig, run_plan
+        result = run_plan(the_plan, steps, resume=resume, save=save, cfg=TrainConfig(data=data))
         if as_json:
             typer.echo(json.dumps({"losses": result.losses, "step_times_s": result.step_times_s}))
             return
@@ -401,22 +406,77 @@ def export(plan_file: Path = typer.Argument(..., help="A plan JSON from `autopar
     _guard(body)
 
 
+@app.command()
+def launch(plan_file: Path = typer.Argument(..., help="A plan JSON from `autopar plan --out`"),
+           out: Path = typer.Option(..., "--out", help="Directory to write node.sh, sbatch.sh, run.md and the plan into"),
+           nodes: Optional[int] = typer.Option(None, "--nodes", help="Nodes (default: the plan's devices over "
+                                               "--gpus-per-node)"),
+           gpus_per_node: Optional[int] = typer.Option(None, "--gpus-per-node", help="Devices per node (default: "
+                                                       "the cluster profile's, at most the plan's)"),
+           rdzv_endpoint: Optional[str] = typer.Option(None, "--rdzv-endpoint", help="HOST:PORT of the c10d "
+                                                       "rendezvous, on the first node (default for one node: "
+                                                       "localhost:29500; Slurm: the allocation's first node)"),
+           max_restarts: int = typer.Option(0, "--max-restarts", help="torchrun restarts after a failure"),
+           steps: int = typer.Option(3, "--steps", help="Optimizer steps"),
+           data: Optional[Path] = DATA,
+           save: Optional[Path] = typer.Option(None, "--save", help="Write a checkpoint (DCP) here after the last step"),
+           resume: Optional[Path] = typer.Option(None, "--resume",
+                                                 help="Start from a checkpoint saved by any plan of this model")) -> None:
+    """Write the commands that train a plan on several nodes: torchrun per node, Slurm sbatch, run.md."""
+    def body() -> None:
+        from autopar.jobscripts import local_notes, plan_launch, write_launch
+        the_plan = load_plan(plan_file)
+        refusal = launch_refusal(the_plan)
+        if refusal:
+            raise UserError(refusal)
+        spec = plan_launch(the_plan, out, nodes=nodes, gpus_per_node=gpus_per_node, endpoint=rdzv_endpoint,
+                           max_restarts=max_restarts, steps=steps, data=data, save=save, resume=resume)
+        for note in local_notes(spec):
+            typer.echo(f"autopar: note: {note}", err=True)
+        files = write_launch(spec)
+        typer.echo(f"wrote {', '.join(p.name for p in files)} to {spec.out}; see run.md: sbatch sbatch.sh, "
+                   f"or bash node.sh on each of {spec.nodes} node(s) x {spec.gpus_per_node} devices")
+    _guard(body)
+
+
+@app.command()
+def tokenize(text: Path = typer.Argument(..., help="A text file"),
+             out: Path = typer.Option(..., "--out", help="The token file to write (uint16; uint32 if named *.u32)"),
+             tokenizer: Optional[Path] = typer.Option(None, "--tokenizer", help="An HF tokenizers file "
+                                                      "(tokenizer.json; needs the tokenizers package); "
+                                                      "default: byte-level, ids 0-255")) -> None:
+    """Tokenize a text file into a token file for `autopar run --data` and `autopar launch --data`."""
+    def body() -> None:
+        from autopar.data import tokenize_file
+        done = tokenize_file(text, out, tokenizer)
+        typer.echo(f"wrote {done.tokens:,} tokens ({done.dtype}, vocabulary {done.vocab:,}) to {done.path}")
+    _guard(body)
+
+
 DEMO_MODEL = "gpt:layers=4,hidden=128,heads=4,vocab=512,seq=64,tied=0"
+DEMO_TEXT = Path(__file__).resolve().parent / "corpora" / "declaration_of_independence.txt"
+"""What the demo trains on, byte-level (public domain; ``autopar/corpora/README.md``)."""
 
 
 @app.command()
 def demo(steps: int = typer.Option(5, "--steps", min=2, help="Optimizer steps to run"),
          gpus: int = typer.Option(4, "--gpus", help="Local CPU ranks")) -> None:
-    """Plan a small GPT for the local CPU cluster, run it, and compare predicted and measured."""
+    """Plan a small GPT for the local CPU cluster, train it on a short public-domain text, and
+    compare predicted and measured step time."""
     def body() -> None:
+        import tempfile
         from statistics import median
 
-        from autopar.runtime import run_plan
+        from autopar.data import tokenize_file
+        from autopar.runtime import TrainConfig, run_plan
         job = read_job(DEMO_MODEL, "cpu-local", gpus, global_batch=8 * gpus, dtype="fp32")
         result_plan, sol = make_plan(job)
         _print_plan(result_plan)
         console.print(f"search: {sol.time_s:.2f} s over {sol.candidates} candidates")
-        result = run_plan(result_plan, steps)
+        with tempfile.TemporaryDirectory(prefix="autopar-demo-") as tmp:
+            corpus = tokenize_file(DEMO_TEXT, Path(tmp) / "declaration.bin")
+            console.print(f"training on the Declaration of Independence: {corpus.tokens:,} byte-level tokens")
+            result = run_plan(result_plan, steps, cfg=TrainConfig(data=corpus.path))
         for i, (loss, t) in enumerate(zip(result.losses, result.step_times_s)):
             console.print(f"step {i}: loss {loss:.4f}  {t:.3f} s")
         measured = median(result.step_times_s[1:])

@@ -4,12 +4,14 @@ Every stage module's weights and AdamW state are keyed by the single-process par
 (``get_state_dict`` strips the DDP/FSDP/checkpoint wrappers; DTensor shards carry their
 layout), so DCP reshards on load onto other tp/pp/dp degrees or onto one process. A tied head
 copy on the last pipeline stage is saved and loaded under the embedding's name, as the
-single-process model has it. The step counter travels with the weights, so a resumed run
-draws the same synthetic batches as an uninterrupted one.
+single-process model has it. The step counter and the data position (samples trained on,
+``autopar.data``) travel with the weights, so a resumed run draws the same batches as an
+uninterrupted one: the synthetic batch of its step, or the token file's next unseen samples.
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch.distributed.checkpoint as dcp
@@ -54,20 +56,31 @@ def _merged(prog, stages) -> dict:
             "optim": {k: v for _, o, _ in stages for k, v in o["state"].items()}}
 
 
-def save(prog, path: str | Path, step: int) -> None:
-    """Write the program's state after ``step`` optimizer steps to directory ``path``."""
-    dcp.save({**_merged(prog, _stages(prog)), "step": step}, checkpoint_id=str(path))
+@dataclass(frozen=True, kw_only=True, slots=True)
+class Position:
+    """Where a checkpoint was saved: after ``step`` optimizer steps, ``samples`` sequences
+    into the data (None in a checkpoint written before autopar saved it)."""
+
+    step: int
+    samples: int | None
 
 
-def load(prog, path: str | Path) -> int:
+def save(prog, path: str | Path, step: int, samples: int) -> None:
+    """Write the program's state after ``step`` optimizer steps and ``samples`` training
+    sequences to directory ``path``."""
+    dcp.save({**_merged(prog, _stages(prog)), "step": step, "samples": samples}, checkpoint_id=str(path))
+
+
+def load(prog, path: str | Path) -> Position:
     """Load weights and optimizer states saved by any plan of this model (DCP reshards them
-    in place into this program's tensors); returns the step they were saved after."""
+    in place into this program's tensors); returns where they were saved."""
     stages = _stages(prog)
-    target = {**_merged(prog, stages), "step": -1}
+    saved = dcp.FileSystemReader(str(path)).read_metadata().state_dict_metadata
+    target = {**_merged(prog, stages), "step": -1, **({"samples": -1} if "samples" in saved else {})}
     dcp.load(target, checkpoint_id=str(path))
     for (module, opt), (msd, osd, alias) in zip(zip(prog.modules, prog.optimizers), stages):
         back = {v: k for k, v in alias.items()}
         set_state_dict(module, opt, model_state_dict=_rename(msd, back),
                        optim_state_dict={"state": _rename(osd["state"], back),
                                          "param_groups": osd["param_groups"]})
-    return int(target["step"])
+    return Position(step=int(target["step"]), samples=int(target["samples"]) if "samples" in target else None)

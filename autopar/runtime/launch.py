@@ -16,6 +16,7 @@ import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
+from autopar.data import open_corpus
 from autopar.errors import UserError
 from autopar.plan import Plan
 from autopar.runtime.train import RunResult, TrainConfig
@@ -115,10 +116,11 @@ def run_job(runs: list[RunSpec], *, workdir: Path | None = None, cfg: TrainConfi
         stale.unlink(missing_ok=True)
     earlier = set((wd / "logs").glob("*"))
     (wd / "job.json").write_text(json.dumps({"runs": entries, "out": str(out), "lr": cfg.lr, "optimizer": cfg.optimizer,
+                                             "data": str(Path(cfg.data).absolute()) if cfg.data else None,
                                              "timeout_s": min(timeout_s, 300.0)}))
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={world}",
            f"--log-dir={wd / 'logs'}", "--redirects=3",
-           "-m", "autopar.runtime.worker", str(wd / "job.json")]
+           "-m", "autopar.runtime.worker", "--job", str(wd / "job.json")]
     env = {**{k: v for k, v in os.environ.items() if k not in _TORCHRUN_ENV and not k.startswith("TORCHELASTIC_")},
            "OMP_NUM_THREADS": str(threads_per_rank), "PYTHONWARNINGS": "ignore"}
     with subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env) as proc:
@@ -144,10 +146,20 @@ def run_job(runs: list[RunSpec], *, workdir: Path | None = None, cfg: TrainConfi
     return results
 
 
-def run_plan(plan: Plan, steps: int, *, resume: Path | None = None, save: Path | None = None) -> RunResult:
-    """Train ``plan`` locally for ``steps`` optimizer steps (``autopar run``)."""
+def check_resume(resume: Path) -> None:
+    """A ``UserError`` unless ``resume`` is a checkpoint directory."""
+    if not (Path(resume) / ".metadata").is_file():
+        raise UserError(f"{resume} is not a checkpoint (no .metadata); write one with `autopar run --save DIR`")
+
+
+def run_plan(plan: Plan, steps: int, *, resume: Path | None = None, save: Path | None = None,
+             cfg: TrainConfig = TrainConfig()) -> RunResult:
+    """Train ``plan`` locally for ``steps`` optimizer steps (``autopar run``), on ``cfg.data``
+    (a token file, checked before anything starts) or synthetic tokens."""
     if steps < 1:
         raise UserError(f"--steps must be at least 1, got {steps}")
-    if resume is not None and not (Path(resume) / ".metadata").is_file():
-        raise UserError(f"{resume} is not a checkpoint (no .metadata); write one with `autopar run --save DIR`")
-    return run_job([RunSpec(plan=plan, steps=steps, resume=resume, save=save)])[0]
+    if resume is not None:
+        check_resume(resume)
+    if cfg.data is not None:
+        open_corpus(cfg.data, plan.seq_len)
+    return run_job([RunSpec(plan=plan, steps=steps, resume=resume, save=save)], cfg=cfg)[0]

@@ -6,8 +6,10 @@ layout holds the single-process values; ``runtime.models``, or ``runtime.usermod
 user's own module, whose shape also comes from the trace) → TP/SP → recompute → DP →
 pipeline schedule. ``train`` runs optimizer steps and returns one global-batch loss per step.
 
-The global batch is the same for every plan of a model (``synthetic_batch``); dp rank r takes
-rows ``[r B/dp, (r+1) B/dp)`` and cuts them into ``num_microbatches`` micro-batches. The loss
+The global batch is the same for every plan of a model: synthetic tokens of the step
+(``synthetic_batch``), or samples of a token file (``TrainConfig.data``; ``autopar.data`` says
+which); dp rank r takes rows ``[r B/dp, (r+1) B/dp)`` and cuts them into ``num_microbatches``
+micro-batches. The loss
 is the mean next-token cross-entropy over the global batch, reduced over dp (and taken from
 the last pipeline stage), so any two plans of one model and batch print comparable losses.
 """
@@ -16,7 +18,9 @@ from __future__ import annotations
 
 import contextlib
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import torch
 import torch.distributed as dist
@@ -25,6 +29,7 @@ from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.parallel import loss_parallel
 
+from autopar.data import Corpus, batch_tokens, open_corpus
 from autopar.model import cross_entropy
 from autopar.plan import Plan
 from autopar.runtime import parallelize
@@ -56,6 +61,9 @@ class TrainConfig:
     ``autopar verify`` does)."""
     seed: int = 0
     """Seeds the weights (per parameter name) and the synthetic tokens (per step)."""
+    data: Path | None = None
+    """A token file to train on (``autopar.data``: nanoGPT's flat uint16 ``train.bin``, or
+    uint32 named ``*.u32``); None: synthetic tokens."""
 
 
 @dataclass(kw_only=True, slots=True)
@@ -98,6 +106,13 @@ def synthetic_batch(plan: Plan, step: int, seed: int, vocab: int | None = None) 
         vocab = spec.vocab
     gen = torch.Generator().manual_seed(seed * 1_000_003 + step)
     tokens = torch.randint(0, vocab, (plan.global_batch, plan.seq_len + 1), generator=gen)
+    return tokens[:, :-1], tokens[:, 1:]
+
+
+def corpus_batch(corpus: Corpus, plan: Plan, sample: int, vocab: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The global batch of samples ``sample`` .. ``sample + global_batch - 1`` of ``corpus``:
+    inputs and next-token targets, each [global_batch, seq_len] int64, the same on every rank."""
+    tokens = torch.from_numpy(batch_tokens(corpus, sample, plan.global_batch, plan.seq_len, vocab))
     return tokens[:, :-1], tokens[:, 1:]
 
 
@@ -243,9 +258,14 @@ def _step_pipeline(prog: Program, x: torch.Tensor, y: torch.Tensor) -> float:
     return float(sum(loss.item() for loss in losses)) if has_last else 0.0
 
 
-def train_step(prog: Program, step: int, cfg: TrainConfig) -> float:
-    """One optimizer step on the synthetic batch of ``step``; the global-batch mean loss."""
-    return step_on_batch(prog, *synthetic_batch(prog.plan, step, cfg.seed, prog.spec.vocab))
+def train_step(prog: Program, step: int, cfg: TrainConfig, corpus: Corpus | None = None,
+               sample: int | None = None) -> float:
+    """One optimizer step on the global batch of ``step``: synthetic tokens, or ``corpus``'s
+    samples from ``sample`` (default ``step`` x global batch); the global-batch mean loss."""
+    if corpus is None:
+        return step_on_batch(prog, *synthetic_batch(prog.plan, step, cfg.seed, prog.spec.vocab))
+    first = step * prog.plan.global_batch if sample is None else sample
+    return step_on_batch(prog, *corpus_batch(corpus, prog.plan, first, prog.spec.vocab))
 
 
 def step_on_batch(prog: Program, tokens: torch.Tensor, targets: torch.Tensor) -> float:
@@ -274,18 +294,25 @@ def step_on_batch(prog: Program, tokens: torch.Tensor, targets: torch.Tensor) ->
 
 
 def train(plan: Plan, steps: int, ctx: ParallelContext, cfg: TrainConfig = TrainConfig(),
-          program: Program | None = None, start_step: int = 0) -> RunResult:
+          program: Program | None = None, start_step: int = 0, start_sample: int | None = None,
+          on_step: Callable[[int, float, float], None] | None = None) -> RunResult:
     """Build the plan's program (unless given) and run optimizer steps ``start_step`` ..
-    ``start_step + steps - 1`` (the step number picks the synthetic batch)."""
+    ``start_step + steps - 1``: the step number picks the synthetic batch; with ``cfg.data``
+    the steps read samples from ``start_sample`` on (default ``start_step`` x global batch).
+    ``on_step(step, loss, seconds)`` is called after each step."""
     prog = program or build_program(plan, ctx, cfg)
+    corpus = open_corpus(cfg.data, plan.seq_len) if cfg.data is not None else None
+    first = start_step * plan.global_batch if start_sample is None else start_sample
     losses, times = [], []
-    for step in range(start_step, start_step + steps):
+    for i, step in enumerate(range(start_step, start_step + steps)):
         if ctx.mesh is not None:
             dist.barrier()
         start = time.perf_counter()
-        losses.append(train_step(prog, step, cfg))
+        losses.append(train_step(prog, step, cfg, corpus, first + i * plan.global_batch))
         elapsed = torch.tensor([time.perf_counter() - start], dtype=torch.float64, device=ctx.device)
         if ctx.mesh is not None:
             dist.all_reduce(elapsed, op=dist.ReduceOp.MAX)
         times.append(elapsed.item())
+        if on_step is not None:
+            on_step(step, losses[-1], times[-1])
     return RunResult(losses=losses, step_times_s=times, start_step=start_step)

@@ -1,17 +1,23 @@
-"""The per-rank entry point torchrun starts: ``python -m autopar.runtime.worker JOB.json``.
+"""The per-rank entry point torchrun starts, for ``autopar run`` and ``autopar launch``'s scripts::
 
-A job is a list of runs (plan, steps, optional checkpoint to resume from and to save to,
-whether to dump the full weights) executed in turn in one process group: runs of one job share
-the world size, so tests pay the start-up once. Rank 0 writes ``{"runs": [{"losses",
-"step_times_s", "start_step"}, ...]}`` to the job's ``out``. Every rank reports its own
-exception (any ``BaseException``: DCP's ``CheckpointException`` is one), on one line to stderr
-(``autopar: rank R: Type: first line``; the launcher has torchrun keep each rank's stderr in its
-own file) and in full to ``rank<R>.err`` beside the output, so a failure on one rank is not seen
-only as the others hanging.
+    python -m autopar.runtime.worker PLAN.json [--steps K] [--data FILE] [--save DIR] [--resume DIR] [--out FILE]
+    python -m autopar.runtime.worker --job JOB.json
+
+The first form is one run of a plan (what ``autopar launch`` writes); the second a job file
+(``runtime.launch.run_job``, behind ``autopar run``): a list of runs (plan, steps, optional
+checkpoint to resume from and to save to, whether to dump the full weights) executed in turn in
+one process group, so tests pay the start-up once; both become the same job. Rank 0 prints
+each step's loss and writes ``{"runs": [{"losses", "step_times_s", "start_step"}, ...]}`` to
+the job's ``out``. Every rank reports its own exception (any ``BaseException``: DCP's
+``CheckpointException`` is one), on one line to stderr (``autopar: rank R: Type: first line``;
+``autopar run`` has torchrun keep each rank's stderr in its own file) and in full to
+``rank<R>.err`` beside the output (without an output, to stderr after that line), so a failure
+on one rank is not seen only as the others hanging.
 """
 
 from __future__ import annotations
 
+import argparse
 import json
 import os
 import sys
@@ -36,22 +42,31 @@ def _dump(prog: Program, out: Path, name: str, rank: int) -> None:
         torch.save(state, out.with_name(f"{name}.rank{rank}.pt"))
 
 
+def _print_step(step: int, loss: float, seconds: float) -> None:
+    print(f"step {step}: loss {loss:.6f}  {seconds:.3f} s", flush=True)
+
+
 def run_job(job: dict, rank: int) -> list[dict]:
     device = init_distributed(job.get("timeout_s", 300.0))
-    cfg = TrainConfig(lr=job.get("lr", TrainConfig().lr), optimizer=job.get("optimizer", "adamw"))
-    out = Path(job["out"])
+    data = job.get("data")
+    cfg = TrainConfig(lr=job.get("lr", TrainConfig().lr), optimizer=job.get("optimizer", "adamw"),
+                      data=Path(data) if data else None)
+    out = Path(job["out"]) if job.get("out") else None
     results = []
     for i, run in enumerate(job["runs"]):
         plan = load_plan(run["plan"])
         ctx = build_context(plan, device)
         prog = build_program(plan, ctx, cfg)
-        start = checkpoint.load(prog, run["resume"]) if run.get("resume") else 0
-        if run.get("dump") and run.get("resume"):
+        where = checkpoint.load(prog, run["resume"]) if run.get("resume") else checkpoint.Position(step=0, samples=0)
+        start = where.step
+        sample = where.samples if where.samples is not None else start * plan.global_batch
+        if run.get("dump") and run.get("resume") and out is not None:
             _dump(prog, out, f"run{i}.loaded", rank)
-        result = train(plan, run["steps"], ctx, cfg, program=prog, start_step=start)
+        result = train(plan, run["steps"], ctx, cfg, program=prog, start_step=start, start_sample=sample,
+                       on_step=_print_step if rank == 0 else None)
         if run.get("save"):
-            checkpoint.save(prog, run["save"], start + run["steps"])
-        if run.get("dump"):
+            checkpoint.save(prog, run["save"], start + run["steps"], sample + run["steps"] * plan.global_batch)
+        if run.get("dump") and out is not None:
             _dump(prog, out, f"run{i}.final", rank)
         results.append({"losses": result.losses, "step_times_s": result.step_times_s, "start_step": start})
     return results
@@ -74,25 +89,50 @@ def report(exc: BaseException, rank: int) -> str:
     return f"rank {rank}: {type(exc).__name__}: {_meaningful(str(exc)) or type(exc).__name__}"
 
 
-def _fail(exc: BaseException, out: Path, rank: int, code: int) -> NoReturn:
-    """Report this rank's failure (traceback to ``rank<R>.err``, one line to stderr), then exit
-    at once with ``code``: torchrun stops the other ranks, and no collective or atexit handler
-    can hang this one."""
+def _fail(exc: BaseException, out: Path | None, rank: int, code: int) -> NoReturn:
+    """Report this rank's failure (one line to stderr; the traceback to ``rank<R>.err`` beside
+    ``out``, or after that line), then exit at once with ``code``: torchrun stops the other
+    ranks, and no collective or atexit handler can hang this one."""
     try:
-        out.with_name(f"rank{rank}.err").write_text(traceback.format_exc())
+        if out is not None:
+            out.with_name(f"rank{rank}.err").write_text(traceback.format_exc())
     finally:
         print(f"autopar: {report(exc, rank)}", file=sys.stderr, flush=True)
+        if out is None:
+            traceback.print_exc(file=sys.stderr)
+            sys.stderr.flush()
         os._exit(code)
 
 
+def parse_args(argv: list[str]) -> dict:
+    """The job the command line describes: a job file's (``--job``), or one run of a plan."""
+    parser = argparse.ArgumentParser(prog="python -m autopar.runtime.worker",
+                                     description="Train a plan: one process of the torchrun job.")
+    parser.add_argument("plan", nargs="?", help="the plan JSON to train")
+    parser.add_argument("--job", help="a job file of several runs (written by autopar run)")
+    parser.add_argument("--steps", type=int, default=3, help="optimizer steps")
+    parser.add_argument("--data", help="token file to train on (default: synthetic tokens)")
+    parser.add_argument("--save", help="write a checkpoint here after the last step")
+    parser.add_argument("--resume", help="start from this checkpoint (saved by any plan of the model)")
+    parser.add_argument("--out", help="rank 0 writes the losses and step times here (JSON)")
+    args = parser.parse_args(argv)
+    if (args.job is None) == (args.plan is None):
+        parser.error("give a plan or --job (one of them)")
+    if args.job is not None:
+        return json.loads(Path(args.job).read_text())
+    if args.steps < 1:
+        parser.error(f"--steps must be at least 1, got {args.steps}")
+    return {"runs": [{"plan": args.plan, "steps": args.steps, "resume": args.resume, "save": args.save}],
+            "out": args.out, "data": args.data}
+
+
 def main(argv: list[str] | None = None) -> None:
-    job_file = Path((argv or sys.argv[1:])[0])
-    job = json.loads(job_file.read_text())
-    out = Path(job["out"])
+    job = parse_args(sys.argv[1:] if argv is None else argv)
+    out = Path(job["out"]) if job.get("out") else None
     rank = int(os.environ.get("RANK", 0))
     try:
         results = run_job(job, rank)
-        if rank == 0:
+        if rank == 0 and out is not None:
             out.write_text(json.dumps({"runs": results}))
         if dist.is_initialized():
             dist.barrier()
