@@ -14,11 +14,10 @@ instead of ``5as`` per token.
 
 from __future__ import annotations
 
-from autopar.errors import UserError
 from autopar.layout import Anatomy
 from autopar.spec import ModelSpec
 from autopar.trace.graph import ModelGraph
-from autopar.trace.shape import traced_spec
+from autopar.trace.shape import dense_block, traced_spec
 from autopar.trace.anatomy import anatomy
 from autopar.trace.tracer import trace_spec, trace_spec_model
 from cost_models.model_profile import ModelProfile
@@ -35,13 +34,7 @@ def profile_from_graph(graph: ModelGraph, spec: ModelSpec) -> ModelProfile:
     A user module's shape (layers, hidden, heads ...) is read off the graph (``traced_spec``)."""
     if spec.arch == "module":
         spec = traced_spec(graph, spec)
-    if len(graph.blocks) != 1:
-        raise UserError(f"the cost model needs one kind of repeated transformer block; {graph.name} has "
-                        f"{len(graph.blocks)} ({', '.join(b.kind for b in graph.blocks) or 'none'})")
-    block = graph.blocks[0]
-    if block.experts:
-        raise UserError(f"the cost model cannot price mixture-of-experts blocks yet ({graph.name}: "
-                        f"{block.experts} experts per {block.kind}); `autopar inspect` works")
+    block = dense_block(graph)
     tokens = graph.tokens
     matmul = sum(n.flops for n in block.nodes if n.split)
     act, fused = block.recipe_activations, block.activations

@@ -23,7 +23,19 @@ import math
 
 from autopar.errors import UserError
 from autopar.spec import ModelSpec
-from autopar.trace.graph import ModelGraph
+from autopar.trace.graph import BlockInfo, ModelGraph
+
+
+def dense_block(graph: ModelGraph) -> BlockInfo:
+    """The graph's one kind of repeated block, dense; a ``UserError`` saying what else it is."""
+    if len(graph.blocks) != 1:
+        raise UserError(f"the cost model needs one kind of repeated transformer block; {graph.name} has "
+                        f"{len(graph.blocks)} ({', '.join(b.kind for b in graph.blocks) or 'none'})")
+    block = graph.blocks[0]
+    if block.experts:
+        raise UserError(f"the cost model cannot price mixture-of-experts blocks yet ({graph.name}: "
+                        f"{block.experts} experts per {block.kind}); `autopar inspect` works")
+    return block
 
 
 def traced_spec(graph: ModelGraph, spec: ModelSpec) -> ModelSpec:
@@ -31,13 +43,7 @@ def traced_spec(graph: ModelGraph, spec: ModelSpec) -> ModelSpec:
     read off ``graph``; a ``UserError`` naming what is missing when the graph is not a dense
     decoder-only transformer LM."""
     name = graph.name
-    if len(graph.blocks) != 1:
-        raise UserError(f"the cost model needs one kind of repeated transformer block; {name} has "
-                        f"{len(graph.blocks)} ({', '.join(b.kind for b in graph.blocks) or 'none'})")
-    block = graph.blocks[0]
-    if block.experts:
-        raise UserError(f"the cost model cannot price mixture-of-experts blocks yet ({name}: "
-                        f"{block.experts} experts per {block.kind}); `autopar inspect` works")
+    block = dense_block(graph)
     if not block.heads:
         raise UserError(f"found no attention in {name}'s {block.kind} (no scaled_dot_product_attention "
                         "call, no product of two projected activations); the cost model prices "
