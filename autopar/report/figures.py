@@ -145,7 +145,7 @@ def step_breakdown(data: ReportData) -> Any:
     overlapped."""
     t = data.estimate.time
     scale, unit = _time_unit(data.estimate.step_time_s)
-    fig, (top, bottom) = plt.subplots(2, 1, figsize=(10, 4.6), layout="constrained",
+    fig, (top, bottom) = plt.subplots(2, 1, figsize=(10, 5.0), layout="constrained",
                                       gridspec_kw={"height_ratios": [1, 2.2]})
     parts = [("compute", t.compute_s, "#0072B2"), ("tensor parallel", t.tp_comm_s, "#E69F00"),
              ("data parallel / ZeRO", t.dp_comm_s, "#CC79A7"), ("pipeline p2p", t.pp_comm_s, "#000000"),
@@ -180,7 +180,7 @@ def step_breakdown(data: ReportData) -> Any:
     bottom.set_xlabel(f"{unit} per step")
     bottom.set_xlim(0, max([e + h for e, h in zip(exposed, hidden)] + [1e-12]) * 1.35)
     bottom.set_title("Communication: exposed vs overlapped", fontsize=10, loc="left")
-    bottom.legend(loc="lower right", fontsize=8, frameon=False)
+    bottom.legend(loc="upper center", bbox_to_anchor=(0.5, -0.22), ncol=2, fontsize=8, frameon=False)
     return fig
 
 

@@ -33,6 +33,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from cost_models.estimate import StageDetail
+
 SEGMENT_KINDS = ("forward", "recompute", "backward", "weight", "p2p", "dp", "optimizer")
 """What a drawn segment is: passes, sends, and the once-per-step tail (exposed gradient
 reduction, optimizer step)."""
@@ -177,6 +179,7 @@ def simulate(work: tuple[StageWork, ...], schedule: str, num_microbatches: int,
                 if any(d not in done for d in deps):
                     break
                 t = max([free[r]] + [done[d] for d in deps])
+                parts: tuple[tuple[str, float], ...]
                 if op.kind == "F":
                     parts = (("forward", w.forward_s), ("p2p", w.p2p_s / 2))
                 elif op.kind == "B":
@@ -205,7 +208,7 @@ def simulate(work: tuple[StageWork, ...], schedule: str, num_microbatches: int,
                     flush_s=flush, step_s=flush + max(w.tail_s for w in work))
 
 
-def stage_work(details: tuple, schedule: str) -> tuple[StageWork, ...]:
+def stage_work(details: tuple[StageDetail, ...], schedule: str) -> tuple[StageWork, ...]:
     """Each rank's ``StageWork`` from the cost model's ``stage_details``; zero-bubble halves the
     backward into B and W, as ``cost_models.pipeline`` prices it."""
     out = []
