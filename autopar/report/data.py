@@ -171,8 +171,11 @@ def report_data(plan: Plan, model: ModelProfile, hw: HardwareProfile, *, top_k: 
     strat = plan.strategy()
     est = estimate(model, hw, strat, global_batch=plan.global_batch)
     details = stage_details(model, hw, strat)
-    timeline = simulate(stage_work(details, strat.schedule), strat.schedule, strat.num_microbatches,
-                        chunks(strat))
+    try:
+        timeline = simulate(stage_work(details, strat.schedule), strat.schedule, strat.num_microbatches,
+                            chunks(strat))
+    except ValueError as exc:  # a hand-made plan the planner would not emit
+        raise UserError(f"cannot draw this plan's schedule: {exc}") from None
     alts, note = alternatives(model, hw, plan, strat, top_k, time_limit_s) if top_k > 0 else ((), "not searched")
     return ReportData(plan=plan, hw=hw, strategy=strat, estimate=est, details=details, timeline=timeline,
                       comm=comm_kinds(model, hw, strat, est, details), alternatives=alts, measured=measured,
