@@ -19,6 +19,7 @@ try:  # typer >= 0.22 carries its own copy of click
     from typer._click import exceptions as _click_errors
 except ImportError:  # pragma: no cover - older typer on stock click
     from click import exceptions as _click_errors
+from rich import box
 from rich.console import Console
 from rich.table import Table
 
@@ -132,7 +133,11 @@ def _check_cp(cp: int) -> None:
 
 
 @app.command()
-def plan(model: str = MODEL, cluster: str = CLUSTER, gpus: int = GPUS, global_batch: int = BATCH,
+def plan(model: str = MODEL, cluster: str = CLUSTER,
+         gpus: Optional[int] = typer.Option(None, "--gpus", help="Total number of devices (required "
+                                            "unless --what-if sweeps it)"),
+         global_batch: Optional[int] = typer.Option(None, "--global-batch", help="Sequences per optimizer "
+                                                    "step (required unless --what-if sweeps it)"),
          seq_len: Optional[int] = SEQ, dtype: Optional[str] = DTYPE,
          tp: Optional[int] = typer.Option(None, "--tp", help="Pin tensor-parallel degree"),
          pp: Optional[int] = typer.Option(None, "--pp", help="Pin pipeline-parallel degree"),
@@ -148,21 +153,37 @@ def plan(model: str = MODEL, cluster: str = CLUSTER, gpus: int = GPUS, global_ba
                                                 help="Pin CPU offload of ZeRO shards and the optimizer step"),
          axis_order: Optional[str] = typer.Option(None, "--axis-order",
                                                   help="Pin the mesh axis order, outermost first, e.g. pp,dp,tp"),
-         out: Optional[Path] = typer.Option(None, "--out", help="Write the plan JSON here"),
+         out: Optional[Path] = typer.Option(None, "--out", help="Write the plan JSON here (with --what-if: "
+                                            "a directory for the plot, the table and the plans)"),
          time_limit: float = typer.Option(60.0, "--time-limit", help="Search time limit, s"),
          verify_twin: bool = typer.Option(True, "--verify/--no-verify",
                                           help="Prove each parallel dimension on the model's tiny twin "
                                                "first (HF models; cached) and plan without the ones that fail"),
+         what_if: Optional[str] = typer.Option(None, "--what-if", help="Sweep one input, e.g. gpus=512,1024,2048 "
+                                               "(or global-batch=..., seq-len=...): the search at each value as a "
+                                               "table; --out DIR writes the plot, the table and each plan there"),
+         price: Optional[float] = typer.Option(None, "--price-per-gpu-hour", help="USD per device-hour for "
+                                               "--what-if's cost per million tokens (default: the profile's)"),
          recipe: Optional[str] = RECIPE, as_json: bool = JSON) -> None:
     """Search the best plan for a model on a cluster."""
     _check_cp(cp)
 
     def body() -> None:
-        job = read_job(model, cluster, gpus, global_batch, seq_len, dtype, recipe)
         pins = Pins(dp=dp, tp=tp, pp=pp, zero=zero, micro_batch=mbs,
                     schedule=schedule.value if schedule else None, virtual_stages=vpp,
                     sequence_parallel=sp, recompute=recompute.value if recompute else None,
                     offload=offload, axis_order=_axis_order(axis_order))
+        if what_if is not None:
+            _plan_what_if(what_if, pins, model=model, cluster=cluster, gpus=gpus, global_batch=global_batch,
+                          seq_len=seq_len, dtype=dtype, recipe=recipe, time_limit=time_limit,
+                          verify=verify_twin, out=out, price=price, as_json=as_json)
+            return
+        if price is not None:
+            raise UserError("--price-per-gpu-hour prices a --what-if sweep; add --what-if")
+        if gpus is None or global_batch is None:
+            missing = "--gpus" if gpus is None else "--global-batch"
+            raise UserError(f"{missing} is missing; give it, or sweep it with --what-if {missing[2:]}=v1,v2,...")
+        job = read_job(model, cluster, gpus, global_batch, seq_len, dtype, recipe)
         result, sol = make_plan(job, pins, time_limit, verify=verify_twin)
         if out is not None:
             result.save(out)
@@ -177,6 +198,49 @@ def plan(model: str = MODEL, cluster: str = CLUSTER, gpus: int = GPUS, global_ba
                       f"solved, {'optimal' if sol.optimal else f'gap {sol.gap:.2%}'}"
                       + (f"; written to {out}" if out else ""))
     _guard(body)
+
+
+def _plan_what_if(text: str, pins: Pins, *, model: str, cluster: str, gpus: Optional[int],
+                  global_batch: Optional[int], seq_len: Optional[int], dtype: Optional[str],
+                  recipe: Optional[str], time_limit: float, verify: bool, out: Optional[Path],
+                  price: Optional[float], as_json: bool) -> None:
+    """``plan --what-if``: the search at each swept value, as a table (JSON) and a plot."""
+    import time
+
+    from autopar.report import require_matplotlib, write_what_if
+    from autopar.report.whatif import parse_sweep, rows_dict, run_sweep, sweep_jobs
+    sweep = parse_sweep(text)
+    if price is not None and price <= 0:
+        raise UserError(f"--price-per-gpu-hour must be positive, got {price}")
+    if out is not None:
+        require_matplotlib()
+    jobs = sweep_jobs(sweep, model=model, cluster=cluster, gpus=gpus, global_batch=global_batch,
+                      seq_len=seq_len, dtype=dtype, recipe=recipe)
+    price = price if price is not None else (jobs[0].hw.price_per_gpu_hour or None)
+    start = time.perf_counter()
+    rows = run_sweep(sweep, jobs, pins, time_limit, verify)
+    elapsed = time.perf_counter() - start
+    files = write_what_if(out, sweep, rows, price) if out is not None else []
+    if as_json:
+        typer.echo(json.dumps({**rows_dict(sweep, rows, price), "time_s": elapsed,
+                               "files": [str(f) for f in files]}, indent=2, sort_keys=True))
+        return
+    table = Table(sweep.key, "dp.tp.pp", "schedule", "step s", "tokens/s", "MFU", "peak GiB", "$/M tok",
+                  box=box.SIMPLE_HEAD, padding=(0, 1), collapse_padding=True, pad_edge=False,
+                  title=f"what if: {jobs[0].spec.name} on {cluster}")
+    for r in rows:
+        if r.estimate is None or r.plan is None:
+            table.add_row(f"{r.value:,}", "-", f"no plan: {r.reason}", "", "", "", "", "")
+            continue
+        e, p = r.estimate, r.plan
+        table.add_row(f"{r.value:,}", f"{p.mesh.dp}.{p.mesh.tp}.{p.mesh.pp}",
+                      p.schedule + (f" v={p.virtual_stages}" if p.virtual_stages > 1 else ""),
+                      f"{e.step_time_s:.4g}", f"{e.tokens_per_s:,.0f}", f"{e.mfu:.1%}",
+                      f"{e.memory.peak_bytes / 2**30:.1f}", f"{r.cost_per_mtok(price):.3g}" if price else "-")
+    console.print(table)
+    console.print(f"{len(rows)} searches in {elapsed:.1f} s"
+                  + ("" if price else "; no price: pass --price-per-gpu-hour for cost per million tokens")
+                  + (f"; plot, table and plans written to {out}" if out is not None else ""))
 
 
 def _search_dict(sol: Solution) -> dict:
@@ -450,6 +514,28 @@ def tokenize(text: Path = typer.Argument(..., help="A text file"),
         from autopar.data import tokenize_file
         done = tokenize_file(text, out, tokenizer)
         typer.echo(f"wrote {done.tokens:,} tokens ({done.dtype}, vocabulary {done.vocab:,}) to {done.path}")
+    _guard(body)
+
+
+@app.command()
+def report(plan_file: Path = typer.Argument(..., help="A plan JSON from `autopar plan --out`"),
+           out: Optional[Path] = typer.Option(None, "--out", help="Directory for index.html and the figures "
+                                              "(default: PLAN-report beside the plan file)"),
+           measured: Optional[Path] = typer.Option(None, "--measured", help="The output of `autopar run PLAN "
+                                                   "--json` saved to a file: measured step times beside the "
+                                                   "predicted one"),
+           top_k: int = typer.Option(10, "--top-k", min=0, help="Alternatives to search and draw (0: none)"),
+           time_limit: float = typer.Option(30.0, "--time-limit", help="Time limit of the alternatives' search, s")
+           ) -> None:
+    """Draw the plan: a self-contained HTML page and PNG/SVG figures of its pipeline schedule, memory
+    per device, step time by kind, the best alternatives and measured step times."""
+    def body() -> None:
+        from autopar.report import write_report
+        if time_limit <= 0:
+            raise UserError(f"--time-limit must be positive, got {time_limit}")
+        target = out if out is not None else plan_file.with_name(plan_file.stem + "-report")
+        files = write_report(plan_file, target, measured_file=measured, top_k=top_k, time_limit_s=time_limit)
+        console.print(f"wrote {files['page']} and {len(files) - 1} figures (PNG and SVG) in {target}")
     _guard(body)
 
 

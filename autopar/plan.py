@@ -138,6 +138,7 @@ class Plan:
                         schedule=self.schedule, virtual_stages=self.virtual_stages,
                         sequence_parallel=self.sequence_parallel, recompute=nominal,
                         stage_layers=tuple(map(sum, per_rank)), stage_recompute=tuple(per_rank),
+                        offload=self.offload, axis_order=self.axis_order,
                         dtype=self.dtype, recipe=self.execution_recipe())
 
     def execution_recipe(self) -> ExecutionRecipe:

@@ -59,6 +59,11 @@ class _Piece:
     act_bytes: float
     host_bytes: float = 0.0
     """Offloaded state in host memory."""
+    forward_s: float = 0.0
+    """The part of ``time_s`` in the forward pass (compute, its tp exchanges, exposed ZeRO-3
+    gathers); the backward takes what forward and recompute leave."""
+    recompute_s: float = 0.0
+    """The part of ``time_s`` spent recomputing (compute and its tp exchanges)."""
 
     @property
     def time_s(self) -> float:
@@ -126,7 +131,7 @@ def fsdp_copy_bytes_per_param(strat: Strategy) -> float:
     return (gather + reduce) / m
 
 
-def _piece(params: float, passes: compute.PassTimes, tp_s: float, act: float,
+def _piece(params: float, passes: compute.PassTimes, tp: compute.PassTimes, act: float,
            hw: HardwareProfile, strat: Strategy, groups: comm.AxisGroups, *,
            reduced_last: bool = False) -> _Piece:
     """Costs of one block (or the embedding/head) holding ``params`` parameters per device.
@@ -146,7 +151,7 @@ def _piece(params: float, passes: compute.PassTimes, tp_s: float, act: float,
         fwd = bwd = 0.0
     bwd_window = 0.0 if reduced_last else bwd
     hide = lambda comm_s, window_s: comm.exposed_s(comm_s, window_s, hw)  # noqa: E731
-    exposed, tail = 0.0, 0.0
+    exposed, tail, exposed_fwd = 0.0, 0.0, 0.0
     if strat.zero == 0:
         tail = hide(comm.best_all_reduce_s(grads, groups.dp), bwd_window)
     elif strat.zero == 1:
@@ -163,7 +168,8 @@ def _piece(params: float, passes: compute.PassTimes, tp_s: float, act: float,
     elif strat.zero == 2:
         exposed, tail = hide(rs, bwd), hide(ag, fwd)
     else:
-        exposed = hide(ag, fwd) + hide(ag + rs, bwd)
+        exposed_fwd = hide(ag, fwd)
+        exposed = exposed_fwd + hide(ag + rs, bwd)
     sharded = params / (strat.dp if strat.zero >= 1 else 1)
     if strat.offload:
         opt = compute.host_optimizer_s(sharded * optimizer_bytes_per_param(rec), hw)
@@ -171,6 +177,7 @@ def _piece(params: float, passes: compute.PassTimes, tp_s: float, act: float,
         down = compute.host_copy_s(sharded * rec.grad, hw)
         if strat.zero >= 3:
             exposed += 2 * up
+            exposed_fwd += up
         else:
             tail += up
         if strat.zero >= 2:
@@ -182,10 +189,12 @@ def _piece(params: float, passes: compute.PassTimes, tp_s: float, act: float,
                                          strat.recipe.fused_optimizer)
     accum = compute.memory_s(params * (grad_accum_bytes_per_param(rec, strat)
                                        + fsdp_copy_bytes_per_param(strat)), hw)
-    return _Piece(compute_s=passes.total_s + accum, tp_s=tp_s, dp_exposed_s=exposed, dp_tail_s=tail,
+    return _Piece(compute_s=passes.total_s + accum, tp_s=tp.total_s, dp_exposed_s=exposed, dp_tail_s=tail,
                   optimizer_s=opt,
                   state=memory.state_bytes(params, strat), act_bytes=act,
-                  host_bytes=memory.host_state_bytes(params, strat))
+                  host_bytes=memory.host_state_bytes(params, strat),
+                  forward_s=passes.forward_s + tp.forward_s + exposed_fwd,
+                  recompute_s=passes.recompute_s + tp.recompute_s)
 
 
 def _tp_unit_s(model: ModelProfile, strat: Strategy, g: comm.Group) -> float:
@@ -267,15 +276,17 @@ def _parts(model: ModelProfile, hw: HardwareProfile, strat: Strategy) -> _Parts:
         s = replace(strat, recompute=mode)
         passes.append(compute.block_times(model, hw, s))
         layers.append(_piece(memory.layer_params(model, s), passes[-1],
-                             block_tp_s(model, hw, s, groups.tp).total_s,
+                             block_tp_s(model, hw, s, groups.tp),
                              memory.block_act_bytes(model, s), hw, s, groups))
     # Embedding: 1 forward exchange (vocab-parallel lookup); head: 1 backward (gradient of
     # the projection's input).
     first = _piece(memory.first_params(model, strat), compute.first_times(model, hw, strat),
-                   unit, memory.first_act_bytes(model, strat), hw, strat, groups,
+                   compute.PassTimes(forward_s=unit, recompute_s=0.0, backward_s=0.0),
+                   memory.first_act_bytes(model, strat), hw, strat, groups,
                    reduced_last=True)
     last = _piece(memory.last_params(model, strat), compute.last_times(model, hw, strat),
-                  unit, memory.last_act_bytes(model, strat), hw, strat, groups)
+                  compute.PassTimes(forward_s=0.0, recompute_s=0.0, backward_s=unit),
+                  memory.last_act_bytes(model, strat), hw, strat, groups)
     if strat.pp > 1 and model.tied:
         # The tied embedding and its copy on the last stage sum their gradients after the
         # flush (Megatron's embedding all-reduce), exposed on both stages.
@@ -344,6 +355,69 @@ def _stage_pieces(parts: _Parts, s: int, counts: tuple[int, ...], pp: int) -> li
     return out
 
 
+def _stage_memory(parts: _Parts, c: StageCosts, s: int, counts: tuple[int, ...]) -> MemoryBreakdown:
+    """Stage s's peak bytes by kind (they add up to ``StageCosts.stage_memory_bytes``)."""
+    pieces = _stage_pieces(parts, s, counts, c.pp)
+    k = c.inflight[s]
+    return MemoryBreakdown(
+        peak_bytes=c.stage_memory_bytes(s, counts),
+        params_bytes=sum(n * p.state.params for n, p in pieces),
+        grads_bytes=sum(n * p.state.grads for n, p in pieces),
+        optimizer_bytes=sum(n * p.state.optimizer for n, p in pieces),
+        activations_bytes=k * sum(n * p.act_bytes for n, p in pieces),
+        buffers_bytes=c.buffer_bytes + c.stage_workspace_bytes(counts),
+        host_bytes=c.stage_host_bytes(s, counts))
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class StageDetail:
+    """One pipeline rank of a placed strategy as ``estimate`` prices it: its per-micro-batch
+    T_s (seconds, over all its model chunks) split by pass and by kind, its once-per-step
+    D_s, and its peak memory (bytes)."""
+
+    forward_s: float
+    """Forward compute, its tp exchanges and exposed ZeRO-3 gathers."""
+    recompute_s: float
+    backward_s: float
+    """The rest of T_s: backward compute, its tp exchanges, exposed ZeRO collectives, gradient
+    accumulation; forward + recompute + backward + p2p = ``StageCosts.stage_time_s``."""
+    p2p_s: float
+    compute_s: float
+    tp_comm_s: float
+    """Exposed tensor-parallel communication."""
+    dp_comm_s: float
+    """Exposed per-micro-batch ZeRO-2/3 collectives; compute + tp + dp + p2p = T_s too."""
+    dp_tail_s: float
+    """Exposed once-per-step gradient reduction (and weight all-gather) of D_s."""
+    optimizer_s: float
+    """Optimizer step; dp_tail + optimizer = ``StageCosts.stage_dp_time_s``."""
+    memory: MemoryBreakdown
+    workspace_bytes: float
+    """Recompute workspace, inside ``memory.buffers_bytes``."""
+
+
+def stage_details(model: ModelProfile, hw: HardwareProfile, strat: Strategy) -> tuple[StageDetail, ...]:
+    """Every pipeline rank of ``strat`` (its placement as ``estimate`` reads it), first to last."""
+    c = stage_costs(model, hw, strat)
+    parts = _parts(model, hw, strat)
+    out = []
+    for s, load in enumerate(strat.stage_loads(model.layers)):
+        counts = c.counts(load)
+        pieces = _stage_pieces(parts, s, counts, strat.pp)
+        fwd = sum(k * p.forward_s for k, p in pieces)
+        rc = sum(k * p.recompute_s for k, p in pieces)
+        out.append(StageDetail(
+            forward_s=fwd, recompute_s=rc,
+            backward_s=c.stage_time_s(s, counts) - c.p2p_time_s - fwd - rc, p2p_s=c.p2p_time_s,
+            compute_s=sum(k * p.compute_s for k, p in pieces),
+            tp_comm_s=sum(k * p.tp_s for k, p in pieces),
+            dp_comm_s=sum(k * p.dp_exposed_s for k, p in pieces),
+            dp_tail_s=sum(k * p.dp_tail_s for k, p in pieces),
+            optimizer_s=sum(k * p.optimizer_s for k, p in pieces),
+            memory=_stage_memory(parts, c, s, counts), workspace_bytes=c.stage_workspace_bytes(counts)))
+    return tuple(out)
+
+
 def estimate(model: ModelProfile, hw: HardwareProfile, strat: Strategy, *,
              global_batch: int) -> Estimate:
     """Evaluate ``stage_costs`` on ``strat.stage_layers`` (even when empty).
@@ -381,16 +455,7 @@ def estimate(model: ModelProfile, hw: HardwareProfile, strat: Strategy, *,
     peaks = [c.stage_memory_bytes(s, n) for s, n in enumerate(layers)]
     hosts = [c.stage_host_bytes(s, n) for s, n in enumerate(layers)]
     sm = max(range(strat.pp), key=peaks.__getitem__)
-    mem_pieces = _stage_pieces(parts, sm, layers[sm], strat.pp)
-    k = c.inflight[sm]
-    memory_bd = MemoryBreakdown(
-        peak_bytes=peaks[sm],
-        params_bytes=sum(n * p.state.params for n, p in mem_pieces),
-        grads_bytes=sum(n * p.state.grads for n, p in mem_pieces),
-        optimizer_bytes=sum(n * p.state.optimizer for n, p in mem_pieces),
-        activations_bytes=k * sum(n * p.act_bytes for n, p in mem_pieces),
-        buffers_bytes=c.buffer_bytes + c.stage_workspace_bytes(layers[sm]),
-        host_bytes=max(hosts))
+    memory_bd = replace(_stage_memory(parts, c, sm, layers[sm]), host_bytes=max(hosts))
 
     flops = model_flops_per_step(model, global_batch)
     per_gpu = flops / (step * strat.devices)

@@ -85,6 +85,9 @@ class HardwareProfile:
     host_optimizer_gbps: float = 0.0
     """Host-memory bandwidth per device reached by the optimizer step on the CPU (memory-bound
     Adam), GB/s; assumed, not measured."""
+    price_per_gpu_hour: float = 0.0
+    """What one device-hour costs, USD, for cost per token (``autopar plan --what-if``); 0:
+    unknown (the shipped profiles state none: prices vary by provider and contract)."""
     launcher: str = "nccl"
     """Process-group backend the runtime uses on this cluster: ``nccl`` or ``gloo``."""
     notes: dict[str, str] = field(default_factory=dict)
@@ -99,6 +102,8 @@ class HardwareProfile:
             raise ProfileError(f"profile {self.name!r}: allocator_headroom must be in [0, 1)")
         if not 0.0 <= self.overlap_penalty <= 1.0:
             raise ProfileError(f"profile {self.name!r}: overlap_penalty must be in [0, 1]")
+        if self.price_per_gpu_hour < 0:
+            raise ProfileError(f"profile {self.name!r}: price_per_gpu_hour must be >= 0")
         if any(not 0.0 < e <= 1.0 for e in self.attention_efficiency.values()):
             raise ProfileError(f"profile {self.name!r}: attention_efficiency values must be in (0, 1]")
 
