@@ -569,6 +569,8 @@ def demo(steps: int = typer.Option(5, "--steps", min=2, help="Optimizer steps to
         predicted = sol.estimate.step_time_s
         console.print(f"predicted step time {predicted:.3f} s, measured {measured:.3f} s "
                       f"(median of steps 1..{steps - 1}), ratio {measured / predicted:.2f}")
+        console.print(f"profile cpu-local: {job.hw.notes.get('source', 'no source recorded')}; "
+                      "measure your machine with `autopar profile --out my.json`")
     _guard(body)
 
 
