@@ -430,12 +430,31 @@ def run(plan_file: Path = typer.Argument(..., help="A plan JSON from `autopar pl
         if refusal:
             raise UserError(refusal)
         from autopar.runtime import TrainConfig, run_plan
-        result = run_plan(the_plan, steps, resume=resume, save=save, cfg=TrainConfig(data=data))
+        cfg = TrainConfig(data=data)
         if as_json:
+            result = run_plan(the_plan, steps, resume=resume, save=save, cfg=cfg)
             typer.echo(json.dumps({"losses": result.losses, "step_times_s": result.step_times_s}))
             return
+        shown: set[int] = set()
+        if console.is_terminal:  # a live bar; plain lines otherwise (pipes, logs)
+            from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn
+            with Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(),
+                          console=console) as bar:
+                task = bar.add_task("starting ranks", total=steps)
+
+                def on_step(step: int, loss: float, seconds: float) -> None:
+                    shown.add(step)
+                    bar.console.print(f"step {step}: loss {loss:.6f}  {seconds:.3f} s")
+                    bar.update(task, advance=1, description=f"step {step}: loss {loss:.4f}")
+                result = run_plan(the_plan, steps, resume=resume, save=save, cfg=cfg, on_step=on_step)
+        else:
+            def on_step(step: int, loss: float, seconds: float) -> None:
+                shown.add(step)
+                typer.echo(f"step {step}: loss {loss:.6f}  {seconds:.3f} s")
+            result = run_plan(the_plan, steps, resume=resume, save=save, cfg=cfg, on_step=on_step)
         for i, (loss, t) in enumerate(zip(result.losses, result.step_times_s), start=result.start_step):
-            console.print(f"step {i}: loss {loss:.6f}  {t:.3f} s")
+            if i not in shown:  # a step the live view missed
+                console.print(f"step {i}: loss {loss:.6f}  {t:.3f} s")
     _guard(body)
 
 

@@ -205,3 +205,18 @@ def test_ci_runs_the_readme_test_command():
     ci = (ROOT / ".ci" / "run").read_text().strip().splitlines()[-1]
     assert "torch==2.13.0" in ci
     assert ci in (ROOT / "README.md").read_text()
+
+
+def test_run_streams_each_step_as_it_ends(tmp_path):
+    """`autopar run` shows steps live (a bar on a terminal, plain lines otherwise): rank 0's
+    report of each step reaches the launcher while the job runs, equal to the final result."""
+    from autopar.plan import load_plan
+    from autopar.runtime import run_plan
+    out = tmp_path / "p.json"
+    res = invoke("plan", "--model", "gpt:layers=2,hidden=64,heads=4,vocab=128,seq=16", "--cluster", "cpu-local",
+                 "--gpus", "2", "--global-batch", "4", "--dtype", "fp32", "--out", str(out))
+    assert res.exit_code == 0, res.output
+    seen: list[tuple[int, float]] = []
+    result = run_plan(load_plan(out), 3, on_step=lambda step, loss, s: seen.append((step, loss)))
+    assert [s for s, _ in seen] == [0, 1, 2]
+    assert all(abs(loss - want) < 1e-6 for (_, loss), want in zip(seen, result.losses))

@@ -13,8 +13,11 @@ import shutil
 import subprocess
 import sys
 import tempfile
+import threading
+import time
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Callable
 
 from autopar.data import open_corpus
 from autopar.errors import UserError
@@ -91,7 +94,8 @@ def _kept(wd: Path) -> str:
 
 
 def run_job(runs: list[RunSpec], *, workdir: Path | None = None, cfg: TrainConfig = TrainConfig(),
-            timeout_s: float = 600.0, threads_per_rank: int = 1) -> list[RunResult]:
+            timeout_s: float = 600.0, threads_per_rank: int = 1,
+            on_step: Callable[[int, float, float], None] | None = None) -> list[RunResult]:
     """Execute ``runs`` in turn in one torchrun job of their common size; one result each.
 
     Each rank's stdout and stderr go to their own files under ``<workdir>/logs`` (torchrun's
@@ -125,7 +129,7 @@ def run_job(runs: list[RunSpec], *, workdir: Path | None = None, cfg: TrainConfi
            "OMP_NUM_THREADS": str(threads_per_rank), "PYTHONWARNINGS": "ignore"}
     with subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env) as proc:
         try:
-            log, _ = proc.communicate(timeout=timeout_s)
+            log = _wait(proc, timeout_s, wd / "logs", earlier, on_step)
         except subprocess.TimeoutExpired:
             proc.terminate()  # torchrun stops its workers on SIGTERM (they run in their own sessions)
             try:
@@ -146,6 +150,33 @@ def run_job(runs: list[RunSpec], *, workdir: Path | None = None, cfg: TrainConfi
     return results
 
 
+def _wait(proc: subprocess.Popen, timeout_s: float, logs: Path, earlier: set[Path],
+          on_step: Callable[[int, float, float], None] | None) -> str:
+    """torchrun's own output once it exits; meanwhile each step rank 0 reports (``step N: loss
+    L  T s`` in its stdout file) goes to ``on_step(N, L, T)``. Raises ``TimeoutExpired``."""
+    if on_step is None:
+        return proc.communicate(timeout=timeout_s)[0]
+    chunks: list[str] = []
+    reader = threading.Thread(target=lambda: chunks.extend(proc.stdout or ()), daemon=True)
+    reader.start()
+    deadline, seen = time.monotonic() + timeout_s, 0
+    while True:
+        done = proc.poll() is not None
+        runs = sorted(set(logs.glob("*")) - earlier)
+        rank0 = runs[-1] / "attempt_0" / "0" / "stdout.log" if runs else None
+        if rank0 is not None and rank0.is_file():
+            lines = [line.split() for line in rank0.read_text().splitlines() if line.startswith("step ")]
+            for words in lines[seen:]:
+                on_step(int(words[1].rstrip(":")), float(words[3]), float(words[4]))
+            seen = len(lines)
+        if done:
+            reader.join(timeout=5)
+            return "".join(chunks)
+        if time.monotonic() > deadline:
+            raise subprocess.TimeoutExpired(proc.args, timeout_s)
+        time.sleep(0.2)
+
+
 def check_resume(resume: Path) -> None:
     """A ``UserError`` unless ``resume`` is a checkpoint directory."""
     if not (Path(resume) / ".metadata").is_file():
@@ -153,7 +184,8 @@ def check_resume(resume: Path) -> None:
 
 
 def run_plan(plan: Plan, steps: int, *, resume: Path | None = None, save: Path | None = None,
-             cfg: TrainConfig = TrainConfig()) -> RunResult:
+             cfg: TrainConfig = TrainConfig(),
+             on_step: Callable[[int, float, float], None] | None = None) -> RunResult:
     """Train ``plan`` locally for ``steps`` optimizer steps (``autopar run``), on ``cfg.data``
     (a token file, checked before anything starts) or synthetic tokens."""
     if steps < 1:
@@ -162,4 +194,4 @@ def run_plan(plan: Plan, steps: int, *, resume: Path | None = None, save: Path |
         check_resume(resume)
     if cfg.data is not None:
         open_corpus(cfg.data, plan.seq_len)
-    return run_job([RunSpec(plan=plan, steps=steps, resume=resume, save=save)], cfg=cfg)[0]
+    return run_job([RunSpec(plan=plan, steps=steps, resume=resume, save=save)], cfg=cfg, on_step=on_step)[0]
