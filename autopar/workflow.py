@@ -8,7 +8,8 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 
 from autopar.errors import UserError
-from autopar.plan import Mesh, Plan
+from autopar.limits import MAX_GLOBAL_BATCH, MAX_GPUS, check_count
+from autopar.plan import DTYPES, Mesh, Plan
 from autopar.solve import Pins, Solution, search
 from autopar.spec import ModelSpec, parse_model_spec, with_seq
 from autopar.trace import profile_spec, shaped_spec
@@ -51,23 +52,25 @@ def read_job(model: str, cluster: str, gpus: int, global_batch: int,
              recipe: str | None = None) -> Job:
     """Parse and check the inputs; every problem is a ``UserError`` naming the fix. A user
     module's shape (layers, heads ...) is traced last, so that ``Job.spec`` states it."""
+    check_count("--gpus", gpus, MAX_GPUS)
+    check_count("--global-batch", global_batch, MAX_GLOBAL_BATCH)
     spec = parse_model_spec(model)
     if seq_len is not None:
-        if seq_len <= 0:
-            raise UserError(f"--seq-len must be positive, got {seq_len}")
         spec = with_seq(spec, seq_len)
     try:
         hw = load_profile(cluster)
     except ProfileError as exc:
         raise UserError(str(exc)) from None
-    if gpus <= 0:
-        raise UserError(f"--gpus must be positive, got {gpus}")
-    if global_batch <= 0:
-        raise UserError(f"--global-batch must be positive, got {global_batch}")
     if gpus > hw.devices_per_node and gpus % hw.devices_per_node:
         raise UserError(f"--gpus {gpus} is not a multiple of the {hw.devices_per_node} devices per "
                         f"node of {hw.name}; use whole nodes (e.g. {gpus // hw.devices_per_node * hw.devices_per_node})")
-    dtype = dtype or ("bf16" if "bf16" in hw.peak_tflops else sorted(hw.peak_tflops)[0])
+    trainable = [d for d in DTYPES if d in hw.peak_tflops]
+    if not trainable:
+        raise UserError(f"profile {hw.name} gives no peak for a training dtype; add one of "
+                        f"{', '.join(DTYPES)} to its peak_tflops")
+    dtype = dtype or ("bf16" if "bf16" in trainable else trainable[0])
+    if dtype not in DTYPES:
+        raise UserError(f"--dtype {dtype} is not a training dtype; use one of {', '.join(DTYPES)}")
     if dtype not in hw.peak_tflops:
         raise UserError(f"--dtype {dtype} has no peak in profile {hw.name}; use one of "
                         f"{', '.join(sorted(hw.peak_tflops))}")
@@ -164,6 +167,8 @@ def fixed_strategy(job: Job, *, tp: int, pp: int, dp: int | None, zero: int, mic
             raise UserError(f"--{name} must be positive, got {value}")
     if job.gpus % (tp * pp):
         raise UserError(f"--gpus {job.gpus} is not divisible by tp x pp = {tp * pp}")
+    if dp is not None and dp <= 0:
+        raise UserError(f"--dp must be positive, got {dp}")
     dp = dp or job.gpus // (tp * pp)
     if dp * tp * pp != job.gpus:
         raise UserError(f"dp x tp x pp = {dp * tp * pp} but --gpus is {job.gpus}")
