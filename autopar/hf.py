@@ -10,6 +10,7 @@ from __future__ import annotations
 import contextlib
 import importlib
 import re
+import warnings
 from collections.abc import Iterator
 from typing import Any
 
@@ -35,6 +36,8 @@ _REQUIRED = ("layers", "hidden", "heads", "vocab", "seq")
 LEARNED_POSITIONS = ("gpt2", "gpt_bigcode", "gpt_neo", "opt", "biogpt", "xglm", "ctrl")
 """``model_type`` of the families whose position table has max-positions rows whatever the
 sequence (absolute embeddings): they cannot train past it."""
+_SILENT = 100
+"""A logging level above CRITICAL: nothing transformers logs gets through."""
 _MAX_MESSAGE = 200
 """Characters of a transformers error kept in the one-line message."""
 
@@ -50,12 +53,15 @@ def transformers_module() -> Any:
 
 @contextlib.contextmanager
 def _quiet(tf: Any) -> Iterator[None]:
-    """transformers' warnings off (its config checks log several lines per bad value; autopar
-    reports bad input on one line, and what it cannot build raises)."""
+    """transformers' logs and Python warnings off (its config checks log several lines per bad
+    value, even at error level, and warn of deprecated keys; autopar reports bad input on one
+    line, and what it cannot build raises)."""
     level = tf.logging.get_verbosity()
-    tf.logging.set_verbosity_error()
+    tf.logging.set_verbosity(_SILENT)
     try:
-        yield
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            yield
     finally:
         tf.logging.set_verbosity(level)
 
@@ -116,7 +122,7 @@ def _kv_heads(config: Any, heads: int) -> int:
     (transformers' FalconAttention): ``num_kv_heads`` with the new decoder architecture, else one
     shared head when ``multi_query`` (its default), else ``heads``; other multi-query configs
     (GPTBigCode) have one."""
-    if hasattr(config, "new_decoder_architecture"):
+    if getattr(config, "model_type", "") == "falcon":
         if config.new_decoder_architecture:
             return _get(config, "kv_heads", heads)[1]
         return 1 if config.multi_query else heads

@@ -319,7 +319,7 @@ def load_plan(path: str | Path) -> Plan:
     if size > MAX_PLAN_BYTES:
         raise UserError(f"plan file {p} is {size:,} bytes, not a plan; create one with `autopar plan --out FILE`")
     try:
-        data = json.loads(raw.decode("utf-8"))
+        data = json.loads(raw.decode("utf-8-sig"))
     except UnicodeDecodeError as exc:
         raise UserError(f"plan file {p} is not UTF-8 text ({exc.reason} at byte {exc.start}); "
                         "create one with `autopar plan --out`") from None

@@ -300,7 +300,7 @@ def load_profile(name_or_path: str) -> HardwareProfile:
     if size > MAX_PROFILE_BYTES:
         raise ProfileError(f"cluster profile {path} is {size:,} bytes, not a profile; see hardware_profiles/*.json")
     try:
-        data = json.loads(raw.decode("utf-8"))
+        data = json.loads(raw.decode("utf-8-sig"))
     except UnicodeDecodeError as exc:
         raise ProfileError(f"cluster profile {path} is not UTF-8 text ({exc.reason} at byte {exc.start})") from None
     except RecursionError:

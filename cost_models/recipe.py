@@ -209,7 +209,7 @@ def load_recipe(name_or_path: str = DEFAULT_RECIPE) -> ExecutionRecipe:
     if raw is None:
         raise RecipeError(f"recipe file {path} is over 1 MiB, not a recipe")
     try:
-        data = json.loads(raw.decode("utf-8"))
+        data = json.loads(raw.decode("utf-8-sig"))
     except (ValueError, RecursionError) as exc:  # not UTF-8, not JSON, too deep, a huge integer
         raise RecipeError(f"recipe file {path} is not valid JSON: {' '.join(str(exc).split())[:200]}") from None
     return recipe_from_dict(data, str(path))
