@@ -8,7 +8,7 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 
 from autopar.errors import UserError
-from autopar.limits import MAX_GLOBAL_BATCH, MAX_GPUS, check_count
+from autopar.limits import MAX_GLOBAL_BATCH, MAX_GPUS, check_count, check_seconds
 from autopar.plan import DTYPES, Mesh, Plan
 from autopar.solve import Pins, Solution, search
 from autopar.spec import ModelSpec, parse_model_spec, with_seq
@@ -149,8 +149,7 @@ def make_plan(job: Job, pins: Pins = Pins(), time_limit_s: float = 60.0,
               profile: ModelProfile | None = None, verify: bool = True) -> tuple[Plan, Solution]:
     """Trace, verify the runtime's features on the model's twin (unless ``verify`` is False),
     search without the features that failed, and record the best strategy as a Plan."""
-    if time_limit_s <= 0:
-        raise UserError(f"--time-limit must be positive, got {time_limit_s}")
+    check_seconds("--time-limit", time_limit_s)
     profile = profile or profile_spec(job.spec)
     verified = verdicts(job.spec) if verify else ()
     pins = replace(pins, recipe=job.recipe, refused=tuple(c for c, reason in verified if reason))

@@ -374,3 +374,15 @@ def test_the_catalogue_covers_every_subcommand():
     commands = {p.values[0][0] for p in CASES}
     assert commands == {"plan", "estimate", "explain", "inspect", "run", "demo", "verify"}
     assert len(CASES) >= 80
+
+
+def test_search_refuses_a_space_it_cannot_enumerate_within_the_time_limit():
+    """--time-limit bounds the enumeration too: 1,260 outer candidates and no time to list them."""
+    from autopar.errors import UserError
+    from autopar.solve import search
+    from autopar.spec import parse_model_spec
+    from autopar.trace import profile_spec
+    from cost_models import load_profile
+    prof = profile_spec(parse_model_spec(TINY))
+    with pytest.raises(UserError, match="more than --time-limit allows to enumerate"):
+        search(prof, load_profile("dgx-h100"), 1024, 2**20, "bf16", time_limit_s=1e-9)

@@ -193,8 +193,8 @@ def _order_free_costs(model: ModelProfile, hw: HardwareProfile, strat: Strategy,
 
 
 def _ordered(model: ModelProfile, hw: HardwareProfile, gpus: int, global_batch: int,
-             dtype: str, pins: Pins,
-             cap: float) -> tuple[list[tuple[float, int, Candidate, object]], int, dict, dict]:
+             dtype: str, pins: Pins, cap: float,
+             deadline: float = float("inf")) -> tuple[list[tuple[float, int, Candidate, object]], int, dict, dict]:
     """Every outer candidate with its memory-blind bound (``lower_bound`` with no cap) and
     fixed order, how many there are (other axis orders included), and the cost caches.
     Candidates of a schedule group that fits nowhere (``_group_fits``) are counted, not
@@ -209,6 +209,10 @@ def _ordered(model: ModelProfile, hw: HardwareProfile, gpus: int, global_batch: 
         else (RECOMPUTE.index(pins.recompute),)
     total = 0
     for order, cand in enumerate(outer_candidates(model, hw, gpus, global_batch, dtype, pins)):
+        if order % 1024 == 1023 and time.perf_counter() > deadline:
+            raise UserError(f"the strategy space has over {order:,} candidates, more than --time-limit "
+                            "allows to enumerate; pin some dimensions (--tp, --pp, --vpp, --mbs, --zero) "
+                            "or raise --time-limit")
         st = cand.strategy
         degrees = (st.dp, st.tp, st.pp)
         if pins.axis_order is None:
@@ -319,7 +323,7 @@ def search(model: ModelProfile, hw: HardwareProfile, gpus: int, global_batch: in
     start = time.perf_counter()
     cap = hw.memory_bytes
     scored, total, cache, free_cache = _ordered(model, hw, gpus, global_batch, dtype, pins,
-                                                cap)
+                                                cap, start + time_limit_s)
     if total == 0:
         raise UserError(no_candidate_reason(model, hw, gpus, global_batch, pins))
     found: list[tuple[float, int, Strategy]] = []  # sorted best first, at most ``keep``
