@@ -1,4 +1,4 @@
-"""The ``autopar`` command line (design.md): plan, estimate, explain, inspect, run, demo.
+"""The ``autopar`` command line (design.md): plan, estimate, explain, inspect, run, demo, verify.
 
 Bad input exits 2 with one line on stderr; ``--json`` prints machine-readable output.
 """

@@ -266,7 +266,7 @@ def profile_from_dict(data: Any) -> HardwareProfile:
             out[key] = {k: _number(f"peak_tflops.{k}", where, v, _PEAK) for k, v in peaks.items()}
         elif key == "attention_efficiency":
             effs = _object(value, key, where)
-            out[key] = {str(k): _number(f"attention_efficiency.{k}", where, v, (_EFF, 1.0, "(a fraction)"))
+            out[key] = {k: _number(f"attention_efficiency[{_shown(k)}]", where, v, (_EFF, 1.0, "(a fraction)"))
                         for k, v in effs.items()}
         elif key == "notes":
             notes = _object(value, key, where)
