@@ -149,6 +149,9 @@ def spec_from_hf(text: str, cls_name: str, options: tuple[tuple[str, str], ...])
     maximum positions)."""
     if not cls_name:
         raise UserError(f"{shown(text)} names no config class; write hf:LlamaConfig:key=value,...")
+    if not cls_name.isidentifier():
+        raise UserError(f"{shown(cls_name)} is not a transformers config class; use e.g. LlamaConfig, "
+                        "GPT2Config or MixtralConfig")
     values = hf_option_values(options)
     seq = values.pop("seq", None)
     _check_sizes(cls_name, values)

@@ -38,11 +38,11 @@ def is_int(value: object) -> bool:
 
 def check_count(name: str, value: object, limit: int, low: int = 1) -> int:
     """``value`` as an int in [low, limit], else a ``UserError`` naming ``name`` and the range."""
-    if not is_int(value):
+    if not isinstance(value, int) or isinstance(value, bool):
         raise UserError(f"{name} must be an integer, got {shown(value)}")
-    assert isinstance(value, int)
     if value < low:
-        raise UserError(f"{name} must be {'positive' if low == 1 else f'at least {low}'}, got {value}")
+        need = {0: "0 or more", 1: "positive"}.get(low, f"at least {low}")
+        raise UserError(f"{name} must be {need}, got {shown(value)}")
     if value > limit:
         raise UserError(f"{name} {shown(value)} is above autopar's limit of {limit:,}; use a smaller value")
     return value
