@@ -376,13 +376,17 @@ def test_the_catalogue_covers_every_subcommand():
     assert len(CASES) >= 80
 
 
-def test_search_refuses_a_space_it_cannot_enumerate_within_the_time_limit():
-    """--time-limit bounds the enumeration too: 1,260 outer candidates and no time to list them."""
+def test_search_refuses_a_space_it_cannot_enumerate_within_the_time_limit(monkeypatch):
+    """The time limit (at least ``ENUMERATION_S``) bounds the enumeration too: here 1,260
+    outer candidates and no time to list them."""
+    import importlib
+
     from autopar.errors import UserError
-    from autopar.solve import search
     from autopar.spec import parse_model_spec
     from autopar.trace import profile_spec
     from cost_models import load_profile
+    search_module = importlib.import_module("autopar.solve.search")  # the package exports search()
+    monkeypatch.setattr(search_module, "ENUMERATION_S", 0.0)
     prof = profile_spec(parse_model_spec(TINY))
-    with pytest.raises(UserError, match="more than --time-limit allows to enumerate"):
-        search(prof, load_profile("dgx-h100"), 1024, 2**20, "bf16", time_limit_s=1e-9)
+    with pytest.raises(UserError, match="more than can be enumerated in --time-limit"):
+        search_module.search(prof, load_profile("dgx-h100"), 1024, 2**20, "bf16", time_limit_s=1e-9)
