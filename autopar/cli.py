@@ -1,5 +1,5 @@
 """The ``autopar`` command line (design.md): plan, estimate, explain, inspect, verify, profile,
-run, launch, tokenize, export, demo.
+run, launch, tokenize, export, report, demo.
 
 Bad input exits 2 with one line on stderr; ``--json`` prints machine-readable output.
 """
@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import os
 import sys
 from enum import Enum
 from pathlib import Path
@@ -22,16 +23,43 @@ except ImportError:  # pragma: no cover - older typer on stock click
 from rich import box
 from rich.console import Console
 from rich.table import Table
+from typer.core import TyperGroup
 
 from autopar.errors import UserError
 from autopar.export.common import Target as ExportTarget
+from autopar.limits import MAX_GLOBAL_BATCH, MAX_GPUS, MAX_LAYERS, MAX_LOCAL_RANKS, check_count, check_seconds
 from autopar.plan import AXES, Plan, load_plan
 from autopar.solve import Pins, Solution, explain as explain_plan, explanation_dict
 from autopar.workflow import estimate_strategy, fixed_strategy, launch_refusal, make_plan, read_job
 from cost_models import ProfileError
 from cost_models.strategy import Estimate
 
-app = typer.Typer(add_completion=False, no_args_is_help=True, pretty_exceptions_enable=False,
+def _one_line(message: str) -> str:
+    return " ".join(str(message).split())
+
+
+class _OneLineGroup(TyperGroup):
+    """The command group: usage errors (unknown option, bad value) are one line on stderr and
+    exit 2, like every other bad input, however the app is called (console script, CliRunner)."""
+
+    def main(self, args=None, prog_name=None, complete_var=None, standalone_mode=True, **extra):  # type: ignore[override]
+        if not standalone_mode:
+            return super().main(args, prog_name, complete_var, standalone_mode=False, **extra)
+        try:
+            code = super().main(args, prog_name or "autopar", complete_var, standalone_mode=False, **extra)
+        except _click_errors.UsageError as exc:
+            if isinstance(exc, getattr(_click_errors, "NoArgsIsHelpError", ())) and exc.ctx is not None:
+                typer.echo(exc.ctx.get_help())
+                sys.exit(0)
+            hint = f" (see `autopar {exc.ctx.info_name} --help`)" if exc.ctx and exc.ctx.parent else ""
+            typer.echo(f"autopar: error: {_one_line(exc.format_message())}{hint}", err=True)
+            sys.exit(2)
+        except typer.Abort:
+            sys.exit(130)
+        sys.exit(code if isinstance(code, int) else 0)
+
+
+app = typer.Typer(cls=_OneLineGroup, add_completion=False, no_args_is_help=True, pretty_exceptions_enable=False,
                   help="autopar: plan and run parallel training of transformers.")
 console = Console()
 
@@ -50,7 +78,7 @@ class Recompute(str, Enum):
 
 
 def _fail(message: str) -> None:
-    typer.echo(f"autopar: error: {message}", err=True)
+    typer.echo(f"autopar: error: {_one_line(message)}", err=True)
     raise typer.Exit(2)
 
 
@@ -132,6 +160,65 @@ def _check_cp(cp: int) -> None:
         _fail(f"--cp {cp}: the runtime has no context parallelism yet; use --cp 1 (or omit it)")
 
 
+def _check_pins(**pins: int | None) -> None:
+    """Pinned degrees and sizes: positive and within autopar's limits (``--mbs 0`` is refused,
+    not searched)."""
+    limits = {"mbs": MAX_GLOBAL_BATCH, "vpp": MAX_LAYERS}
+    for name, value in pins.items():
+        if value is not None:
+            check_count(f"--{name}", value, limits.get(name, MAX_GPUS))
+
+
+def _writable_dir(directory: Path, option: str, target: Path) -> None:
+    """``directory`` exists and a file can be created in it (tried, then removed)."""
+    if directory.exists() and not directory.is_dir():
+        raise UserError(f"{option} {target}: {directory} is not a directory; give a path in a directory")
+    if not directory.is_dir():
+        raise UserError(f"{option} {target}: directory {directory} does not exist; create it first")
+    probe = directory / f".autopar-probe-{os.getpid()}"
+    try:
+        probe.touch(exist_ok=False)
+        probe.unlink()
+    except OSError as exc:
+        raise UserError(f"{option} {target}: cannot write in {directory} ({exc.strerror or exc}); "
+                        "choose a writable directory") from None
+
+
+def _check_out(out: Path | None) -> None:
+    """``--out FILE``: a file path (new or to replace) in a writable directory; checked before
+    the search starts, so a bad path costs no search and leaves no file."""
+    if out is None:
+        return
+    try:
+        if out.is_dir():
+            raise UserError(f"--out {out} is a directory; give a file path, e.g. {out / 'plan.json'}")
+        _writable_dir(out.parent, "--out", out)
+    except OSError as exc:  # a name the OS refuses (too long ...)
+        raise UserError(f"--out {out}: {exc.strerror or exc}") from None
+
+
+def _check_save(save: Path | None, resume: Path | None) -> None:
+    """``--save DIR``: a new directory or an earlier checkpoint, never a file or a folder of other
+    files; ``--resume DIR``: a checkpoint. Checked before the run starts."""
+    try:
+        if resume is not None and not (resume / ".metadata").is_file():
+            raise UserError(f"--resume {resume} is not a checkpoint (no .metadata); write one with "
+                            "`autopar run --save DIR`")
+        if save is None:
+            return
+        if save.exists() and not save.is_dir():
+            raise UserError(f"--save {save} is an existing file; a checkpoint is a directory: give a new "
+                            "directory path")
+        if save.is_dir():
+            if any(save.iterdir()) and not (save / ".metadata").is_file():
+                raise UserError(f"--save {save} holds files that are not a checkpoint; give a new or empty directory")
+            _writable_dir(save, "--save", save)
+        else:
+            _writable_dir(save.parent, "--save", save)
+    except OSError as exc:
+        raise UserError(f"--save/--resume: {exc.strerror or exc}") from None
+
+
 @app.command()
 def plan(model: str = MODEL, cluster: str = CLUSTER,
          gpus: Optional[int] = typer.Option(None, "--gpus", help="Total number of devices (required "
@@ -169,6 +256,8 @@ def plan(model: str = MODEL, cluster: str = CLUSTER,
     _check_cp(cp)
 
     def body() -> None:
+        _check_pins(tp=tp, pp=pp, dp=dp, mbs=mbs, vpp=vpp)
+        check_seconds("--time-limit", time_limit)
         pins = Pins(dp=dp, tp=tp, pp=pp, zero=zero, micro_batch=mbs,
                     schedule=schedule.value if schedule else None, virtual_stages=vpp,
                     sequence_parallel=sp, recompute=recompute.value if recompute else None,
@@ -183,10 +272,14 @@ def plan(model: str = MODEL, cluster: str = CLUSTER,
         if gpus is None or global_batch is None:
             missing = "--gpus" if gpus is None else "--global-batch"
             raise UserError(f"{missing} is missing; give it, or sweep it with --what-if {missing[2:]}=v1,v2,...")
+        _check_out(out)
         job = read_job(model, cluster, gpus, global_batch, seq_len, dtype, recipe)
         result, sol = make_plan(job, pins, time_limit, verify=verify_twin)
         if out is not None:
-            result.save(out)
+            try:
+                result.save(out)
+            except OSError as exc:
+                raise UserError(f"--out {out}: cannot write the plan ({exc.strerror or exc})") from None
         if as_json:
             typer.echo(json.dumps({"plan": json.loads(result.to_json()),
                                    "estimate": _estimate_dict(sol.estimate),
@@ -267,6 +360,7 @@ def estimate(model: str = MODEL, cluster: str = CLUSTER, gpus: int = GPUS, globa
     _check_cp(cp)
 
     def body() -> None:
+        _check_pins(tp=tp, pp=pp, dp=dp, mbs=mbs, vpp=vpp)
         job = read_job(model, cluster, gpus, global_batch, seq_len, dtype, recipe)
         strat = fixed_strategy(job, tp=tp, pp=pp, dp=dp, zero=zero, micro_batch=mbs,
                                schedule=schedule.value, sequence_parallel=sp,
@@ -289,11 +383,13 @@ def explain(plan_file: Path = typer.Argument(..., help="A plan JSON from `autopa
     """Why this plan: the top alternatives and, per dimension, the best plan at each neighbour."""
     def body() -> None:
         from autopar.trace import profile_spec
+        check_seconds("--time-limit", time_limit)
         the_plan = load_plan(plan_file)
         if recipe is not None:
             the_plan = dataclasses.replace(the_plan, recipe=recipe)
         job = read_job(the_plan.model, the_plan.cluster, the_plan.gpus, the_plan.global_batch,
                        the_plan.seq_len, the_plan.dtype, the_plan.recipe)
+        the_plan.check_model(job.spec)  # a user module's shape is known once traced
         prof = profile_spec(job.spec)
         failed = {check: reason for check, reason in the_plan.verified if reason}
         info = explanation_dict(explain_plan(prof, job.hw, job.gpus, job.global_batch, job.dtype,
@@ -382,7 +478,7 @@ def inspect(model: str = MODEL, seq_len: Optional[int] = SEQ, as_json: bool = JS
         from autopar.trace import trace_spec
         from autopar.trace.report import graph_summary
         spec = parse_model_spec(model)
-        spec = with_seq(spec, seq_len) if seq_len else spec
+        spec = with_seq(spec, seq_len) if seq_len is not None else spec
         info = graph_summary(trace_spec(spec), spec)
         if as_json:
             typer.echo(json.dumps(info, indent=2, sort_keys=True))
@@ -425,7 +521,11 @@ def run(plan_file: Path = typer.Argument(..., help="A plan JSON from `autopar pl
         data: Optional[Path] = DATA, as_json: bool = JSON) -> None:
     """Run a plan locally under torchrun (gloo on CPU) on a token file or synthetic tokens."""
     def body() -> None:
+        _check_save(save, resume)
         the_plan = load_plan(plan_file)
+        if the_plan.gpus > MAX_LOCAL_RANKS:
+            raise UserError(f"autopar run starts every rank on this machine (torchrun --standalone); a plan of "
+                            f"{the_plan.gpus} devices needs at most {MAX_LOCAL_RANKS}: plan for fewer --gpus")
         refusal = launch_refusal(the_plan)
         if refusal:
             raise UserError(refusal)
@@ -509,7 +609,7 @@ def launch(plan_file: Path = typer.Argument(..., help="A plan JSON from `autopar
     def body() -> None:
         from autopar.jobscripts import local_notes, plan_launch, write_launch
         the_plan = load_plan(plan_file)
-        refusal = launch_refusal(the_plan)
+        refusal = the_plan.refusal()  # the model may live on the cluster only: not traced here
         if refusal:
             raise UserError(refusal)
         spec = plan_launch(the_plan, out, nodes=nodes, gpus_per_node=gpus_per_node, endpoint=rdzv_endpoint,
@@ -574,6 +674,7 @@ def demo(steps: int = typer.Option(5, "--steps", min=2, help="Optimizer steps to
 
         from autopar.data import tokenize_file
         from autopar.runtime import TrainConfig, run_plan
+        check_count("--gpus", gpus, MAX_LOCAL_RANKS)
         job = read_job(DEMO_MODEL, "cpu-local", gpus, global_batch=8 * gpus, dtype="fp32")
         result_plan, sol = make_plan(job)
         _print_plan(result_plan)
@@ -594,20 +695,8 @@ def demo(steps: int = typer.Option(5, "--steps", min=2, help="Optimizer steps to
 
 
 def main() -> None:
-    """Console-script entry point: usage errors (unknown option, bad value) become one line on
-    stderr and exit 2, like every other bad input."""
-    try:
-        code = app(prog_name="autopar", standalone_mode=False)
-    except _click_errors.UsageError as exc:
-        if isinstance(exc, getattr(_click_errors, "NoArgsIsHelpError", ())):
-            typer.echo(exc.ctx.get_help())
-            sys.exit(0)
-        hint = f" (see `autopar {exc.ctx.info_name} --help`)" if exc.ctx and exc.ctx.parent else ""
-        typer.echo(f"autopar: error: {exc.format_message()}{hint}", err=True)
-        sys.exit(2)
-    except typer.Abort:
-        sys.exit(130)
-    sys.exit(code if isinstance(code, int) else 0)
+    """Console-script entry point (usage errors are one line and exit 2: ``_OneLineGroup``)."""
+    app(prog_name="autopar")
 
 
 if __name__ == "__main__":

@@ -10,10 +10,12 @@ from __future__ import annotations
 import contextlib
 import importlib
 import re
+import warnings
 from collections.abc import Iterator
 from typing import Any
 
 from autopar.errors import UserError
+from autopar.limits import SPEC_LIMITS, is_int, shown
 from autopar.spec import ModelSpec, hf_option_values
 
 # Config attribute names across model families, first match wins (Falcon's and other
@@ -31,6 +33,11 @@ _KEYS = {
     "topk": ("num_experts_per_tok",),
 }
 _REQUIRED = ("layers", "hidden", "heads", "vocab", "seq")
+LEARNED_POSITIONS = ("gpt2", "gpt_bigcode", "gpt_neo", "opt", "biogpt", "xglm", "ctrl")
+"""``model_type`` of the families whose position table has max-positions rows whatever the
+sequence (absolute embeddings): they cannot train past it."""
+_SILENT = 100
+"""A logging level above CRITICAL: nothing transformers logs gets through."""
 _MAX_MESSAGE = 200
 """Characters of a transformers error kept in the one-line message."""
 
@@ -46,12 +53,15 @@ def transformers_module() -> Any:
 
 @contextlib.contextmanager
 def _quiet(tf: Any) -> Iterator[None]:
-    """transformers' warnings off (its config checks log several lines per bad value; autopar
-    reports bad input on one line, and what it cannot build raises)."""
+    """transformers' logs and Python warnings off (its config checks log several lines per bad
+    value, even at error level, and warn of deprecated keys; autopar reports bad input on one
+    line, and what it cannot build raises)."""
     level = tf.logging.get_verbosity()
-    tf.logging.set_verbosity_error()
+    tf.logging.set_verbosity(_SILENT)
     try:
-        yield
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            yield
     finally:
         tf.logging.set_verbosity(level)
 
@@ -73,7 +83,7 @@ def _culprit(exc: BaseException, overrides: dict[str, object]) -> str:
     named = [k for k, v in overrides.items()
              if re.search(rf"\b{re.escape(k)}\b", text) or (isinstance(v, str) and v
                                                              and re.search(rf"\b{re.escape(v)}\b", text))]
-    return f"; check {', '.join(f'{k}={overrides[k]!r}' for k in named)}" if named else ""
+    return f"; check {', '.join(f'{k}={shown(overrides[k])}' for k in named)}" if named else ""
 
 
 def make_config(cls_name: str, overrides: dict[str, object]) -> Any:
@@ -83,7 +93,7 @@ def make_config(cls_name: str, overrides: dict[str, object]) -> Any:
     tf = transformers_module()
     cls = getattr(tf, cls_name, None)
     if cls is None or not (isinstance(cls, type) and issubclass(cls, tf.PretrainedConfig)):
-        raise UserError(f"{cls_name!r} is not a transformers config class; use e.g. LlamaConfig, "
+        raise UserError(f"{shown(cls_name)} is not a transformers config class; use e.g. LlamaConfig, "
                         "GPT2Config or MixtralConfig")
     try:
         with _quiet(tf):
@@ -112,7 +122,7 @@ def _kv_heads(config: Any, heads: int) -> int:
     (transformers' FalconAttention): ``num_kv_heads`` with the new decoder architecture, else one
     shared head when ``multi_query`` (its default), else ``heads``; other multi-query configs
     (GPTBigCode) have one."""
-    if hasattr(config, "new_decoder_architecture"):
+    if getattr(config, "model_type", "") == "falcon":
         if config.new_decoder_architecture:
             return _get(config, "kv_heads", heads)[1]
         return 1 if config.multi_query else heads
@@ -138,9 +148,13 @@ def spec_from_hf(text: str, cls_name: str, options: tuple[tuple[str, str], ...])
     ``seq=S`` among the options sets the training sequence length (default: the config's
     maximum positions)."""
     if not cls_name:
-        raise UserError(f"{text!r} names no config class; write hf:LlamaConfig:key=value,...")
+        raise UserError(f"{shown(text)} names no config class; write hf:LlamaConfig:key=value,...")
+    if not cls_name.isidentifier():
+        raise UserError(f"{shown(cls_name)} is not a transformers config class; use e.g. LlamaConfig, "
+                        "GPT2Config or MixtralConfig")
     values = hf_option_values(options)
     seq = values.pop("seq", None)
+    _check_sizes(cls_name, values)
     config = make_config(cls_name, values)
     check_causal_lm(config)
     found = {f: _get(config, f) for f in _KEYS}
@@ -148,7 +162,7 @@ def spec_from_hf(text: str, cls_name: str, options: tuple[tuple[str, str], ...])
     shape["kv_heads"] = _kv_heads(config, shape["heads"])
     if seq is not None:
         if not isinstance(seq, int) or isinstance(seq, bool) or seq <= 0:
-            raise UserError(f"seq={seq!r} in {text!r} must be a positive integer")
+            raise UserError(f"seq={shown(seq)} in {shown(text)} must be a positive integer")
         shape["seq"] = seq
     for field in ("layers", "hidden", "heads", "kv_heads", "ffn", "vocab", "seq"):
         key, value = found[field]
@@ -162,7 +176,20 @@ def spec_from_hf(text: str, cls_name: str, options: tuple[tuple[str, str], ...])
         raise UserError(f"{cls_name} has no {', '.join(missing)} that autopar recognises; "
                         "use path/to/file.py:factory for this model")
     tied = bool(getattr(config, "tie_word_embeddings", False))
-    return ModelSpec(arch="hf", name=text, source=cls_name, options=options, tied=tied, **shape)
+    learned = found["seq"][1] if getattr(config, "model_type", "") in LEARNED_POSITIONS else 0
+    return ModelSpec(arch="hf", name=text, source=cls_name, options=options, tied=tied,
+                     max_positions=max(learned, 0), **shape)
+
+
+def _check_sizes(cls_name: str, values: dict[str, object]) -> None:
+    """Refuse a shape override above autopar's limits before the config class sees it
+    (transformers builds per-layer lists of ``num_hidden_layers`` entries)."""
+    for field, keys in _KEYS.items():
+        for key in keys:
+            value = values.get(key)
+            if is_int(value) and value > SPEC_LIMITS[field]:  # type: ignore[operator]
+                raise UserError(f"{cls_name}: {key}={shown(value)} is above autopar's limit of "
+                                f"{SPEC_LIMITS[field]:,} for the model's {field}; use a smaller value")
 
 
 def mixtral_config(spec: ModelSpec) -> Any:

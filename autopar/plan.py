@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
+import os
 import types
 import typing
 from dataclasses import dataclass
@@ -15,12 +17,23 @@ from pathlib import Path
 
 from autopar.errors import UserError
 from autopar.layout import Anatomy
+from autopar.limits import (MAX_GLOBAL_BATCH, MAX_GPUS, MAX_LAYERS, MAX_SEQ, check_count, is_int,
+                            shown)
 from cost_models.recipe import ExecutionRecipe, RecipeError, load_recipe
-from cost_models.strategy import RECOMPUTE, Estimate, Strategy
+from cost_models.strategy import RECOMPUTE, SCHEDULES, Estimate, Strategy
+
+if typing.TYPE_CHECKING:
+    from autopar.spec import ModelSpec
 
 PLAN_VERSION = 1
 AXES = ("pp", "dp", "tp")
 """The mesh axes the runtime builds, in Megatron's rank order (outermost first)."""
+DTYPES = ("bf16", "fp16", "fp32")
+"""Training dtypes the runtime has (``autopar.runtime.context.DTYPES``)."""
+FEATURES = ("dp", "tp", "sp", "pp", "selective")
+"""``autopar verify``'s check names (``autopar.verify.Check``), as ``Plan.verified`` records them."""
+MAX_PLAN_BYTES = 64 << 20
+"""A plan file larger than this is refused unread (a plan of 1,024 blocks is a few KiB)."""
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -83,8 +96,9 @@ class Plan:
 
     def __post_init__(self) -> None:
         if self.version != PLAN_VERSION:
-            raise UserError(f"plan version {self.version} is not supported by this autopar "
+            raise UserError(f"plan version {shown(self.version)} is not supported by this autopar "
                             f"(version {PLAN_VERSION}); re-create it with `autopar plan`")
+        self._check_values()
         if self.mesh.size != self.gpus:
             raise UserError(f"plan mesh {self.mesh} has {self.mesh.size} devices but gpus={self.gpus}")
         if len(self.stage_layers) != self.mesh.pp * self.virtual_stages:
@@ -99,6 +113,69 @@ class Plan:
         if per_step != self.global_batch:
             raise UserError(f"plan dp x micro_batch_size x num_microbatches = {per_step} "
                             f"but global_batch = {self.global_batch}")
+        if self.offload and self.zero_stage < 1:
+            raise UserError("plan offload moves ZeRO's shards to the host; it needs zero_stage >= 1")
+        if self.sequence_parallel and self.mesh.tp == 1:
+            raise UserError("plan sequence_parallel splits what tensor parallelism replicates; it needs mesh.tp > 1")
+
+    def _check_values(self) -> None:
+        """Each field on its own: kinds, enumerations and ranges (one line naming the field)."""
+        for name in ("model", "cluster", "recipe"):
+            value = getattr(self, name)
+            if not isinstance(value, str) or not value.strip() or "\n" in value:
+                raise UserError(f"plan {name} must be a non-empty one-line string, got {shown(value)}")
+        check_count("plan gpus", self.gpus, MAX_GPUS)
+        check_count("plan global_batch", self.global_batch, MAX_GLOBAL_BATCH)
+        check_count("plan seq_len", self.seq_len, MAX_SEQ)
+        for axis in ("dp", "tp", "pp", "cp", "ep"):
+            check_count(f"plan mesh.{axis}", getattr(self.mesh, axis), MAX_GPUS)
+        check_count("plan micro_batch_size", self.micro_batch_size, MAX_GLOBAL_BATCH)
+        check_count("plan num_microbatches", self.num_microbatches, MAX_GLOBAL_BATCH)
+        check_count("plan virtual_stages", self.virtual_stages, MAX_LAYERS)
+        if self.dtype not in DTYPES:
+            raise UserError(f"plan dtype {shown(self.dtype)} is not one of {', '.join(DTYPES)}")
+        if not is_int(self.zero_stage) or self.zero_stage not in (0, 1, 2, 3):
+            raise UserError(f"plan zero_stage must be 0, 1, 2 or 3, got {shown(self.zero_stage)}")
+        if self.schedule not in SCHEDULES:
+            raise UserError(f"plan schedule {shown(self.schedule)} is not one of {', '.join(SCHEDULES)}")
+        for flag in ("sequence_parallel", "offload"):
+            if not isinstance(getattr(self, flag), bool):
+                raise UserError(f"plan {flag} must be true or false, got {shown(getattr(self, flag))}")
+        if len(self.recompute) > MAX_LAYERS:
+            raise UserError(f"plan has {len(self.recompute)} recompute entries, above autopar's limit "
+                            f"of {MAX_LAYERS:,} blocks")
+        for n in self.stage_layers:
+            check_count("plan stage_layers entry", n, MAX_LAYERS)
+        bad = sorted({m for m in self.recompute if m not in RECOMPUTE}, key=str)
+        if bad:
+            raise UserError(f"plan recompute modes {', '.join(map(shown, bad))} are not "
+                            f"{', '.join(RECOMPUTE)}")
+        if sorted(self.axis_order) != sorted(AXES):
+            raise UserError(f"plan axis_order {shown(self.axis_order)} must order the axes "
+                            f"{', '.join(AXES)} once each")
+        checks = [c for c, _ in self.verified]
+        if any(c not in FEATURES for c in checks) or len(set(checks)) != len(checks):
+            raise UserError(f"plan verified must name each of the checks {', '.join(FEATURES)} at most "
+                            f"once, got {shown(checks)}")
+
+    def check_model(self, spec: ModelSpec) -> None:
+        """Refuse a plan the model it names cannot take (a hand-edited tp or stage_layers, a
+        sequence beyond a learned position table). A user module's shape is known once traced:
+        unknown (0) fields are not checked. A plan with context or expert parallelism (which
+        ``autopar export`` can write for other frameworks) is refused here too: autopar's cost
+        model and runtime have neither yet."""
+        if self.mesh.cp != 1 or self.mesh.ep != 1:
+            raise UserError(f"plan mesh has cp={self.mesh.cp}, ep={self.mesh.ep}: the runtime and the cost "
+                            "model have no context or expert parallelism yet; use cp = ep = 1")
+        if spec.heads and (spec.heads % self.mesh.tp or spec.num_kv_heads % self.mesh.tp):
+            raise UserError(f"plan mesh.tp={self.mesh.tp} does not divide the {spec.heads} heads and "
+                            f"{spec.num_kv_heads} kv heads of {shown(self.model)}; re-create it with `autopar plan`")
+        if spec.layers and self.num_layers != spec.layers:
+            raise UserError(f"plan stage_layers place {self.num_layers} blocks but {shown(self.model)} has "
+                            f"{spec.layers}; re-create it with `autopar plan`")
+        if spec.max_positions and self.seq_len > spec.max_positions:
+            raise UserError(f"plan seq_len {self.seq_len} exceeds the {spec.max_positions} positions "
+                            f"{shown(self.model)} learns; use seq_len <= {spec.max_positions}")
 
     @property
     def num_layers(self) -> int:
@@ -153,56 +230,113 @@ class Plan:
         return json.dumps(dataclasses.asdict(self), indent=2, sort_keys=True) + "\n"
 
     def save(self, path: str | Path) -> None:
-        Path(path).write_text(self.to_json())
+        """Write the plan's JSON at once: to a temporary file beside ``path``, then renamed, so
+        a failed write leaves no partial plan."""
+        path = Path(path)
+        tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+        try:
+            with open(tmp, "w", encoding="utf-8") as f:
+                f.write(self.to_json())
+            os.replace(tmp, path)
+        except BaseException:
+            tmp.unlink(missing_ok=True)
+            raise
 
 
-def _build(tp: typing.Any, value: typing.Any) -> typing.Any:
-    """Rebuild ``value`` (parsed JSON) as type ``tp``."""
+def _build(tp: typing.Any, value: typing.Any, where: str) -> typing.Any:
+    """Rebuild ``value`` (parsed JSON) as type ``tp``, checking its kind: ``where`` names the
+    field in the one-line error (``plan mesh.tp must be an integer, got '2'``)."""
     origin = typing.get_origin(tp)
     if origin in (typing.Union, types.UnionType):
         if value is None:
             return None
         (inner,) = [a for a in typing.get_args(tp) if a is not type(None)]
-        return _build(inner, value)
+        return _build(inner, value, where)
     if dataclasses.is_dataclass(tp):
         if not isinstance(value, dict):
-            raise UserError(f"plan field of type {tp.__name__} must be an object, got {value!r}")
+            raise UserError(f"{where} must be a JSON object, got {shown(value)}")
         hints = typing.get_type_hints(tp)
-        names = {f.name for f in dataclasses.fields(tp)}
-        unknown = set(value) - names
+        fields = {f.name: f for f in dataclasses.fields(tp)}
+        unknown = set(value) - set(fields)
         if unknown:
-            raise UserError(f"plan has unknown {tp.__name__} fields {sorted(unknown)}")
-        return tp(**{k: _build(hints[k], v) for k, v in value.items()})
+            raise UserError(f"{where} has unknown fields {shown(sorted(unknown))}; remove them")
+        missing = [n for n, f in fields.items() if n not in value and f.default is dataclasses.MISSING
+                   and f.default_factory is dataclasses.MISSING]
+        if missing:
+            raise UserError(f"{where} lacks the fields {', '.join(missing)}; re-create it with `autopar plan`")
+        return tp(**{k: _build(hints[k], v, f"{where}.{k}" if where != "plan" else f"plan {k}")
+                     for k, v in value.items()})
     if origin is tuple:
         args = typing.get_args(tp)
+        if not isinstance(value, (list, tuple)):
+            raise UserError(f"{where} must be a JSON array, got {shown(value)}")
         if len(args) == 2 and args[1] is Ellipsis:
-            return tuple(_build(args[0], v) for v in value)
+            return tuple(_build(args[0], v, f"{where} entry") for v in value)
         if len(value) != len(args):
-            raise UserError(f"plan field {value!r} must have {len(args)} entries")
-        return tuple(_build(a, v) for a, v in zip(args, value))
-    if origin is dict:
-        return dict(value)
-    return value
+            raise UserError(f"{where} entries must be arrays of {len(args)}, got {shown(value)}")
+        return tuple(_build(a, v, f"{where} entry") for a, v in zip(args, value))
+    if tp is bool:
+        if not isinstance(value, bool):
+            raise UserError(f"{where} must be true or false, got {shown(value)}")
+        return value
+    if tp is int:
+        if not is_int(value):
+            raise UserError(f"{where} must be an integer, got {shown(value)}")
+        return value
+    if tp is float:
+        try:
+            number = float(value) if is_int(value) or isinstance(value, float) else math.nan
+        except OverflowError:  # an integer beyond float's range
+            number = math.nan
+        if not math.isfinite(number):
+            raise UserError(f"{where} must be a finite number, got {shown(value)}")
+        return number
+    if tp is str:
+        if not isinstance(value, str):
+            raise UserError(f"{where} must be a string, got {shown(value)}")
+        return value
+    raise TypeError(f"plan field type {tp!r} has no JSON form")  # a Plan field autopar added
 
 
-def plan_from_dict(data: dict) -> Plan:
+def plan_from_dict(data: object) -> Plan:
+    """The Plan of parsed JSON, every field checked (kinds, values, consistency, and against
+    the model it names: ``Plan.check_model``); anything wrong is one ``UserError`` line."""
+    if not isinstance(data, dict):
+        raise UserError(f"a plan is a JSON object, got {shown(data)}; create one with `autopar plan --out`")
     if data.get("version") != PLAN_VERSION:
-        raise UserError(f"plan version {data.get('version')!r} is not supported by this autopar "
+        raise UserError(f"plan version {shown(data.get('version'))} is not supported by this autopar "
                         f"(version {PLAN_VERSION}); re-create it with `autopar plan`")
-    try:
-        return _build(Plan, data)
-    except TypeError as exc:
-        raise UserError(f"plan is malformed: {exc}") from None
+    plan = _build(Plan, data, "plan")
+    from autopar.spec import parse_model_spec  # the spec module imports nothing of the plan's
+    plan.check_model(parse_model_spec(plan.model))
+    return plan
 
 
 def load_plan(path: str | Path) -> Plan:
+    """A plan file written by ``autopar plan --out``: any bytes that are not one give a
+    ``UserError`` (not UTF-8, not JSON, too deep or too large, a field out of range)."""
     p = Path(path)
-    if not p.is_file():
-        raise UserError(f"plan file {p} does not exist; create one with `autopar plan --out {p}`")
     try:
-        data = json.loads(p.read_text())
-    except json.JSONDecodeError as exc:
-        raise UserError(f"plan file {p} is not valid JSON: {exc}") from None
+        found, size = p.is_file(), p.stat().st_size if p.is_file() else 0
+        raw = p.read_bytes() if found and size <= MAX_PLAN_BYTES else b""
+    except (OSError, ValueError) as exc:  # unreadable, a name the OS refuses
+        raise UserError(f"cannot read plan file {shown(str(p))}: {' '.join(str(exc).split())[:200]}") from None
+    if not found:
+        what = "is not a file" if p.exists() else "does not exist"
+        raise UserError(f"plan file {shown(str(p))} {what}; create one with `autopar plan --out FILE`")
+    if size > MAX_PLAN_BYTES:
+        raise UserError(f"plan file {p} is {size:,} bytes, not a plan; create one with `autopar plan --out FILE`")
+    try:
+        data = json.loads(raw.decode("utf-8-sig"))
+    except UnicodeDecodeError as exc:
+        raise UserError(f"plan file {p} is not UTF-8 text ({exc.reason} at byte {exc.start}); "
+                        "create one with `autopar plan --out`") from None
+    except RecursionError:
+        raise UserError(f"plan file {p} nests JSON too deeply to be a plan; create one with `autopar plan --out`") from None
+    except ValueError as exc:  # JSONDecodeError, or an integer of over 4,300 digits
+        if "Exceeds the limit" in str(exc):
+            raise UserError(f"plan file {p} holds an integer of over 4,300 digits; no figure is that large") from None
+        raise UserError(f"plan file {p} is not valid JSON: {' '.join(str(exc).split())[:200]}") from None
     return plan_from_dict(data)
 
 

@@ -21,6 +21,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from autopar.errors import UserError
+from autopar.limits import SPEC_LIMITS, check_count, shown
 
 ARCHS = ("gpt", "llama", "hf", "module")
 """``gpt``/``llama``: the built-in model (or HF Mixtral when ``experts``); ``hf``: a transformers
@@ -60,6 +61,10 @@ class ModelSpec:
     """``hf``: the transformers config class name; ``module``: ``path/to/file.py:factory``."""
     options: tuple[tuple[str, str], ...] = ()
     """``hf``: the config's ``key=value`` overrides, as written (values parsed as Python literals)."""
+    max_positions: int = 0
+    """Rows of a learned position table the model keeps whatever ``seq`` (HF GPT-2, OPT ...):
+    the longest sequence it can train on; 0: no such limit (RoPE, ALiBi, or the built-in GPT,
+    whose table is built at ``seq``)."""
 
     def __post_init__(self) -> None:
         if self.arch not in ARCHS:
@@ -67,8 +72,15 @@ class ModelSpec:
         if self.arch == "module":
             return
         for field in ("layers", "hidden", "heads", "vocab", "seq"):
-            if getattr(self, field) <= 0:
-                raise UserError(f"model {field} must be a positive integer, got {getattr(self, field)}")
+            check_count(f"model {field}", getattr(self, field), SPEC_LIMITS[field])
+        for field in ("kv_heads", "ffn", "experts", "topk"):
+            check_count(f"model {field}", getattr(self, field), SPEC_LIMITS[field], low=0)
+        if not isinstance(self.tied, bool):
+            raise UserError(f"model tied must be 0 or 1, got {shown(self.tied)}")
+        if self.max_positions and self.seq > self.max_positions:
+            raise UserError(f"{shown(self.name or 'the model')} learns {self.max_positions} positions; use a "
+                            f"sequence length of at most {self.max_positions} (--seq-len, or seq= in the spec), "
+                            f"got {self.seq}")
         if self.hidden % self.heads and self.arch != "hf":
             raise UserError(f"hidden={self.hidden} is not divisible by heads={self.heads}")
         if self.num_kv_heads <= 0 or self.heads % self.num_kv_heads:
@@ -160,14 +172,18 @@ def _parse_items(text: str, rest: str) -> dict[str, int]:
         key, eq, value = item.partition("=")
         key = key.strip()
         if not eq or key not in _INT_KEYS:
-            raise UserError(f"malformed model spec item {item!r}; keys are {', '.join(sorted(_INT_KEYS))}")
+            raise UserError(f"malformed model spec item {shown(item)}; keys are {', '.join(sorted(_INT_KEYS))}")
+        if key in values:
+            raise UserError(f"model spec {shown(text)} gives {key} twice; give each key once")
         try:
             values[key] = int(value)
         except ValueError:
-            raise UserError(f"model spec {key}={value!r} is not an integer") from None
+            raise UserError(f"model spec {key}={shown(value)} is not an integer") from None
+        if key == "tied" and values[key] not in (0, 1):
+            raise UserError(f"model spec tied={shown(value)} must be 0 or 1")
     missing = {"layers", "hidden", "heads", "vocab", "seq"} - values.keys()
     if missing:
-        raise UserError(f"model spec {text!r} lacks {', '.join(sorted(missing))}")
+        raise UserError(f"model spec {shown(text)} lacks {', '.join(sorted(missing))}")
     return values
 
 
@@ -177,7 +193,7 @@ def parse_hf_options(text: str, rest: str) -> tuple[tuple[str, str], ...]:
     for item in filter(None, rest.split(",")):
         key, eq, value = item.partition("=")
         if not eq or not key.strip().isidentifier():
-            raise UserError(f"malformed item {item!r} in {text!r}; write hf:ConfigClass:key=value,...")
+            raise UserError(f"malformed item {shown(item)} in {shown(text)}; write hf:ConfigClass:key=value,...")
         items.append((key.strip(), value.strip()))
     return tuple(items)
 
@@ -188,7 +204,7 @@ def hf_option_values(options: tuple[tuple[str, str], ...]) -> dict[str, object]:
     for key, value in options:
         try:
             values[key] = ast.literal_eval(value)
-        except (ValueError, SyntaxError):
+        except (ValueError, SyntaxError, MemoryError, RecursionError):  # a deep or huge literal
             values[key] = value
     return values
 
@@ -200,7 +216,7 @@ def parse_model_spec(text: str) -> ModelSpec:
         return PRESETS[text]
     arch, sep, rest = text.partition(":")
     if not sep:
-        raise UserError(f"unknown model {text!r}; use a preset ({', '.join(sorted(PRESETS))}) "
+        raise UserError(f"unknown model {shown(text)}; use a preset ({', '.join(sorted(PRESETS))}) "
                         f"or a spec like {_EXAMPLE}")
     if arch == "hf":
         from autopar.hf import spec_from_hf  # lazy: transformers is optional
@@ -208,27 +224,37 @@ def parse_model_spec(text: str) -> ModelSpec:
         return spec_from_hf(text, cls.strip(), parse_hf_options(text, items))
     if arch.endswith(".py") or ".py:" in text:
         path, _, factory = text.rpartition(":")
-        if not Path(path).is_file():
-            raise UserError(f"model file {path!r} does not exist; write path/to/file.py:factory")
+        if not _is_file(path):
+            raise UserError(f"model file {shown(path)} does not exist; write path/to/file.py:factory")
         if not factory.isidentifier():
-            raise UserError(f"{factory!r} in {text!r} is not a function name; write path/to/file.py:factory")
+            raise UserError(f"{shown(factory)} in {shown(text)} is not a function name; write path/to/file.py:factory")
         return ModelSpec(arch="module", layers=0, hidden=0, heads=0, vocab=0, seq=0, name=text,
                          source=text)
     if arch == "moe":
         arch = "llama"
         values = _parse_items(text, rest)
         if "experts" not in values or "topk" not in values:
-            raise UserError(f"moe spec {text!r} needs experts=E and topk=K")
+            raise UserError(f"moe spec {shown(text)} needs experts=E and topk=K")
     elif arch in ("gpt", "llama"):
         values = _parse_items(text, rest)
     else:
-        raise UserError(f"unknown model architecture {arch!r} in {text!r}; use gpt, llama, moe, hf "
+        raise UserError(f"unknown model architecture {shown(arch)} in {shown(text)}; use gpt, llama, moe, hf "
                         "or path/to/file.py:factory")
     if arch == "gpt":
         values.setdefault("tied", 1)
     return ModelSpec(arch=arch, name=text, **{k: (bool(v) if k == "tied" else v) for k, v in values.items()})
 
 
+def _is_file(path: str) -> bool:
+    """``path`` names a file (False for a name the OS refuses: too long, a NUL byte)."""
+    try:
+        return Path(path).is_file()
+    except (OSError, ValueError):
+        return False
+
+
 def with_seq(spec: ModelSpec, seq: int) -> ModelSpec:
-    """The same model trained at another sequence length."""
+    """The same model trained at another sequence length (``--seq-len``: positive, within the
+    limits and within a learned position table)."""
+    check_count("--seq-len", seq, SPEC_LIMITS["seq"])
     return dataclasses.replace(spec, seq=seq)

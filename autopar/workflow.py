@@ -8,7 +8,8 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 
 from autopar.errors import UserError
-from autopar.plan import Mesh, Plan
+from autopar.limits import MAX_GLOBAL_BATCH, MAX_GPUS, check_count, check_seconds
+from autopar.plan import DTYPES, Mesh, Plan
 from autopar.solve import Pins, Solution, search
 from autopar.spec import ModelSpec, parse_model_spec, with_seq
 from autopar.layout import Anatomy
@@ -53,24 +54,26 @@ def read_job(model: str | ModelSpec, cluster: str, gpus: int, global_batch: int,
     """Parse and check the inputs; every problem is a ``UserError`` naming the fix. A user
     module's shape (layers, heads ...) is traced last, so that ``Job.spec`` states it. A
     ``ModelSpec`` is taken as it is (a module object's shape, traced by ``autopar.parallelize``)."""
+    check_count("--gpus", gpus, MAX_GPUS)
+    check_count("--global-batch", global_batch, MAX_GLOBAL_BATCH)
     traced = isinstance(model, ModelSpec)
     spec = model if isinstance(model, ModelSpec) else parse_model_spec(model)
     if seq_len is not None:
-        if seq_len <= 0:
-            raise UserError(f"--seq-len must be positive, got {seq_len}")
         spec = with_seq(spec, seq_len)
     try:
         hw = load_profile(cluster)
     except ProfileError as exc:
         raise UserError(str(exc)) from None
-    if gpus <= 0:
-        raise UserError(f"--gpus must be positive, got {gpus}")
-    if global_batch <= 0:
-        raise UserError(f"--global-batch must be positive, got {global_batch}")
     if gpus > hw.devices_per_node and gpus % hw.devices_per_node:
         raise UserError(f"--gpus {gpus} is not a multiple of the {hw.devices_per_node} devices per "
                         f"node of {hw.name}; use whole nodes (e.g. {gpus // hw.devices_per_node * hw.devices_per_node})")
-    dtype = dtype or ("bf16" if "bf16" in hw.peak_tflops else sorted(hw.peak_tflops)[0])
+    trainable = [d for d in DTYPES if d in hw.peak_tflops]
+    if not trainable:
+        raise UserError(f"profile {hw.name} gives no peak for a training dtype; add one of "
+                        f"{', '.join(DTYPES)} to its peak_tflops")
+    dtype = dtype or ("bf16" if "bf16" in trainable else trainable[0])
+    if dtype not in DTYPES:
+        raise UserError(f"--dtype {dtype} is not a training dtype; use one of {', '.join(DTYPES)}")
     if dtype not in hw.peak_tflops:
         raise UserError(f"--dtype {dtype} has no peak in profile {hw.name}; use one of "
                         f"{', '.join(sorted(hw.peak_tflops))}")
@@ -152,8 +155,7 @@ def make_plan(job: Job, pins: Pins = Pins(), time_limit_s: float = 60.0,
     """Trace, verify the runtime's features on the model's twin (``verdicts``; unless ``verify``
     is False or the verdicts are given, e.g. computed once for all ranks of a job), search
     without the features that failed, and record the best strategy as a Plan."""
-    if time_limit_s <= 0:
-        raise UserError(f"--time-limit must be positive, got {time_limit_s}")
+    check_seconds("--time-limit", time_limit_s)
     layout = None
     if profile is None:
         profile, layout = profile_and_layout(job.spec)
@@ -173,6 +175,8 @@ def fixed_strategy(job: Job, *, tp: int, pp: int, dp: int | None, zero: int, mic
             raise UserError(f"--{name} must be positive, got {value}")
     if job.gpus % (tp * pp):
         raise UserError(f"--gpus {job.gpus} is not divisible by tp x pp = {tp * pp}")
+    if dp is not None and dp <= 0:
+        raise UserError(f"--dp must be positive, got {dp}")
     dp = dp or job.gpus // (tp * pp)
     if dp * tp * pp != job.gpus:
         raise UserError(f"dp x tp x pp = {dp * tp * pp} but --gpus is {job.gpus}")

@@ -7,8 +7,10 @@ Units are in the field names: ``_tflops`` is 10^12 FLOP/s, ``_gbps`` is 10^9 byt
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass, field, fields
+import math
+from dataclasses import MISSING, dataclass, field, fields
 from pathlib import Path
+from typing import Any
 
 
 class ProfileError(ValueError):
@@ -150,28 +152,166 @@ def available_profiles() -> list[str]:
     return sorted(p.stem for p in _profile_dir().glob("*.json"))
 
 
-def profile_from_dict(data: dict) -> HardwareProfile:
-    known = {f.name for f in fields(HardwareProfile)}
-    unknown = set(data) - known
-    if unknown:
-        raise ProfileError(f"profile {data.get('name', '?')!r} has unknown keys {sorted(unknown)}")
+MAX_PROFILE_BYTES = 16 << 20
+"""A profile file larger than this is refused unread (the shipped ones are a few KiB)."""
+DTYPE_KEYS = ("bf16", "fp16", "fp32", "fp8")
+"""The dtypes a profile may give a peak for."""
+LAUNCHERS = ("nccl", "gloo")
+_LO = 1e-6
+"""Least rate, size or peak in its unit: a profile figure below it is a wrong unit, and the
+cost model's times stay finite above it."""
+_EFF = 1e-3
+"""Least efficiency fraction (the same reason)."""
+_RANGES: dict[str, tuple[float, float, str]] = {
+    # field: (least, most, unit); least 0 means "0 = not given", a plain lower bound otherwise
+    "memory_gib": (_LO, 1 << 16, "GiB"),
+    "hbm_bw_gbps": (_LO, 1e6, "GB/s"),
+    "matmul_efficiency": (_EFF, 1.0, "(a fraction)"),
+    "fp8_matmul_efficiency": (0.0, 1.0, "(a fraction; 0: matmul_efficiency)"),
+    "matmul_half_dim": (0.0, 1e6, "(a GEMM dimension)"),
+    "memory_efficiency": (_EFF, 1.0, "(a fraction)"),
+    "optimizer_memory_efficiency": (0.0, 1.0, "(a fraction; 0: memory_efficiency)"),
+    "reserve_gib": (0.0, 1 << 16, "GiB"),
+    "nccl_gib_per_group": (0.0, 1 << 16, "GiB"),
+    "allocator_headroom": (0.0, 0.99, "(a fraction)"),
+    "overlap_penalty": (0.0, 1.0, "(a fraction)"),
+    "kernel_dispatch_us": (0.0, 1e6, "µs"),
+    "host_memory_gib": (0.0, 1 << 20, "GiB"),
+    "host_link_bw_gbps": (0.0, 1e6, "GB/s"),
+    "host_optimizer_gbps": (0.0, 1e6, "GB/s"),
+    "bw_gbps": (_LO, 1e6, "GB/s"),
+    "latency_us": (0.0, 1e7, "µs"),
+    "efficiency": (_EFF, 1.0, "(a fraction)"),
+    "p2p_bw_gbps": (0.0, 1e6, "GB/s (0: bw_gbps)"),
+}
+_PEAK = (_LO, 1e6, "TFLOP/s")
+_NODE = 1024
+"""Most devices per node."""
+
+
+def _number(name: str, where: str, value: Any, rng: tuple[float, float, str]) -> float:
+    """``value`` as a float within ``rng`` (0 allowed where the range starts at 0)."""
+    low, high, unit = rng
+    ok = isinstance(value, (int, float)) and not isinstance(value, bool)
     try:
-        tiers = {k: LinkTier(**data[k]) for k in ("intra_node", "inter_node")}
-        return HardwareProfile(**{**data, **tiers})
-    except (KeyError, TypeError) as exc:
-        raise ProfileError(f"profile {data.get('name', '?')!r} is malformed: {exc}") from None
+        number = float(value) if ok else math.nan
+    except OverflowError:
+        number = math.inf
+    if not (math.isfinite(number) and low <= number <= high and (number > 0 or low == 0)):
+        raise ProfileError(f"profile {where}: {name} must be a number in [{low:g}, {high:g}] {unit}, "
+                           f"got {_shown(value)}")
+    return number
+
+
+def _shown(value: Any) -> str:
+    """A user value on one short line."""
+    if isinstance(value, int) and abs(value).bit_length() > 128:
+        return f"an integer of about {int(abs(value).bit_length() * math.log10(2)) + 1:,} digits"
+    try:
+        text = " ".join(repr(value).split())
+    except RecursionError:
+        text = f"a deeply nested {type(value).__name__}"
+    return text if len(text) <= 60 else text[:59] + "…"
+
+
+def _object(value: Any, what: str, where: str) -> dict:
+    if not isinstance(value, dict):
+        raise ProfileError(f"profile {where}: {what} must be a JSON object, got {_shown(value)}")
+    return value
+
+
+def _fields(cls: type, data: dict, where: str, prefix: str) -> dict[str, Any]:
+    """``data``'s known keys checked against ``cls``'s fields: none unknown, none required missing."""
+    known = {f.name: f for f in fields(cls)}
+    unknown = set(data) - set(known)
+    if unknown:
+        raise ProfileError(f"profile {where} has unknown keys {_shown(sorted(map(str, unknown)))}; remove them")
+    missing = [f"{prefix}{n}" for n, f in known.items()
+               if n not in data and f.default is MISSING and f.default_factory is MISSING]
+    if missing:
+        raise ProfileError(f"profile {where} lacks {', '.join(missing)}; see hardware_profiles/*.json")
+    return data
+
+
+def _tier(data: Any, key: str, where: str) -> LinkTier:
+    tier = _fields(LinkTier, _object(data, key, where), where, f"{key}.")
+    return LinkTier(**{k: _number(f"{key}.{k}", where, v, _RANGES[k]) for k, v in tier.items()})
+
+
+def profile_from_dict(data: Any) -> HardwareProfile:
+    """A profile from parsed JSON, every figure checked: kinds, finite, positive where a rate
+    or a size, within plausible bounds of its unit; anything wrong is one ``ProfileError`` line."""
+    if not isinstance(data, dict):
+        raise ProfileError(f"a hardware profile is a JSON object, got {_shown(data)}; see hardware_profiles/*.json")
+    name = data.get("name", "?")
+    where = _shown(name if isinstance(name, str) else "?")
+    _fields(HardwareProfile, data, where, "")
+    out: dict[str, Any] = {}
+    for key, value in data.items():
+        if key in ("name", "device"):
+            if not isinstance(value, str) or not value.strip() or "\n" in value:
+                raise ProfileError(f"profile {where}: {key} must be a non-empty one-line string, got {_shown(value)}")
+            out[key] = value
+        elif key == "launcher":
+            if value not in LAUNCHERS:
+                raise ProfileError(f"profile {where}: launcher must be one of {', '.join(LAUNCHERS)}, got {_shown(value)}")
+            out[key] = value
+        elif key == "devices_per_node":
+            if isinstance(value, bool) or not isinstance(value, int) or not 1 <= value <= _NODE:
+                raise ProfileError(f"profile {where}: devices_per_node must be an integer in [1, {_NODE}], "
+                                   f"got {_shown(value)}")
+            out[key] = value
+        elif key in ("intra_node", "inter_node"):
+            out[key] = _tier(value, key, where)
+        elif key == "peak_tflops":
+            peaks = _object(value, key, where)
+            if not peaks or any(k not in DTYPE_KEYS for k in peaks):
+                raise ProfileError(f"profile {where}: peak_tflops must give the peak of one or more of "
+                                   f"{', '.join(DTYPE_KEYS)}, got keys {_shown(sorted(map(str, peaks)))}")
+            out[key] = {k: _number(f"peak_tflops.{k}", where, v, _PEAK) for k, v in peaks.items()}
+        elif key == "attention_efficiency":
+            effs = _object(value, key, where)
+            out[key] = {k: _number(f"attention_efficiency[{_shown(k)}]", where, v, (_EFF, 1.0, "(a fraction)"))
+                        for k, v in effs.items()}
+        elif key == "notes":
+            notes = _object(value, key, where)
+            if any(not isinstance(v, str) for v in notes.values()):
+                raise ProfileError(f"profile {where}: notes must map names to strings")
+            out[key] = dict(notes)
+        else:
+            out[key] = _number(key, where, value, _RANGES[key])
+    for key in ("reserve_gib", "nccl_gib_per_group"):
+        if out.get(key, 0.0) >= out["memory_gib"]:
+            raise ProfileError(f"profile {where}: {key} must be below memory_gib ({out['memory_gib']:g} GiB)")
+    return HardwareProfile(**out)
 
 
 def load_profile(name_or_path: str) -> HardwareProfile:
-    """A shipped profile by name (``dgx-a100-80g``) or a JSON file by path."""
-    path = Path(name_or_path)
-    if not path.suffix:
-        path = _profile_dir() / f"{name_or_path}.json"
-    if not path.is_file():
-        raise ProfileError(f"unknown cluster {name_or_path!r}; use a profile "
-                           f"({', '.join(available_profiles())}) or a path to a profile .json file")
+    """A shipped profile by name (``dgx-a100-80g``) or a JSON file by path; any bytes that are
+    not a profile give a ``ProfileError`` (not UTF-8, not JSON, too deep, a figure out of range)."""
     try:
-        data = json.loads(path.read_text())
-    except json.JSONDecodeError as exc:
-        raise ProfileError(f"cluster profile {path} is not valid JSON: {exc}") from None
+        path = Path(name_or_path)
+        if not path.suffix:
+            path = _profile_dir() / f"{name_or_path}.json"
+        found = path.is_file()
+        size = path.stat().st_size if found else 0
+        raw = path.read_bytes() if found and size <= MAX_PROFILE_BYTES else b""
+    except (OSError, ValueError) as exc:  # unreadable, a name the OS refuses
+        raise ProfileError(f"cannot read cluster profile {_shown(name_or_path)}: "
+                           f"{' '.join(str(exc).split())[:200]}") from None
+    if not found:
+        raise ProfileError(f"unknown cluster {_shown(name_or_path)}; use a profile "
+                           f"({', '.join(available_profiles())}) or a path to a profile .json file")
+    if size > MAX_PROFILE_BYTES:
+        raise ProfileError(f"cluster profile {path} is {size:,} bytes, not a profile; see hardware_profiles/*.json")
+    try:
+        data = json.loads(raw.decode("utf-8-sig"))
+    except UnicodeDecodeError as exc:
+        raise ProfileError(f"cluster profile {path} is not UTF-8 text ({exc.reason} at byte {exc.start})") from None
+    except RecursionError:
+        raise ProfileError(f"cluster profile {path} nests JSON too deeply to be a profile") from None
+    except ValueError as exc:  # JSONDecodeError, or an integer of over 4,300 digits
+        if "Exceeds the limit" in str(exc):
+            raise ProfileError(f"cluster profile {path} holds an integer of over 4,300 digits; no figure is that large") from None
+        raise ProfileError(f"cluster profile {path} is not valid JSON: {' '.join(str(exc).split())[:200]}") from None
     return profile_from_dict(data)

@@ -14,10 +14,12 @@ same form.
 from __future__ import annotations
 
 import json
+import math
 from dataclasses import dataclass, field, fields
 from enum import Enum
 from functools import lru_cache
 from pathlib import Path
+from typing import get_type_hints
 
 RECIPE_DIR = Path(__file__).resolve().parent / "recipes"
 DEFAULT_RECIPE = "autopar"
@@ -124,6 +126,22 @@ class ExecutionRecipe:
             raise RecipeError(f"recipe {self.name!r}: kernels_per_block must be >= 0")
 
 
+_BOUNDS = {"fp8_cast_bytes": (0.5, 64.0), "logits_bytes": (0.5, 64.0), "elementwise_traffic": (0.01, 100.0),
+           "kernels_per_block": (0, 1_000_000)}
+"""Plausible range of each numeric switch."""
+
+
+def _shown(value: object) -> str:
+    """A user value on one short line."""
+    if isinstance(value, int) and abs(value).bit_length() > 128:
+        return "a very long integer"
+    try:
+        text = " ".join(repr(value).split())
+    except RecursionError:
+        text = f"a deeply nested {type(value).__name__}"
+    return text if len(text) <= 60 else text[:59] + "…"
+
+
 def available_recipes() -> list[str]:
     return sorted(p.stem for p in RECIPE_DIR.glob("*.json"))
 
@@ -136,13 +154,37 @@ def recipe_from_dict(data: object, where: str) -> ExecutionRecipe:
     unknown = sorted(set(data) - known)
     if unknown:
         raise RecipeError(f"recipe {where} has unknown keys {unknown}; known: {', '.join(sorted(known))}")
+    hints = get_type_hints(ExecutionRecipe)
+    for key, value in data.items():
+        kind = hints[key]
+        if kind in (Attention, DpOverlap):
+            if value not in [e.value for e in kind]:
+                raise RecipeError(f"recipe {where} is malformed: {key} must be one of "
+                                  f"{', '.join(e.value for e in kind)}, got {_shown(value)}")
+        elif kind is bool and not isinstance(value, bool):
+            raise RecipeError(f"recipe {where} is malformed: {key} must be true or false, got {_shown(value)}")
+        elif kind is str and not isinstance(value, str):
+            raise RecipeError(f"recipe {where} is malformed: {key} must be a string, got {_shown(value)}")
+        elif kind in (int, float):
+            ok = isinstance(value, (int, float)) and not isinstance(value, bool) and (kind is float or isinstance(value, int))
+            low, high = _BOUNDS[key]
+            try:
+                inside = ok and math.isfinite(value) and low <= value <= high
+            except OverflowError:
+                inside = False
+            if not inside:
+                raise RecipeError(f"recipe {where} is malformed: {key} must be a number in [{low:g}, {high:g}], "
+                                  f"got {_shown(value)}")
+        elif key == "notes" and (not isinstance(value, dict) or not all(isinstance(v, str) for v in value.values())):
+            raise RecipeError(f"recipe {where} is malformed: notes must map names to strings")
     try:
         kw = dict(data)
         kw["attention"] = Attention(kw.get("attention"))
         kw["dp_overlap"] = DpOverlap(kw.get("dp_overlap"))
+        kw = {k: float(v) if hints[k] is float else v for k, v in kw.items()}
         recipe = ExecutionRecipe(**kw)
     except (TypeError, ValueError) as exc:
-        raise RecipeError(f"recipe {where} is malformed: {exc}") from None
+        raise RecipeError(f"recipe {where} is malformed: {' '.join(str(exc).split())[:200]}") from None
     from cost_models.memory import STATE_LAYOUTS  # memory imports strategy, which imports us
     if recipe.state not in STATE_LAYOUTS:
         raise RecipeError(f"recipe {where}: state {recipe.state!r} is not one of "
@@ -153,14 +195,21 @@ def recipe_from_dict(data: object, where: str) -> ExecutionRecipe:
 @lru_cache(maxsize=64)
 def load_recipe(name_or_path: str = DEFAULT_RECIPE) -> ExecutionRecipe:
     """A shipped recipe by name (``megatron-core``) or a JSON file by path (immutable, cached)."""
-    path = Path(name_or_path)
-    if not path.suffix:
-        path = RECIPE_DIR / f"{name_or_path}.json"
-    if not path.is_file():
-        raise RecipeError(f"unknown recipe {name_or_path!r}; use one of "
-                          f"{', '.join(available_recipes())} or a path to a recipe .json file")
     try:
-        data = json.loads(path.read_text(encoding="utf-8"))
-    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
-        raise RecipeError(f"recipe file {path} is not valid JSON: {exc}") from None
+        path = Path(name_or_path)
+        if not path.suffix:
+            path = RECIPE_DIR / f"{name_or_path}.json"
+        found = path.is_file()
+        raw = path.read_bytes() if found and path.stat().st_size <= 1 << 20 else None
+    except (OSError, ValueError) as exc:  # unreadable, a name the OS refuses
+        raise RecipeError(f"cannot read recipe {_shown(name_or_path)}: {' '.join(str(exc).split())[:200]}") from None
+    if not found:
+        raise RecipeError(f"unknown recipe {_shown(name_or_path)}; use one of "
+                          f"{', '.join(available_recipes())} or a path to a recipe .json file")
+    if raw is None:
+        raise RecipeError(f"recipe file {path} is over 1 MiB, not a recipe")
+    try:
+        data = json.loads(raw.decode("utf-8-sig"))
+    except (ValueError, RecursionError) as exc:  # not UTF-8, not JSON, too deep, a huge integer
+        raise RecipeError(f"recipe file {path} is not valid JSON: {' '.join(str(exc).split())[:200]}") from None
     return recipe_from_dict(data, str(path))

@@ -167,7 +167,12 @@ def test_names_cannot_inject_shell(tmp_path):
     backticks, `;` and a newline: the scripts, run under stubs, pass each path to torchrun
     verbatim and never run the injected `touch`."""
     evil = "$(touch pwned) `touch pwned`; touch pwned ' \" \\ \n; touch pwned #"
-    model = "x'; touch pwned; '"
+    factory_dir = tmp_path / "models x'; touch pwned; '"  # a model is a real spec: a factory file here
+    factory_dir.mkdir()
+    (factory_dir / "make.py").write_text((ROOT / "tests" / "fixtures" / "nanogpt" / "make.py").read_text()
+                                         .replace("from model import", "import sys; sys.path.insert(0, "
+                                                  f"{str(ROOT / 'tests' / 'fixtures' / 'nanogpt')!r}); from model import"))
+    model = f"{factory_dir / 'make.py'}:make"
     weird = tmp_path / f"data {evil}"
     weird.mkdir()
     data = tokenize_file(DEMO_TEXT, weird / "t $(touch pwned).bin").path

@@ -100,7 +100,7 @@ def test_opt_tp_is_proved_and_its_sp_refused_end_to_end(cache, tmp_path):
     assert r.exit_code == 2 and "failed autopar verify's sp check" in r.output
 
     sp_plan = dataclasses.replace(check_plan(result.twin, Check.SP), model=OPT, seq_len=512,
-                                  global_batch=4)
+                                  global_batch=4, stage_layers=(4,), recompute=("none",) * 4)
     bad = tmp_path / "sp.json"
     sp_plan.save(bad)
     r = runner.invoke(app, ["run", str(bad), "--steps", "1"])

@@ -161,7 +161,8 @@ def trace_user(source: UserModule, seq: int) -> Traced:
     """Trace the whole model at ``seq`` tokens (on meta): its shape and anatomy."""
     with source.on_meta() as (model, inputs):
         graph = trace_module(model, _at_seq(inputs, seq), source.name, capture="auto")
-        spec = traced_spec(graph, with_seq(source.base_spec(), seq))
+        base = source.base_spec()
+        spec = traced_spec(graph, with_seq(base, seq) if seq else base)  # 0: the factory's own length
         try:
             anat = anatomy(graph, model, spec.vocab)
         except ValueError as exc:

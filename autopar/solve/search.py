@@ -26,6 +26,10 @@ EFFORT = 2.0
 EXACT = 1e-13
 """Relative margin taken off a bound that is a candidate's exact optimum computed in another
 float order than ``StageCosts.step_time_s`` (well inside ``TIE``)."""
+ENUMERATION_S = 60.0
+"""Least time the outer candidates may take to enumerate and bound, whatever the time limit
+(a search cut by its limit still bounds every candidate, for its gap); past it and the time
+limit the space is refused, naming the pins that shrink it."""
 LATER = 1 << 40
 """Added to the fixed order of a candidate in a non-default axis order: ties keep Megatron's."""
 
@@ -193,8 +197,8 @@ def _order_free_costs(model: ModelProfile, hw: HardwareProfile, strat: Strategy,
 
 
 def _ordered(model: ModelProfile, hw: HardwareProfile, gpus: int, global_batch: int,
-             dtype: str, pins: Pins,
-             cap: float) -> tuple[list[tuple[float, int, Candidate, object]], int, dict, dict]:
+             dtype: str, pins: Pins, cap: float,
+             deadline: float = float("inf")) -> tuple[list[tuple[float, int, Candidate, object]], int, dict, dict]:
     """Every outer candidate with its memory-blind bound (``lower_bound`` with no cap) and
     fixed order, how many there are (other axis orders included), and the cost caches.
     Candidates of a schedule group that fits nowhere (``_group_fits``) are counted, not
@@ -209,6 +213,10 @@ def _ordered(model: ModelProfile, hw: HardwareProfile, gpus: int, global_batch: 
         else (RECOMPUTE.index(pins.recompute),)
     total = 0
     for order, cand in enumerate(outer_candidates(model, hw, gpus, global_batch, dtype, pins)):
+        if order % 1024 == 1023 and time.perf_counter() > deadline:
+            raise UserError(f"the strategy space has over {order:,} candidates, more than can be enumerated "
+                            f"in --time-limit (at least {ENUMERATION_S:g} s); pin some dimensions (--tp, --pp, "
+                            "--vpp, --mbs, --zero) or raise --time-limit")
         st = cand.strategy
         degrees = (st.dp, st.tp, st.pp)
         if pins.axis_order is None:
@@ -319,7 +327,7 @@ def search(model: ModelProfile, hw: HardwareProfile, gpus: int, global_batch: in
     start = time.perf_counter()
     cap = hw.memory_bytes
     scored, total, cache, free_cache = _ordered(model, hw, gpus, global_batch, dtype, pins,
-                                                cap)
+                                                cap, start + max(time_limit_s, ENUMERATION_S))
     if total == 0:
         raise UserError(no_candidate_reason(model, hw, gpus, global_batch, pins))
     found: list[tuple[float, int, Strategy]] = []  # sorted best first, at most ``keep``

@@ -14,6 +14,8 @@ instead of ``5as`` per token.
 
 from __future__ import annotations
 
+from functools import lru_cache
+
 from autopar.layout import Anatomy
 from autopar.spec import ModelSpec
 from autopar.trace.graph import ModelGraph
@@ -55,7 +57,16 @@ def profile_from_graph(graph: ModelGraph, spec: ModelSpec) -> ModelProfile:
 
 
 def profile_spec(spec: ModelSpec) -> ModelProfile:
-    """Trace the model of ``spec`` and summarise it for the cost model."""
+    """Trace the model of ``spec`` and summarise it for the cost model. Specs are frozen data,
+    so the profiles of built-in and HF models are kept (a CLI command or a test that prices one
+    model many times traces it once); a user module's file may change, so it is traced anew."""
+    if spec.arch == "module":
+        return profile_from_graph(trace_spec(spec), spec)
+    return _cached_profile(spec)
+
+
+@lru_cache(maxsize=32)
+def _cached_profile(spec: ModelSpec) -> ModelProfile:
     return profile_from_graph(trace_spec(spec), spec)
 
 
