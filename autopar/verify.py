@@ -256,11 +256,13 @@ def _crash(message: str) -> str:
 
 def _cache_file(twin: str) -> Path:
     """The verdicts' file: keyed by the twin, torch's and transformers' versions and the source
-    of the code that runs it (a changed runtime proves itself again)."""
+    of the code that runs it: the runtime and the tracer whose layout it shards (changed code proves
+    itself again)."""
     import torch
     digest = hashlib.sha256(f"{twin}|{torch.__version__}|{_transformers_version()}".encode())
     here = Path(__file__).parent
-    for f in sorted([*here.glob("runtime/*.py"), here / "model.py", here / "hf.py", Path(__file__)]):
+    for f in sorted([*here.glob("runtime/*.py"), *here.glob("trace/*.py"), here / "layout.py", here / "model.py",
+                     here / "hf.py", Path(__file__)]):
         digest.update(f.read_bytes())
     spec = parse_model_spec(twin)
     if spec.arch == "module":  # the user's code: the factory's directory
