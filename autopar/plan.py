@@ -19,6 +19,7 @@ from autopar.errors import UserError
 from autopar.layout import Anatomy
 from autopar.limits import (MAX_GLOBAL_BATCH, MAX_GPUS, MAX_LAYERS, MAX_SEQ, check_count, is_int,
                             shown)
+from cost_models.jsonfile import JsonFileError, decode_json
 from cost_models.recipe import ExecutionRecipe, RecipeError, load_recipe
 from cost_models.strategy import RECOMPUTE, SCHEDULES, Estimate, Strategy
 
@@ -327,16 +328,10 @@ def load_plan(path: str | Path) -> Plan:
     if size > MAX_PLAN_BYTES:
         raise UserError(f"plan file {p} is {size:,} bytes, not a plan; create one with `autopar plan --out FILE`")
     try:
-        data = json.loads(raw.decode("utf-8-sig"))
-    except UnicodeDecodeError as exc:
-        raise UserError(f"plan file {p} is not UTF-8 text ({exc.reason} at byte {exc.start}); "
-                        "create one with `autopar plan --out`") from None
-    except RecursionError:
-        raise UserError(f"plan file {p} nests JSON too deeply to be a plan; create one with `autopar plan --out`") from None
-    except ValueError as exc:  # JSONDecodeError, or an integer of over 4,300 digits
-        if "Exceeds the limit" in str(exc):
-            raise UserError(f"plan file {p} holds an integer of over 4,300 digits; no figure is that large") from None
-        raise UserError(f"plan file {p} is not valid JSON: {' '.join(str(exc).split())[:200]}") from None
+        data = decode_json(raw, "plan")
+    except JsonFileError as exc:
+        fix = "" if "4,300" in str(exc) or "valid JSON" in str(exc) else "; create one with `autopar plan --out`"
+        raise UserError(f"plan file {p} {exc}{fix}") from None
     return plan_from_dict(data)
 
 

@@ -6,11 +6,12 @@ Units are in the field names: ``_tflops`` is 10^12 FLOP/s, ``_gbps`` is 10^9 byt
 
 from __future__ import annotations
 
-import json
 import math
 from dataclasses import MISSING, dataclass, field, fields
 from pathlib import Path
 from typing import Any
+
+from cost_models.jsonfile import JsonFileError, decode_json
 
 
 class ProfileError(ValueError):
@@ -305,13 +306,7 @@ def load_profile(name_or_path: str) -> HardwareProfile:
     if size > MAX_PROFILE_BYTES:
         raise ProfileError(f"cluster profile {path} is {size:,} bytes, not a profile; see hardware_profiles/*.json")
     try:
-        data = json.loads(raw.decode("utf-8-sig"))
-    except UnicodeDecodeError as exc:
-        raise ProfileError(f"cluster profile {path} is not UTF-8 text ({exc.reason} at byte {exc.start})") from None
-    except RecursionError:
-        raise ProfileError(f"cluster profile {path} nests JSON too deeply to be a profile") from None
-    except ValueError as exc:  # JSONDecodeError, or an integer of over 4,300 digits
-        if "Exceeds the limit" in str(exc):
-            raise ProfileError(f"cluster profile {path} holds an integer of over 4,300 digits; no figure is that large") from None
-        raise ProfileError(f"cluster profile {path} is not valid JSON: {' '.join(str(exc).split())[:200]}") from None
+        data = decode_json(raw, "profile")
+    except JsonFileError as exc:
+        raise ProfileError(f"cluster profile {path} {exc}") from None
     return profile_from_dict(data)
