@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import os
 import sys
 from enum import Enum
 from pathlib import Path
@@ -25,10 +24,11 @@ from rich.console import Console
 from rich.table import Table
 from typer.core import TyperGroup
 
+from autopar.cli_checks import check_out, check_pins, check_save, parse_axis_order
 from autopar.errors import UserError
 from autopar.export.common import Target as ExportTarget
-from autopar.limits import MAX_GLOBAL_BATCH, MAX_GPUS, MAX_LAYERS, MAX_LOCAL_RANKS, check_count, check_seconds
-from autopar.plan import AXES, Plan, load_plan
+from autopar.limits import MAX_LOCAL_RANKS, check_count, check_seconds
+from autopar.plan import Plan, load_plan
 from autopar.solve import Pins, Solution, explain as explain_plan, explanation_dict
 from autopar.workflow import estimate_strategy, fixed_strategy, launch_refusal, make_plan, read_job
 from cost_models import ProfileError
@@ -145,78 +145,9 @@ def _print_plan(plan: Plan) -> None:
     console.print(table)
 
 
-def _axis_order(text: str | None) -> tuple[str, ...] | None:
-    """``--axis-order pp,dp,tp`` as a tuple; a wrong list is a one-line error."""
-    if text is None:
-        return None
-    order = tuple(a.strip() for a in text.split(","))
-    if sorted(order) != sorted(AXES):
-        raise UserError(f"--axis-order {text!r} must list {', '.join(AXES)} once each, outermost first")
-    return order
-
-
 def _check_cp(cp: int) -> None:
     if cp != 1:
         _fail(f"--cp {cp}: the runtime has no context parallelism yet; use --cp 1 (or omit it)")
-
-
-def _check_pins(**pins: int | None) -> None:
-    """Pinned degrees and sizes: positive and within autopar's limits (``--mbs 0`` is refused,
-    not searched)."""
-    limits = {"mbs": MAX_GLOBAL_BATCH, "vpp": MAX_LAYERS}
-    for name, value in pins.items():
-        if value is not None:
-            check_count(f"--{name}", value, limits.get(name, MAX_GPUS))
-
-
-def _writable_dir(directory: Path, option: str, target: Path) -> None:
-    """``directory`` exists and a file can be created in it (tried, then removed)."""
-    if directory.exists() and not directory.is_dir():
-        raise UserError(f"{option} {target}: {directory} is not a directory; give a path in a directory")
-    if not directory.is_dir():
-        raise UserError(f"{option} {target}: directory {directory} does not exist; create it first")
-    probe = directory / f".autopar-probe-{os.getpid()}"
-    try:
-        probe.touch(exist_ok=False)
-        probe.unlink()
-    except OSError as exc:
-        raise UserError(f"{option} {target}: cannot write in {directory} ({exc.strerror or exc}); "
-                        "choose a writable directory") from None
-
-
-def _check_out(out: Path | None) -> None:
-    """``--out FILE``: a file path (new or to replace) in a writable directory; checked before
-    the search starts, so a bad path costs no search and leaves no file."""
-    if out is None:
-        return
-    try:
-        if out.is_dir():
-            raise UserError(f"--out {out} is a directory; give a file path, e.g. {out / 'plan.json'}")
-        _writable_dir(out.parent, "--out", out)
-    except OSError as exc:  # a name the OS refuses (too long ...)
-        raise UserError(f"--out {out}: {exc.strerror or exc}") from None
-
-
-def _check_save(save: Path | None, resume: Path | None) -> None:
-    """``--save DIR``: a new directory or an earlier checkpoint, never a file or a folder of other
-    files; ``--resume DIR``: a checkpoint. Checked before the run starts."""
-    try:
-        if resume is not None and not (resume / ".metadata").is_file():
-            raise UserError(f"--resume {resume} is not a checkpoint (no .metadata); write one with "
-                            "`autopar run --save DIR`")
-        if save is None:
-            return
-        if save.exists() and not save.is_dir():
-            raise UserError(f"--save {save} is an existing file; a checkpoint is a directory: give a new "
-                            "directory path")
-        if save.is_dir():
-            if any(save.iterdir()) and not (save / ".metadata").is_file():
-                raise UserError(f"--save {save} holds files that are not a checkpoint; give a new or empty directory")
-            _writable_dir(save, "--save", save)
-        else:
-            _writable_dir(save.parent, "--save", save)
-    except OSError as exc:
-        raise UserError(f"--save/--resume: {exc.strerror or exc}") from None
 
 
 @app.command()
@@ -256,12 +187,12 @@ def plan(model: str = MODEL, cluster: str = CLUSTER,
     _check_cp(cp)
 
     def body() -> None:
-        _check_pins(tp=tp, pp=pp, dp=dp, mbs=mbs, vpp=vpp)
+        check_pins(tp=tp, pp=pp, dp=dp, mbs=mbs, vpp=vpp)
         check_seconds("--time-limit", time_limit)
         pins = Pins(dp=dp, tp=tp, pp=pp, zero=zero, micro_batch=mbs,
                     schedule=schedule.value if schedule else None, virtual_stages=vpp,
                     sequence_parallel=sp, recompute=recompute.value if recompute else None,
-                    offload=offload, axis_order=_axis_order(axis_order))
+                    offload=offload, axis_order=parse_axis_order(axis_order))
         if what_if is not None:
             _plan_what_if(what_if, pins, model=model, cluster=cluster, gpus=gpus, global_batch=global_batch,
                           seq_len=seq_len, dtype=dtype, recipe=recipe, time_limit=time_limit,
@@ -272,7 +203,7 @@ def plan(model: str = MODEL, cluster: str = CLUSTER,
         if gpus is None or global_batch is None:
             missing = "--gpus" if gpus is None else "--global-batch"
             raise UserError(f"{missing} is missing; give it, or sweep it with --what-if {missing[2:]}=v1,v2,...")
-        _check_out(out)
+        check_out(out)
         job = read_job(model, cluster, gpus, global_batch, seq_len, dtype, recipe)
         result, sol = make_plan(job, pins, time_limit, verify=verify_twin)
         if out is not None:
@@ -360,7 +291,7 @@ def estimate(model: str = MODEL, cluster: str = CLUSTER, gpus: int = GPUS, globa
     _check_cp(cp)
 
     def body() -> None:
-        _check_pins(tp=tp, pp=pp, dp=dp, mbs=mbs, vpp=vpp)
+        check_pins(tp=tp, pp=pp, dp=dp, mbs=mbs, vpp=vpp)
         job = read_job(model, cluster, gpus, global_batch, seq_len, dtype, recipe)
         strat = fixed_strategy(job, tp=tp, pp=pp, dp=dp, zero=zero, micro_batch=mbs,
                                schedule=schedule.value, sequence_parallel=sp,
@@ -521,7 +452,7 @@ def run(plan_file: Path = typer.Argument(..., help="A plan JSON from `autopar pl
         data: Optional[Path] = DATA, as_json: bool = JSON) -> None:
     """Run a plan locally under torchrun (gloo on CPU) on a token file or synthetic tokens."""
     def body() -> None:
-        _check_save(save, resume)
+        check_save(save, resume)
         the_plan = load_plan(plan_file)
         if the_plan.gpus > MAX_LOCAL_RANKS:
             raise UserError(f"autopar run starts every rank on this machine (torchrun --standalone); a plan of "
