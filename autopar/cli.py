@@ -313,7 +313,7 @@ def explain(plan_file: Path = typer.Argument(..., help="A plan JSON from `autopa
             as_json: bool = JSON) -> None:
     """Why this plan: the top alternatives and, per dimension, the best plan at each neighbour."""
     def body() -> None:
-        from autopar.trace import profile_spec
+        from autopar.profiles import profile_spec
         check_seconds("--time-limit", time_limit)
         the_plan = load_plan(plan_file)
         if recipe is not None:

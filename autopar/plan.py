@@ -244,7 +244,7 @@ class Plan:
             raise
 
 
-def _build(tp: typing.Any, value: typing.Any, where: str) -> typing.Any:
+def rebuild(tp: typing.Any, value: typing.Any, where: str) -> typing.Any:
     """Rebuild ``value`` (parsed JSON) as type ``tp``, checking its kind: ``where`` names the
     field in the one-line error (``plan mesh.tp must be an integer, got '2'``)."""
     origin = typing.get_origin(tp)
@@ -252,7 +252,7 @@ def _build(tp: typing.Any, value: typing.Any, where: str) -> typing.Any:
         if value is None:
             return None
         (inner,) = [a for a in typing.get_args(tp) if a is not type(None)]
-        return _build(inner, value, where)
+        return rebuild(inner, value, where)
     if dataclasses.is_dataclass(tp):
         if not isinstance(value, dict):
             raise UserError(f"{where} must be a JSON object, got {shown(value)}")
@@ -265,17 +265,17 @@ def _build(tp: typing.Any, value: typing.Any, where: str) -> typing.Any:
                    and f.default_factory is dataclasses.MISSING]
         if missing:
             raise UserError(f"{where} lacks the fields {', '.join(missing)}; re-create it with `autopar plan`")
-        return tp(**{k: _build(hints[k], v, f"{where}.{k}" if where != "plan" else f"plan {k}")
+        return tp(**{k: rebuild(hints[k], v, f"{where}.{k}" if where != "plan" else f"plan {k}")
                      for k, v in value.items()})
     if origin is tuple:
         args = typing.get_args(tp)
         if not isinstance(value, (list, tuple)):
             raise UserError(f"{where} must be a JSON array, got {shown(value)}")
         if len(args) == 2 and args[1] is Ellipsis:
-            return tuple(_build(args[0], v, f"{where} entry") for v in value)
+            return tuple(rebuild(args[0], v, f"{where} entry") for v in value)
         if len(value) != len(args):
             raise UserError(f"{where} entries must be arrays of {len(args)}, got {shown(value)}")
-        return tuple(_build(a, v, f"{where} entry") for a, v in zip(args, value))
+        return tuple(rebuild(a, v, f"{where} entry") for a, v in zip(args, value))
     if tp is bool:
         if not isinstance(value, bool):
             raise UserError(f"{where} must be true or false, got {shown(value)}")
@@ -307,7 +307,7 @@ def plan_from_dict(data: object) -> Plan:
     if data.get("version") != PLAN_VERSION:
         raise UserError(f"plan version {shown(data.get('version'))} is not supported by this autopar "
                         f"(version {PLAN_VERSION}); re-create it with `autopar plan`")
-    plan = _build(Plan, data, "plan")
+    plan = rebuild(Plan, data, "plan")
     from autopar.spec import parse_model_spec  # the spec module imports nothing of the plan's
     plan.check_model(parse_model_spec(plan.model))
     return plan

@@ -13,7 +13,7 @@ from autopar.plan import DTYPES, Mesh, Plan
 from autopar.solve import Pins, Solution, search
 from autopar.spec import ModelSpec, parse_model_spec, with_seq
 from autopar.layout import Anatomy
-from autopar.trace import profile_and_layout, profile_spec, shaped_spec
+from autopar.profiles import profile_and_layout, profile_spec, shaped_spec
 from cost_models import HardwareProfile, ModelProfile, ProfileError, Strategy, estimate, load_profile
 from cost_models.estimate import even_stage_layers
 from cost_models.recipe import DEFAULT_RECIPE, ExecutionRecipe, RecipeError, load_recipe

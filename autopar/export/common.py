@@ -69,7 +69,7 @@ class Shape:
 
 def model_spec(plan: Plan) -> ModelSpec:
     """The plan's model with every shape field known (a user module is traced for them)."""
-    from autopar.trace import shaped_spec  # lazy: torch only when a module must be traced
+    from autopar.profiles import shaped_spec
     spec = parse_model_spec(plan.model)
     return shaped_spec(with_seq(spec, plan.seq_len)) if spec.arch == "module" else spec
 
@@ -212,7 +212,7 @@ class Pricer:
         return self._cache[key]
 
     def _price(self, plan: Plan, recipe: ExecutionRecipe) -> Priced:
-        from autopar.trace import profile_spec  # lazy: the trace needs torch
+        from autopar.profiles import profile_spec
         from autopar.workflow import read_job
         try:
             job = read_job(plan.model, plan.cluster, plan.gpus, plan.global_batch, plan.seq_len,

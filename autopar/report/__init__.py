@@ -35,7 +35,7 @@ def write_report(plan_file: Path, out: Path, *, measured_file: Path | None = Non
     from autopar.report import figures as fig
     from autopar.report.data import read_measured, report_data
     from autopar.report.page import render
-    from autopar.trace import profile_spec
+    from autopar.profiles import profile_spec
     from autopar.workflow import read_job
 
     plan = load_plan(plan_file)

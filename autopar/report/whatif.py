@@ -14,7 +14,7 @@ from dataclasses import dataclass
 from autopar.errors import UserError
 from autopar.plan import Plan
 from autopar.solve import Pins
-from autopar.trace import profile_spec
+from autopar.profiles import profile_spec
 from autopar.workflow import Job, make_plan, read_job, verdicts
 from cost_models import ModelProfile
 from cost_models.strategy import Estimate
