@@ -333,6 +333,9 @@ def search(model: ModelProfile, hw: HardwareProfile, gpus: int, global_batch: in
     found: list[tuple[float, int, Strategy]] = []  # sorted best first, at most ``keep``
     solved, cut, open_bounds = 0, False, []
     uppers, twin_of = {}, {}  # stage_upper_bounds by candidate in Megatron's order; its index
+    # Candidates with equal costs pose the same placement problem (ZeRO 1 and 2 often do: the
+    # gradients stay whole under accumulation): their table bound and placement are computed once.
+    tabled, placements = {}, {}
     # Best-first over (bound, order): a candidate is first popped with its memory-blind bound,
     # pushed back with its LP memory-aware one, then with its table bound (τ*), and solved
     # when popped a third time.
@@ -376,9 +379,15 @@ def search(model: ModelProfile, hw: HardwareProfile, gpus: int, global_batch: in
             heapq.heappush(heap, (max(lb, lower_bound(c, model.layers, cand.modes)), order,
                                   None, i))
             continue
+        problem = (c, cand.modes, cand.min_layers)
         if ref is None or ref.tables is None:
-            ref = _refine(c, cand, model.layers, cap, ref,
-                          _upper(uppers, twin_of.get(i, i), c, cand, model.layers, cap))
+            if ref is not None and problem in tabled:
+                ref = tabled[problem]
+            else:
+                ref = _refine(c, cand, model.layers, cap, ref,
+                              _upper(uppers, twin_of.get(i, i), c, cand, model.layers, cap))
+                if ref.tables is not None:
+                    tabled[problem] = ref
             heapq.heappush(heap, (max(lb, ref.bound), order, ref, i))
             continue
         if remaining <= 0:  # out of time with no plan yet: greedy placements only, no CP-SAT
@@ -389,8 +398,13 @@ def search(model: ModelProfile, hw: HardwareProfile, gpus: int, global_batch: in
                 loads = _full_loads(loads)
                 found.append((c.step_time_s(loads), order, placed_strategy(cand.strategy, loads)))
             continue
-        placed = _place(c, cand, model.layers, cap, ref, remaining)
-        solved += 1
+        if problem in placements:
+            placed = placements[problem]
+        else:
+            placed = _place(c, cand, model.layers, cap, ref, remaining)
+            solved += 1
+            if placed is not None or time_limit_s - (time.perf_counter() - start) > 0:
+                placements[problem] = placed  # a cut-short solve is not kept: unknown, not infeasible
         if placed is None:
             if time_limit_s - (time.perf_counter() - start) <= 0:
                 cut = True
