@@ -335,7 +335,8 @@ def search(model: ModelProfile, hw: HardwareProfile, gpus: int, global_batch: in
     uppers, twin_of = {}, {}  # stage_upper_bounds by candidate in Megatron's order; its index
     # Candidates with equal costs pose the same placement problem (ZeRO 1 and 2 often do: the
     # gradients stay whole under accumulation): their table bound and placement are computed once.
-    tabled, placements = {}, {}
+    tabled: dict[tuple, _Refined] = {}
+    placements: dict[tuple, tuple[tuple[tuple[int, ...], ...], float] | None] = {}
     # Best-first over (bound, order): a candidate is first popped with its memory-blind bound,
     # pushed back with its LP memory-aware one, then with its table bound (τ*), and solved
     # when popped a third time.
