@@ -490,6 +490,46 @@ def run(plan_file: Path = typer.Argument(..., help="A plan JSON from `autopar pl
 
 
 @app.command()
+def calibrate(plan_file: Path = typer.Argument(..., help="A plan JSON from `autopar plan --out`"),
+              steps: int = typer.Option(8, "--steps", min=2, help="Optimizer steps, warm-up included"),
+              warmup: int = typer.Option(3, "--warmup", min=1, help="Steps run before the profiled ones"),
+              out: Optional[Path] = typer.Option(None, "--out", help="Write the refitted profile here (default: "
+                                                 "<profile>.calibrated.json); plan with --cluster FILE"),
+              as_json: bool = JSON) -> None:
+    """Run a plan profiled, compare each phase with the estimate and refit the profile to it."""
+    def body() -> None:
+        from autopar.calibrate import calibrate_plan, write_profile
+        the_plan = load_plan(plan_file)
+        target = out or Path(f"{Path(the_plan.cluster).stem}.calibrated.json")
+        check_out(target)
+        if the_plan.gpus > MAX_LOCAL_RANKS:
+            raise UserError(f"autopar calibrate runs every rank on this machine; a plan of {the_plan.gpus} devices "
+                            f"needs at most {MAX_LOCAL_RANKS}: plan for fewer --gpus")
+        refusal = launch_refusal(the_plan)
+        if refusal:
+            raise UserError(refusal)
+        cal = calibrate_plan(the_plan, steps, warmup, f"`autopar calibrate {plan_file.name} --steps {steps}`")
+        write_profile(cal.profile, target)
+        if as_json:
+            typer.echo(json.dumps({"phases": [dataclasses.asdict(p) for p in cal.phases],
+                                   "fits": [dataclasses.asdict(f) for f in cal.fits], "gemm_tflops": cal.gemm_tflops,
+                                   "peak_predicted_bytes": cal.peak_predicted_bytes,
+                                   "peak_measured_bytes": cal.peak_measured_bytes, "profile": str(target)}))
+            return
+        table = Table(title=f"{the_plan.model} on {the_plan.gpus} x {the_plan.cluster}", box=box.SQUARE)
+        for col in ("phase, ms per step", "predicted", "measured", "after refit"):
+            table.add_column(col)
+        for p in cal.phases:
+            table.add_row(p.name, f"{p.before_s * 1e3:.1f}", f"{p.measured_s * 1e3:.1f}", f"{p.after_s * 1e3:.1f}")
+        console.print(table)
+        for f in cal.fits:
+            console.print(f"{f.name}: {f.old:.4g} -> {f.new:.4g} ({f.why})")
+        console.print(f"peak memory: predicted {cal.peak_predicted_bytes / 2**30:.3f} GiB, measured "
+                      f"{cal.peak_measured_bytes / 2**30:.3f} GiB; refitted profile written to {target}")
+    _guard(body)
+
+
+@app.command()
 def export(plan_file: Path = typer.Argument(..., help="A plan JSON from `autopar plan --out`"),
            to: ExportTarget = typer.Option(..., "--to", help="Framework: megatron (launch script with "
                                            "pretrain_gpt.py arguments), deepspeed (ds_config.json), torchtitan "

@@ -180,6 +180,7 @@ _RANGES: dict[str, tuple[float, float, str]] = {
     "host_memory_gib": (0.0, 1 << 20, "GiB"),
     "host_link_bw_gbps": (0.0, 1e6, "GB/s"),
     "host_optimizer_gbps": (0.0, 1e6, "GB/s"),
+    "price_per_gpu_hour": (0.0, 1e6, "USD per device-hour"),
     "bw_gbps": (_LO, 1e6, "GB/s"),
     "latency_us": (0.0, 1e7, "µs"),
     "efficiency": (_EFF, 1.0, "(a fraction)"),

@@ -155,8 +155,8 @@ def test_offload_and_axis_order_pins_reach_the_plan():
 
 def test_cli_surface_is_frozen():
     names = sorted(c.name or c.callback.__name__ for c in app.registered_commands)
-    assert names == ["demo", "estimate", "explain", "export", "inspect", "launch", "plan", "profile", "report",
-                     "run", "tokenize", "verify"]
+    assert names == ["calibrate", "demo", "estimate", "explain", "export", "inspect", "launch", "plan", "profile",
+                     "report", "run", "tokenize", "verify"]
 
 
 def test_plan_pins_vpp_refuses_cp_and_explain_lists_alternatives(tmp_path):

@@ -374,3 +374,12 @@ def test_fp8_linears_run_at_the_fp8_peak_and_pay_their_casts():
     assert fwd_cast > 0 and bwd_cast > 0 and compute.fp8_cast_bytes(model, bf16) == (0.0, 0.0)
     with pytest.raises(ProfileError, match="fp8"):
         compute.block_gemm_s(model, A100, f8)
+
+
+@pytest.mark.parametrize("name", ["dgx-h100", "cpu-local"])
+def test_every_profile_field_round_trips_through_the_loader(name):
+    """A profile written with every field (as ``autopar calibrate`` and ``profile`` write it)
+    loads back equal: each field has a checked range (price_per_gpu_hour once had none)."""
+    from cost_models.hardware import profile_from_dict
+    hw = dataclasses.replace(load_profile(name), price_per_gpu_hour=2.5, host_memory_gib=1.0)
+    assert profile_from_dict(dataclasses.asdict(hw)) == hw

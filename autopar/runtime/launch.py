@@ -35,6 +35,9 @@ class RunSpec:
     """A checkpoint directory (saved by any plan of the model) to start from."""
     save: Path | None = None
     """Where to write a checkpoint after the last step."""
+    phases: int = 0
+    """Profile the steps after this many warm-up steps (``runtime.phases``, for ``autopar
+    calibrate``): ``RunResult.phases`` gets every rank's summary; 0: no profiling."""
     dump: bool = False
     """Write the full weights (``run<i>.final.rank<r>.pt``, and ``run<i>.loaded…`` after a
     resume) beside the job's result, for comparisons."""
@@ -112,7 +115,7 @@ def run_job(runs: list[RunSpec], *, workdir: Path | None = None, cfg: TrainConfi
     entries = []
     for i, run in enumerate(runs):
         run.plan.save(wd / f"plan{i}.json")
-        entries.append({"plan": str(wd / f"plan{i}.json"), "steps": run.steps, "dump": run.dump,
+        entries.append({"plan": str(wd / f"plan{i}.json"), "steps": run.steps, "dump": run.dump, "phases": run.phases,
                         "resume": str(run.resume) if run.resume else None,
                         "save": str(run.save) if run.save else None})
     out = wd / "result.json"
@@ -143,7 +146,8 @@ def run_job(runs: list[RunSpec], *, workdir: Path | None = None, cfg: TrainConfi
     if proc.returncode != 0 or not out.is_file():
         logs = max(set((wd / "logs").glob("*")) - earlier, key=lambda p: p.stat().st_mtime_ns, default=None)
         raise UserError(f"the run failed: {_first_error(wd, logs, log)}{_kept(wd)}")
-    results = [RunResult(losses=r["losses"], step_times_s=r["step_times_s"], start_step=r["start_step"])
+    results = [RunResult(losses=r["losses"], step_times_s=r["step_times_s"], start_step=r["start_step"],
+                         phases=tuple(r.get("phases") or ()))
                for r in json.loads(out.read_text())["runs"]]
     if own:
         shutil.rmtree(wd, ignore_errors=True)

@@ -94,6 +94,9 @@ class RunResult:
     step_times_s: list[float] = field(default_factory=list)
     start_step: int = 0
     """Optimizer steps already taken when this run began (from a checkpoint)."""
+    phases: tuple[dict[str, float], ...] = ()
+    """Per rank, where a profiled run's step time went (``runtime.phases.summary``, with
+    ``rank`` and ``peak_bytes``); empty unless the run was profiled."""
 
 
 def synthetic_batch(plan: Plan, step: int, seed: int, vocab: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:

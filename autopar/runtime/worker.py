@@ -29,7 +29,7 @@ import torch
 import torch.distributed as dist
 
 from autopar.plan import load_plan
-from autopar.runtime import checkpoint
+from autopar.runtime import checkpoint, phases
 from autopar.runtime.context import build_context, init_distributed
 from autopar.runtime.state import full_state
 from autopar.runtime.train import Program, TrainConfig, build_program, train
@@ -44,6 +44,30 @@ def _dump(prog: Program, out: Path, name: str, rank: int) -> None:
 
 def _print_step(step: int, loss: float, seconds: float) -> None:
     print(f"step {step}: loss {loss:.6f}  {seconds:.3f} s", flush=True)
+
+
+def _profiled(plan, steps: int, warmup: int, ctx, cfg: TrainConfig, prog: Program, start: int, sample: int,
+              rank: int):
+    """Train ``warmup`` steps, then profile the rest (``runtime.phases``): the run's result and,
+    on rank 0, every rank's phase summary with its peak memory (CUDA: the allocator's peak;
+    CPU: the live weights, gradients and optimizer state plus the most allocated at once beyond
+    them, bytes: ``runtime.phases``)."""
+    first = train(plan, warmup, ctx, cfg, program=prog, start_step=start, start_sample=sample,
+                  on_step=_print_step if rank == 0 else None)
+    if ctx.device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats()
+    live = phases.live_bytes(prog.modules, prog.optimizers)
+    with phases.recording(ctx.device) as prof:
+        rest = train(plan, steps - warmup, ctx, cfg, program=prog, start_step=start + warmup,
+                     start_sample=sample + warmup * plan.global_batch, on_step=_print_step if rank == 0 else None)
+    mine = phases.summary(prof, steps - warmup, ctx.device)
+    mine.update(rank=rank, peak_bytes=float(torch.cuda.max_memory_allocated()) if ctx.device.type == "cuda"
+                else live + mine["peak_delta_bytes"])
+    gathered: list = [None] * dist.get_world_size() if rank == 0 else []
+    dist.gather_object(mine, gathered if rank == 0 else None, dst=0)
+    joined = type(first)(losses=first.losses + rest.losses, step_times_s=first.step_times_s + rest.step_times_s,
+                         start_step=start)
+    return joined, gathered if rank == 0 else None
 
 
 def run_job(job: dict, rank: int) -> list[dict]:
@@ -62,13 +86,17 @@ def run_job(job: dict, rank: int) -> list[dict]:
         sample = where.samples if where.samples is not None else start * plan.global_batch
         if run.get("dump") and run.get("resume") and out is not None:
             _dump(prog, out, f"run{i}.loaded", rank)
-        result = train(plan, run["steps"], ctx, cfg, program=prog, start_step=start, start_sample=sample,
-                       on_step=_print_step if rank == 0 else None)
+        if run.get("phases"):  # ``autopar calibrate``: warm up, then profile the other steps
+            result, summaries = _profiled(plan, run["steps"], run["phases"], ctx, cfg, prog, start, sample, rank)
+        else:
+            result, summaries = train(plan, run["steps"], ctx, cfg, program=prog, start_step=start, start_sample=sample,
+                                   on_step=_print_step if rank == 0 else None), None
         if run.get("save"):
             checkpoint.save(prog, run["save"], start + run["steps"], sample + run["steps"] * plan.global_batch)
         if run.get("dump") and out is not None:
             _dump(prog, out, f"run{i}.final", rank)
-        results.append({"losses": result.losses, "step_times_s": result.step_times_s, "start_step": start})
+        results.append({"losses": result.losses, "step_times_s": result.step_times_s, "start_step": start,
+                        **({"phases": summaries} if summaries is not None else {})})
     return results
 
 

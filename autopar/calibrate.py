@@ -1,0 +1,221 @@
+"""``autopar calibrate PLAN.json``: run a plan, see where its step time went, refit the
+cluster profile's efficiency constants to it, and write the refitted profile.
+
+The run is profiled on every rank after warm-up (``runtime.phases``). Its phases are set
+against the estimate's (``TimeBreakdown``):
+
+- **compute** (time inside GEMMs, attention, element-wise operators) against ``compute_s``;
+  **optimizer** against ``optimizer_s``; what the step spends **outside operators** on its
+  slowest rank (waiting for collectives, the pipeline bubble, Python between operators)
+  against the rest of ``step_time_s``. Ranks differ (pipeline stages): compute and
+  optimizer are the slowest rank's.
+
+The constants are refitted in the order that isolates each (every fit is one number, found
+by bisection on the estimate itself, so the cost model's own formulas decide what it means):
+
+1. ``matmul_efficiency``: scaled by the GEMM rate the ranks reached (profiler FLOPs over
+   GEMM time, median over ranks) over the rate the profile predicts at the plan's shapes;
+2. ``optimizer_memory_efficiency``: so that the predicted optimizer step equals measured;
+3. ``memory_efficiency`` (element-wise bandwidth, where the host time between and inside
+   small operators lands too): so that the predicted step equals measured.
+
+The links' α and β are not refitted: they come from ``autopar profile``'s collective
+benchmarks, which time them alone, while a training step's time outside operators mixes
+waiting for collectives with Python and the bubble, which one run cannot tell apart.
+A constant is kept within the profile's bounds (efficiencies in (0, 1]); one a phase cannot
+move (the plan has no such phase, or the bound is reached) keeps its value and says so. Peak
+memory is compared, not fitted (CUDA: the allocator's peak; CPU: the live state plus the most
+the profiler saw allocated at once, ``runtime.phases``).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import statistics
+from dataclasses import dataclass, replace
+from datetime import date
+from pathlib import Path
+from typing import Callable
+
+from autopar.errors import UserError
+from autopar.plan import Plan
+from cost_models import HardwareProfile, ModelProfile, estimate
+from cost_models.compute import block_gemms, gemm_s
+from cost_models.strategy import Estimate
+
+LOW = 1e-3
+"""Least efficiency a fit may set."""
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class Phase:
+    """One phase of a step: seconds predicted before, measured, predicted after the refit."""
+
+    name: str
+    before_s: float
+    measured_s: float
+    after_s: float
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class Fit:
+    """One refitted constant: its old and new value and what set it."""
+
+    name: str
+    old: float
+    new: float
+    why: str
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class Calibration:
+    """What ``calibrate`` measured and refitted."""
+
+    phases: tuple[Phase, ...]
+    fits: tuple[Fit, ...]
+    profile: HardwareProfile
+    """The refitted profile."""
+    gemm_tflops: float
+    """GEMM rate the ranks reached (median), TFLOP/s."""
+    peak_predicted_bytes: float
+    peak_measured_bytes: float
+    """Largest over ranks."""
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class Measured:
+    """A profiled run's phases, seconds per step (``runtime.phases``)."""
+
+    step_s: float
+    compute_s: float
+    optimizer_s: float
+    gemm_tflops: float
+    peak_bytes: float
+
+    @property
+    def comm_s(self) -> float:
+        return max(0.0, self.step_s - self.compute_s - self.optimizer_s)
+
+
+def measured(step_times_s: list[float], warmup: int, ranks: tuple[dict[str, float], ...]) -> Measured:
+    """The run's phases from its step times (those after ``warmup``: median) and every rank's
+    profiler summary."""
+    if not ranks:
+        raise UserError("the run returned no profile; run `autopar calibrate` again")
+    compute = [r["gemm"] + r["attention"] + r["other"] for r in ranks]
+    rates = [r["gemm_flops"] / r["gemm"] for r in ranks if r["gemm"] > 0 and r["gemm_flops"] > 0]
+    if not rates:
+        raise UserError("the profiler saw no GEMM in the run; calibrate a plan of a transformer")
+    return Measured(step_s=statistics.median(step_times_s[warmup:]), compute_s=max(compute),
+                    optimizer_s=max(r["optimizer"] for r in ranks), gemm_tflops=statistics.median(rates) / 1e12,
+                    peak_bytes=max(r["peak_bytes"] for r in ranks))
+
+
+def _gemm_tflops(model: ModelProfile, hw: HardwareProfile, plan: Plan) -> float:
+    """The GEMM rate ``hw`` predicts for one block's weight GEMMs of ``plan``, TFLOP/s."""
+    strat = plan.strategy()
+    weights, _ = block_gemms(model, strat)
+    return sum(g.flops for g in weights) / sum(gemm_s(g, hw, strat.dtype, 4 if strat.dtype == "fp32" else 2)
+                                               for g in weights) / 1e12
+
+
+def _solve(value: Callable[[float], float], target: float, old: float) -> tuple[float, str]:
+    """The efficiency e in [LOW, 1] with ``value(e) = target`` (``value`` falls as e rises), by
+    bisection, and a note: where even e = 1 predicts more, e = 1; where even e = ``LOW``
+    predicts less, the phase is not this constant's to explain: ``old`` is kept."""
+    if value(1.0) >= target:
+        return 1.0, "" if value(1.0) == target else " (predicted slower even at 1: set to 1)"
+    if value(LOW) <= target:
+        return old, f" (predicted faster even at {LOW:g}: kept)"
+    lo, hi = LOW, 1.0
+    for _ in range(60):
+        mid = (lo + hi) / 2
+        lo, hi = (mid, hi) if value(mid) > target else (lo, mid)
+    return (lo + hi) / 2, ""
+
+
+def refit(plan: Plan, model: ModelProfile, hw: HardwareProfile, run: Measured) -> tuple[HardwareProfile, tuple[Fit, ...]]:
+    """``hw`` with its constants refitted to ``run`` (module docstring), and the fits."""
+    strat = plan.strategy()
+
+    def est(profile: HardwareProfile) -> Estimate:
+        return estimate(model, profile, strat, global_batch=plan.global_batch)
+
+    fits, orig = [], hw
+    ratio = run.gemm_tflops / _gemm_tflops(model, hw, plan)
+    new = min(1.0, max(LOW, hw.matmul_efficiency * ratio))
+    fits.append(Fit(name="matmul_efficiency", old=hw.matmul_efficiency, new=new,
+                    why=f"GEMMs ran at {run.gemm_tflops * 1e3:.3g} GFLOP/s, {ratio:.3g}x the rate predicted"))
+    hw = replace(hw, matmul_efficiency=new)
+
+    def fitted(name: str, old: float, make: Callable[[float], HardwareProfile],
+               value: Callable[[Estimate], float], target: float, phase: str) -> HardwareProfile:
+        if value(est(make(old))) == 0.0 and target == 0.0:
+            fits.append(Fit(name=name, old=old, new=old, why=f"the plan has no {phase}"))
+            return make(old)
+        e, note = _solve(lambda x: value(est(make(x))), target, old)
+        fits.append(Fit(name=name, old=old, new=e, why=f"{phase} measured {target * 1e3:.4g} ms{note}"))
+        return make(e)
+
+    base = hw
+    hw = fitted("optimizer_memory_efficiency", orig.optimizer_memory_efficiency or orig.memory_efficiency,
+                lambda e: replace(base, optimizer_memory_efficiency=e), lambda x: x.time.optimizer_s,
+                run.optimizer_s, "optimizer step")
+    base = hw
+    hw = fitted("memory_efficiency", hw.memory_efficiency, lambda e: replace(base, memory_efficiency=e),
+                lambda x: x.step_time_s, run.step_s, "step")
+    return hw, tuple(fits)
+
+
+def phases(before: Estimate, run: Measured, after: Estimate) -> tuple[Phase, ...]:
+    def rest(e: Estimate) -> float:
+        return e.step_time_s - e.time.compute_s - e.time.optimizer_s
+    return (Phase(name="compute", before_s=before.time.compute_s, measured_s=run.compute_s,
+                  after_s=after.time.compute_s),
+            Phase(name="optimizer", before_s=before.time.optimizer_s, measured_s=run.optimizer_s,
+                  after_s=after.time.optimizer_s),
+            Phase(name="outside operators: comm, bubble, host", before_s=rest(before), measured_s=run.comm_s,
+                  after_s=rest(after)),
+            Phase(name="step", before_s=before.step_time_s, measured_s=run.step_s, after_s=after.step_time_s))
+
+
+def calibrate(plan: Plan, model: ModelProfile, hw: HardwareProfile, steps: int, warmup: int,
+              run_fn: Callable[[], tuple[list[float], tuple[dict[str, float], ...]]],
+              source: str) -> Calibration:
+    """Run the plan (``run_fn``: its step times and every rank's phase summary), refit ``hw``
+    to it; the new profile's notes say what was fitted, from what run (``source``) and when."""
+    times, ranks = run_fn()
+    run = measured(times, warmup, ranks)
+    strat = plan.strategy()
+    before = estimate(model, hw, strat, global_batch=plan.global_batch)
+    new, fits = refit(plan, model, hw, run)
+    after = estimate(model, new, strat, global_batch=plan.global_batch)
+    notes = {**new.notes, "calibrated": f"{source} on {date.today().isoformat()}: "
+             + "; ".join(f"{f.name} {f.old:.4g} -> {f.new:.4g} ({f.why})" for f in fits)}
+    return Calibration(phases=phases(before, run, after), fits=fits, profile=replace(new, notes=notes),
+                       gemm_tflops=run.gemm_tflops, peak_predicted_bytes=max(before.stage_peak_bytes or
+                                                                             (before.memory.peak_bytes,)),
+                       peak_measured_bytes=run.peak_bytes)
+
+
+def write_profile(profile: HardwareProfile, out: Path) -> None:
+    """The profile in the shipped JSON format (``cost_models.hardware.profile_from_dict``)."""
+    out.write_text(json.dumps(dataclasses.asdict(profile), indent=2) + "\n")
+
+
+def calibrate_plan(plan: Plan, steps: int, warmup: int, source: str) -> Calibration:
+    """``calibrate`` of ``plan`` on this machine (``runtime.run_job``, profiled after ``warmup``
+    steps), against the profile the plan names."""
+    if steps <= warmup:
+        raise UserError(f"--steps {steps} leaves no step to profile after {warmup} warm-up steps; "
+                        f"use --steps {warmup + 3}")
+    from autopar.profiles import profile_spec
+    from autopar.runtime import RunSpec, run_job
+    from autopar.workflow import read_job
+    job = read_job(plan.model, plan.cluster, plan.gpus, plan.global_batch, plan.seq_len, plan.dtype, plan.recipe)
+
+    def run_fn() -> tuple[list[float], tuple[dict[str, float], ...]]:
+        (result,) = run_job([RunSpec(plan=plan, steps=steps, phases=warmup)])
+        return result.step_times_s, result.phases
+    return calibrate(plan, profile_spec(job.spec), job.hw, steps, warmup, run_fn, source)
