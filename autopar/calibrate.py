@@ -46,6 +46,8 @@ from cost_models.strategy import Estimate
 
 LOW = 1e-3
 """Least efficiency a fit may set."""
+PROFILED = 3
+"""Steps run under the profiler, after the timed ones (the profiler slows small operators)."""
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -99,15 +101,15 @@ class Measured:
 
 
 def measured(step_times_s: list[float], warmup: int, ranks: tuple[dict[str, float], ...]) -> Measured:
-    """The run's phases from its step times (those after ``warmup``: median) and every rank's
-    profiler summary."""
+    """The run's phases: its step time (the median of the steps after ``warmup`` and before the
+    ``PROFILED`` last) and every rank's profiler summary of the last steps."""
     if not ranks:
         raise UserError("the run returned no profile; run `autopar calibrate` again")
     compute = [r["gemm"] + r["attention"] + r["other"] for r in ranks]
     rates = [r["gemm_flops"] / r["gemm"] for r in ranks if r["gemm"] > 0 and r["gemm_flops"] > 0]
     if not rates:
         raise UserError("the profiler saw no GEMM in the run; calibrate a plan of a transformer")
-    return Measured(step_s=statistics.median(step_times_s[warmup:]), compute_s=max(compute),
+    return Measured(step_s=statistics.median(step_times_s[warmup:-PROFILED]), compute_s=max(compute),
                     optimizer_s=max(r["optimizer"] for r in ranks), gemm_tflops=statistics.median(rates) / 1e12,
                     peak_bytes=max(r["peak_bytes"] for r in ranks))
 
@@ -207,15 +209,15 @@ def write_profile(profile: HardwareProfile, out: Path) -> None:
 def calibrate_plan(plan: Plan, steps: int, warmup: int, source: str) -> Calibration:
     """``calibrate`` of ``plan`` on this machine (``runtime.run_job``, profiled after ``warmup``
     steps), against the profile the plan names."""
-    if steps <= warmup:
-        raise UserError(f"--steps {steps} leaves no step to profile after {warmup} warm-up steps; "
-                        f"use --steps {warmup + 3}")
+    if steps < warmup + 1 + PROFILED:
+        raise UserError(f"--steps {steps} leaves no step to time after {warmup} warm-up steps and before the "
+                        f"{PROFILED} profiled ones; use --steps {warmup + 1 + PROFILED} or more")
     from autopar.profiles import profile_spec
     from autopar.runtime import RunSpec, run_job
     from autopar.workflow import read_job
     job = read_job(plan.model, plan.cluster, plan.gpus, plan.global_batch, plan.seq_len, plan.dtype, plan.recipe)
 
     def run_fn() -> tuple[list[float], tuple[dict[str, float], ...]]:
-        (result,) = run_job([RunSpec(plan=plan, steps=steps, phases=warmup)])
+        (result,) = run_job([RunSpec(plan=plan, steps=steps, phases=PROFILED)])
         return result.step_times_s, result.phases
     return calibrate(plan, profile_spec(job.spec), job.hw, steps, warmup, run_fn, source)

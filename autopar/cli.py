@@ -491,8 +491,9 @@ def run(plan_file: Path = typer.Argument(..., help="A plan JSON from `autopar pl
 
 @app.command()
 def calibrate(plan_file: Path = typer.Argument(..., help="A plan JSON from `autopar plan --out`"),
-              steps: int = typer.Option(8, "--steps", min=2, help="Optimizer steps, warm-up included"),
-              warmup: int = typer.Option(3, "--warmup", min=1, help="Steps run before the profiled ones"),
+              steps: int = typer.Option(10, "--steps", min=2, help="Optimizer steps: warm-up, timed, then 3 "
+                                        "profiled"),
+              warmup: int = typer.Option(2, "--warmup", min=1, help="First steps, not timed"),
               out: Optional[Path] = typer.Option(None, "--out", help="Write the refitted profile here (default: "
                                                  "<profile>.calibrated.json); plan with --cluster FILE"),
               as_json: bool = JSON) -> None:

@@ -61,7 +61,7 @@ def test_a_phase_no_efficiency_can_explain_keeps_the_constant():
 def test_calibrate_command_profiles_the_run_and_writes_a_profile_that_prices_it(tmp_path):
     plan_file, out = tmp_path / "plan.json", tmp_path / "cal.json"
     _plan().save(plan_file)
-    res = runner.invoke(app, ["calibrate", str(plan_file), "--steps", "5", "--warmup", "2", "--out", str(out),
+    res = runner.invoke(app, ["calibrate", str(plan_file), "--steps", "7", "--warmup", "2", "--out", str(out),
                               "--json"])
     assert res.exit_code == 0, res.output
     info = json.loads(res.output)
@@ -82,7 +82,7 @@ def test_calibrate_command_profiles_the_run_and_writes_a_profile_that_prices_it(
 def test_calibrate_refuses_bad_input_in_one_line(tmp_path):
     plan_file = tmp_path / "plan.json"
     _plan().save(plan_file)
-    res = runner.invoke(app, ["calibrate", str(plan_file), "--steps", "3", "--warmup", "3"])
+    res = runner.invoke(app, ["calibrate", str(plan_file), "--steps", "5", "--warmup", "2"])
     assert res.exit_code == 2 and "--steps 6" in res.output
     res = runner.invoke(app, ["calibrate", str(tmp_path / "missing.json")])
     assert res.exit_code == 2

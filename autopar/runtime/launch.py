@@ -36,8 +36,8 @@ class RunSpec:
     save: Path | None = None
     """Where to write a checkpoint after the last step."""
     phases: int = 0
-    """Profile the steps after this many warm-up steps (``runtime.phases``, for ``autopar
-    calibrate``): ``RunResult.phases`` gets every rank's summary; 0: no profiling."""
+    """Profile this many last steps (``runtime.phases``, for ``autopar calibrate``; the
+    profiler slows them): ``RunResult.phases`` gets every rank's summary; 0: no profiling."""
     dump: bool = False
     """Write the full weights (``run<i>.final.rank<r>.pt``, and ``run<i>.loaded…`` after a
     resume) beside the job's result, for comparisons."""

@@ -46,21 +46,23 @@ def _print_step(step: int, loss: float, seconds: float) -> None:
     print(f"step {step}: loss {loss:.6f}  {seconds:.3f} s", flush=True)
 
 
-def _profiled(plan, steps: int, warmup: int, ctx, cfg: TrainConfig, prog: Program, start: int, sample: int,
+def _profiled(plan, steps: int, profiled: int, ctx, cfg: TrainConfig, prog: Program, start: int, sample: int,
               rank: int):
-    """Train ``warmup`` steps, then profile the rest (``runtime.phases``): the run's result and,
+    """Train ``steps - profiled`` steps, then profile the last ``profiled`` (``runtime.phases``):
+    the run's result and,
     on rank 0, every rank's phase summary with its peak memory (CUDA: the allocator's peak;
     CPU: the live weights, gradients and optimizer state plus the most allocated at once beyond
     them, bytes: ``runtime.phases``)."""
-    first = train(plan, warmup, ctx, cfg, program=prog, start_step=start, start_sample=sample,
+    plain = steps - profiled
+    first = train(plan, plain, ctx, cfg, program=prog, start_step=start, start_sample=sample,
                   on_step=_print_step if rank == 0 else None)
     if ctx.device.type == "cuda":
         torch.cuda.reset_peak_memory_stats()
     live = phases.live_bytes(prog.modules, prog.optimizers)
     with phases.recording(ctx.device) as prof:
-        rest = train(plan, steps - warmup, ctx, cfg, program=prog, start_step=start + warmup,
-                     start_sample=sample + warmup * plan.global_batch, on_step=_print_step if rank == 0 else None)
-    mine = phases.summary(prof, steps - warmup, ctx.device)
+        rest = train(plan, profiled, ctx, cfg, program=prog, start_step=start + plain,
+                     start_sample=sample + plain * plan.global_batch, on_step=_print_step if rank == 0 else None)
+    mine = phases.summary(prof, profiled, ctx.device)
     mine.update(rank=rank, peak_bytes=float(torch.cuda.max_memory_allocated()) if ctx.device.type == "cuda"
                 else live + mine["peak_delta_bytes"])
     gathered: list = [None] * dist.get_world_size() if rank == 0 else []
@@ -86,7 +88,7 @@ def run_job(job: dict, rank: int) -> list[dict]:
         sample = where.samples if where.samples is not None else start * plan.global_batch
         if run.get("dump") and run.get("resume") and out is not None:
             _dump(prog, out, f"run{i}.loaded", rank)
-        if run.get("phases"):  # ``autopar calibrate``: warm up, then profile the other steps
+        if run.get("phases"):  # ``autopar calibrate``: profile the last steps
             result, summaries = _profiled(plan, run["steps"], run["phases"], ctx, cfg, prog, start, sample, rank)
         else:
             result, summaries = train(plan, run["steps"], ctx, cfg, program=prog, start_step=start, start_sample=sample,
