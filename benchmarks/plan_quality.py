@@ -1,0 +1,136 @@
+"""Is the planner's pick the fastest plan? Every plan it ranks, measured on this machine.
+
+    python benchmarks/plan_quality.py [--ranks 4] [--keep 24] [--steps 10] [--profile cpu-local]
+
+For each model below (deep-narrow, wide, long-sequence GPTs, whose plans differ), the search
+proves its ``--keep`` best strategies under the profile (``search(keep=…)``: every feasible
+one where there are fewer), plus plain DDP and plain FSDP (ZeRO-3) at one micro-batch per
+rank. Each is trained ``--steps`` steps on ``--ranks`` gloo CPU ranks, all plans of a model in
+one torchrun job; a plan's time is the median of its steps after 2 of warm-up and before the 3
+last, which run under the profiler for its peak memory (``runtime.phases``).
+
+Printed per model: predicted against measured step time for every plan (mean and max
+|error|, Spearman rank correlation), the pick's measured rank and its time over the best
+measured (the oracle), plain DDP's and FSDP's over the oracle, and peak memory predicted
+against measured. Then the profile is refitted (``autopar.calibrate``) on ONE run, the first
+model's pick, and everything is re-predicted with it: the first model's rows are in-sample,
+the others out-of-sample. The calibrated planner's pick is measured too if it is new.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import sys
+from pathlib import Path
+
+import numpy as np
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from autopar.calibrate import PROFILED, measured, refit  # noqa: E402
+from autopar.plan import Mesh, Plan  # noqa: E402
+from autopar.profiles import profile_spec  # noqa: E402
+from autopar.runtime import RunSpec, run_job  # noqa: E402
+from autopar.solve import describe, search  # noqa: E402
+from autopar.workflow import plan_from_strategy, read_job  # noqa: E402
+from cost_models import HardwareProfile, estimate, load_profile  # noqa: E402
+
+MODELS = [  # (label, model, global batch)
+    ("deep-narrow", "gpt:layers=8,hidden=128,heads=4,vocab=512,seq=64,tied=0", 32),
+    ("wide", "gpt:layers=2,hidden=512,heads=8,vocab=512,seq=64,tied=0", 16),
+    ("long-seq", "gpt:layers=4,hidden=128,heads=4,vocab=512,seq=512,tied=0", 8),
+]
+WARMUP = 2
+
+
+def baseline(model: str, batch: int, ranks: int, seq: int, layers: int, zero: int, cluster: str) -> Plan:
+    return Plan(model=model, cluster=cluster, gpus=ranks, global_batch=batch, seq_len=seq, dtype="fp32",
+                mesh=Mesh(dp=ranks), zero_stage=zero, micro_batch_size=batch // ranks, num_microbatches=1,
+                schedule="1f1b", stage_layers=(layers,), recompute=("none",) * layers)
+
+
+def key(plan: Plan) -> str:
+    return describe(plan.strategy())
+
+
+def spearman(a: list[float], b: list[float]) -> float:
+    ra, rb = np.argsort(np.argsort(a)), np.argsort(np.argsort(b))
+    return float(np.corrcoef(ra, rb)[0, 1]) if len(a) > 2 else float("nan")
+
+
+def measure(plans: list[Plan], steps: int) -> list[tuple[float, float, dict]]:
+    """(median step s, largest peak bytes over ranks, rank summaries) of each plan."""
+    results = run_job([RunSpec(plan=p, steps=steps, phases=PROFILED) for p in plans], timeout_s=3600)
+    return [(statistics.median(r.step_times_s[WARMUP:-PROFILED]), max(x["peak_bytes"] for x in r.phases), r)
+            for r in results]
+
+
+def report(label: str, plans: list[Plan], runs: list, hw: HardwareProfile, model, pick: str,
+           ddp: str, fsdp: str) -> None:
+    pred = [estimate(model, hw, p.strategy(), global_batch=p.global_batch) for p in plans]
+    meas = [t for t, _, _ in runs]
+    errs = [abs(e.step_time_s / m - 1) for e, m in zip(pred, meas)]
+    mem = [abs(max(e.stage_peak_bytes or (e.memory.peak_bytes,)) / b - 1) for e, (_, b, _) in zip(pred, runs)]
+    oracle = min(meas)
+    order = sorted(range(len(plans)), key=lambda i: meas[i])
+    by_key = {key(p): i for i, p in enumerate(plans)}
+    print(f"  {'plan':58s} {'predicted s':>11s} {'measured s':>10s} {'error':>7s} {'peak pred/meas MiB':>19s}")
+    for i in order:
+        flag = " <- pick" if key(plans[i]) == pick else ""
+        print(f"  {key(plans[i])[:58]:58s} {pred[i].step_time_s:11.4f} {meas[i]:10.4f} "
+              f"{pred[i].step_time_s / meas[i] - 1:+7.1%} "
+              f"{max(pred[i].stage_peak_bytes or (pred[i].memory.peak_bytes,)) / 2**20:9.1f}/{runs[i][1] / 2**20:<9.1f}"
+              f"{flag}")
+    p = by_key.get(pick)
+    print(f"  {label}: {len(plans)} plans; step time |error| mean {statistics.mean(errs):.1%} max {max(errs):.1%}; "
+          f"Spearman {spearman([e.step_time_s for e in pred], meas):.3f}; peak memory |error| mean "
+          f"{statistics.mean(mem):.1%} max {max(mem):.1%}")
+    if p is not None:
+        print(f"  pick: measured rank {order.index(p) + 1} of {len(plans)}, {meas[p] / oracle:.3f} x the oracle; "
+              f"plain DDP {meas[by_key[ddp]] / oracle:.3f} x, plain FSDP {meas[by_key[fsdp]] / oracle:.3f} x")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--ranks", type=int, default=4)
+    parser.add_argument("--keep", type=int, default=24)
+    parser.add_argument("--steps", type=int, default=10)
+    parser.add_argument("--profile", default="cpu-local")
+    args = parser.parse_args()
+    print(f"{args.ranks} gloo CPU ranks, profile {args.profile}; load average {os.getloadavg()[0]:.2f} at start")
+    cases = []
+    for label, model, batch in MODELS:
+        job = read_job(model, args.profile, args.ranks, batch, dtype="fp32")
+        prof = profile_spec(job.spec)
+        sol = search(prof, job.hw, args.ranks, batch, "fp32", keep=args.keep)
+        plans = {key(p): p for p in (plan_from_strategy(job, a.strategy, None) for a in sol.alternatives)}
+        pick = key(plan_from_strategy(job, sol.strategy, None))
+        ddp, fsdp = (baseline(model, batch, args.ranks, job.spec.seq, job.spec.layers, z, args.profile) for z in (0, 3))
+        plans.setdefault(key(ddp), ddp)
+        plans.setdefault(key(fsdp), fsdp)
+        listed = list(plans.values())
+        cases.append((label, job, prof, listed, measure(listed, args.steps), pick, key(ddp), key(fsdp)))
+    hw = load_profile(args.profile)
+    print("\n== shipped profile")
+    for label, job, prof, plans, runs, pick, ddp_key, fsdp_key in cases:
+        print(f"\n{label} ({job.spec.name}, global batch {job.global_batch})")
+        report(label, plans, runs, hw, prof, pick, ddp_key, fsdp_key)
+    # Refit on one run: the first model's pick.
+    label, job, prof, plans, runs, pick, _, _ = cases[0]
+    i = [key(p) for p in plans].index(pick)
+    run = measured(runs[i][2].step_times_s, WARMUP, runs[i][2].phases)
+    cal, fits = refit(plans[i], prof, hw, run)
+    print(f"\n== calibrated on {label}'s pick ({pick}): "
+          + "; ".join(f"{f.name} {f.old:.3g} -> {f.new:.3g}" for f in fits))
+    for n, (label, job, prof, plans, runs, pick, ddp_key, fsdp_key) in enumerate(cases):
+        new = plan_from_strategy(job, search(prof, cal, args.ranks, job.global_batch, "fp32").strategy, None)
+        if key(new) not in [key(p) for p in plans]:
+            plans, runs = plans + [new], runs + measure([new], args.steps)
+        print(f"\n{label} ({'in-sample' if n == 0 else 'out-of-sample'})")
+        report(label, plans, runs, cal, prof, key(new), ddp_key, fsdp_key)
+
+
+if __name__ == "__main__":
+    main()
