@@ -157,6 +157,11 @@ def _torchrun_lines(launch: Launch, endpoint: str, rdzv_id: str) -> list[str]:
             " ".join(map(q, worker_argv(launch)))]
 
 
+_RESTART_STORE = ("# torch 2.13 keeps one TCPStore across restarts, where gloo would find the killed attempt's\n"
+                  "# addresses: each rendezvous round gets its own store.\n"
+                  "export TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1\n")
+
+
 def _continued(first: str, lines: list[str]) -> str:
     return " \\\n    ".join([first, *lines]) + "\n"
 
@@ -175,6 +180,7 @@ def node_script(launch: Launch) -> str:
             f"# {launch.gpus_per_node} worker(s) here; the c10d rendezvous gives each node its ranks;\n"
             f"# {where}.\n"
             "set -eu\n"
+            f"{_RESTART_STORE}"
             + _continued("exec torchrun", _torchrun_lines(launch, endpoint, q(launch.rdzv_id))))
 
 
@@ -193,6 +199,7 @@ def sbatch_script(launch: Launch) -> str:
             "set -eu\n"
             'head_node=$(scontrol show hostnames "$SLURM_JOB_NODELIST" | head -n1)\n'
             ': "${head_node:?no host in SLURM_JOB_NODELIST}"\n'
+            f"{_RESTART_STORE}"
             + _continued(f"srun --nodes={launch.nodes} --ntasks-per-node=1 torchrun",
                          _torchrun_lines(launch, f'"$head_node:{launch.port}"', '"$SLURM_JOB_ID"')))
 

@@ -136,7 +136,10 @@ def run_job(runs: list[RunSpec], *, workdir: Path | None = None, cfg: TrainConfi
            f"--log-dir={wd / 'logs'}", "--redirects=3", f"--max-restarts={max_restarts}",
            "-m", "autopar.runtime.worker", "--job", str(wd / "job.json")]
     env = {**{k: v for k, v in os.environ.items() if k not in _TORCHRUN_ENV and not k.startswith("TORCHELASTIC_")},
-           "OMP_NUM_THREADS": str(threads_per_rank), "PYTHONWARNINGS": "ignore"}
+           "OMP_NUM_THREADS": str(threads_per_rank), "PYTHONWARNINGS": "ignore",
+           # torch 2.13 shares one TCPStore across restarts, where gloo finds the killed attempt's
+           # addresses ("Connection refused"): a store per rendezvous round.
+           "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"}
     with subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env) as proc:
         try:
             log = _wait(proc, timeout_s, wd / "logs", earlier, on_step)
