@@ -10,6 +10,7 @@ import json
 import os
 import re
 import shutil
+import signal
 import subprocess
 import sys
 import tempfile
@@ -69,9 +70,21 @@ _TORCHRUN_ENV = {"RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "GROUP_
 rank verifying a model's twin) must not join that job."""
 
 
+def _killed(log: str, reported: set[int]) -> str:
+    """``rank R killed by signal S; then `` for a rank that a signal ended without a report,
+    other than the SIGTERM/SIGINT torchrun stops the others with (torchrun may name a rank that
+    lost its connection to it as the root cause), else ''."""
+    for rank, code in re.findall(r"\brank\s*:\s*(\d+).*?\bexitcode\s*:\s*(-?\d+)", log, re.S):
+        if int(code) < 0 and -int(code) not in (signal.SIGTERM, signal.SIGINT) and int(rank) not in reported:
+            name = next((sig.name for sig in signal.Signals if sig == -int(code)), "?")
+            return f"rank {rank} killed by signal {-int(code)} ({name}); then "
+    return ""
+
+
 def _first_error(wd: Path, logs: Path | None, log: str) -> str:
-    """The one-line report of the rank that failed first (the earliest ``rank<R>.err``);
-    without one, the rank torchrun names as the root cause and its exit code or last line."""
+    """The one-line report of the rank that failed first (the earliest ``rank<R>.err``), after
+    a rank a signal killed first (``_killed``); without a report, the rank torchrun names as the
+    root cause and its exit code or last line."""
     reports = {}
     for rank, path in _rank_logs(logs).items():
         lines = [line for line in path.read_text(errors="replace").splitlines() if line.startswith("autopar: rank")]
@@ -81,7 +94,7 @@ def _first_error(wd: Path, logs: Path | None, log: str) -> str:
         def written(rank: int) -> float:
             err = wd / f"rank{rank}.err"
             return err.stat().st_mtime_ns if err.is_file() else float("inf")
-        return reports[min(reports, key=lambda r: (written(r), r))]
+        return _killed(log, set(reports)) + reports[min(reports, key=lambda r: (written(r), r))]
     root = log.rpartition("Root Cause")[2] or log  # torchrun's summary lists other failures first
     cause = re.search(r"\brank\s*:\s*(\d+).*?\bexitcode\s*:\s*(-?\d+)", root, re.S)
     if cause:
