@@ -30,6 +30,7 @@ def _first_step(workdir: Path, attempt: int) -> int:
     return int(next(line for line in log.read_text().splitlines() if line.startswith("step ")).split()[1][:-1])
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("fault, where", [(Fault.STEP, "1:5"), (Fault.SAVE, "0:6")],
                          ids=["rank 1 killed before step 5", "rank 0 killed while saving step 6"])
 def test_a_killed_rank_resumes_and_loses_nothing(tmp_path, monkeypatch, fault, where):

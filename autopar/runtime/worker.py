@@ -56,12 +56,17 @@ def _print_step(step: int, loss: float, seconds: float) -> None:
     print(f"step {step}: loss {loss:.6f}  {seconds:.3f} s", flush=True)
 
 
+def _is_restart() -> bool:
+    """Whether torchrun restarted this worker after a failure."""
+    return int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") or 0) > 0
+
+
 def _source(run: dict, rank: int, trust_code: bool) -> checkpoint_dir.Found | None:
     """The checkpoint a run starts from: after a torchrun restart, the latest one this run
     (torchrun's run id) saved; else ``--resume``'s. Rank 0 verifies its checksums, the other
     ranks wait for it (a rank 0 that refuses ends the job)."""
     found = None
-    if run.get("save") and int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") or 0) > 0:
+    if run.get("save") and _is_restart():
         found = checkpoint_dir.of_run(Path(run["save"]), os.environ.get("TORCHELASTIC_RUN_ID"))
         if found is not None and rank == 0:
             found = checkpoint_dir.resolve(found.path, trust_code=trust_code)
@@ -75,7 +80,7 @@ def _source(run: dict, rank: int, trust_code: bool) -> checkpoint_dir.Found | No
 def _restarted(run: dict, found: checkpoint_dir.Found | None) -> checkpoint_dir.RunRecord | None:
     """The record of ``found`` if this very run (torchrun's run id, its --save store) wrote it."""
     record = found.manifest.run if found is not None and found.manifest is not None else None
-    mine = (record is not None and record.run_id is not None and run.get("save")
+    mine = (_is_restart() and record is not None and record.run_id is not None and run.get("save")
             and record.run_id == os.environ.get("TORCHELASTIC_RUN_ID")
             and found.path.parent.resolve() == Path(run["save"]).resolve())
     return record if mine else None
