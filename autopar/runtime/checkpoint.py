@@ -101,7 +101,7 @@ class _DataOnly(pickle.Unpickler):
                    or (module == "collections" and name == "OrderedDict"))
         if not allowed:
             raise UserError(f"checkpoint {self.where}: {DCP_METADATA} names {module}.{name}, which is not DCP "
-                            "metadata (it could run code); resume only from checkpoints you trust, with --trust-code")
+                            "metadata (a pickle that could run code): not loaded; resume from a checkpoint autopar wrote")
         return super().find_class(module, name)
 
 
