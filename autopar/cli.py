@@ -24,11 +24,11 @@ from rich.console import Console
 from rich.table import Table
 from typer.core import TyperGroup
 
-from autopar.cli_checks import check_out, check_pins, check_save, parse_axis_order
+from autopar.cli_checks import check_out, check_pins, check_save, load_plan_file, parse_axis_order
 from autopar.errors import UserError
 from autopar.export.common import Target as ExportTarget
 from autopar.limits import MAX_LOCAL_RANKS, check_count, check_seconds
-from autopar.plan import Plan, load_plan
+from autopar.plan import Plan
 from autopar.solve import Pins, Solution, explain as explain_plan, explanation_dict
 from autopar.workflow import estimate_strategy, fixed_strategy, launch_refusal, make_plan, read_job
 from cost_models import ProfileError
@@ -98,6 +98,8 @@ BATCH = typer.Option(..., "--global-batch", help="Sequences per optimizer step")
 SEQ = typer.Option(None, "--seq-len", help="Training sequence length (default: the model's)")
 DTYPE = typer.Option(None, "--dtype", help="bf16, fp16 or fp32 (default: bf16 where the profile has it)")
 JSON = typer.Option(False, "--json", help="Print JSON instead of tables")
+TRUST = typer.Option(False, "--trust-code", help="Allow what can run code: a plan file whose model is a Python "
+                     "file (path.py:factory), a checkpoint without autopar's manifest (README: What is code)")
 RECIPE = typer.Option(None, "--recipe", help="Execution recipe priced: autopar (default: the program "
                       "autopar runs), torchtitan, megatron-2021, megatron-core, megatron-core-te, "
                       "deepspeed, llm-foundry, or a path to a recipe .json")
@@ -310,12 +312,12 @@ def explain(plan_file: Path = typer.Argument(..., help="A plan JSON from `autopa
             time_limit: float = typer.Option(10.0, "--time-limit", help="Time limit per search, s"),
             recipe: Optional[str] = typer.Option(None, "--recipe", help="Price under this execution "
                                                  "recipe instead of the plan's own"),
-            as_json: bool = JSON) -> None:
+            trust_code: bool = TRUST, as_json: bool = JSON) -> None:
     """Why this plan: the top alternatives and, per dimension, the best plan at each neighbour."""
     def body() -> None:
         from autopar.profiles import profile_spec
         check_seconds("--time-limit", time_limit)
-        the_plan = load_plan(plan_file)
+        the_plan = load_plan_file(plan_file, trust_code)
         if recipe is not None:
             the_plan = dataclasses.replace(the_plan, recipe=recipe)
         job = read_job(the_plan.model, the_plan.cluster, the_plan.gpus, the_plan.global_batch,
@@ -439,6 +441,11 @@ def inspect(model: str = MODEL, seq_len: Optional[int] = SEQ, as_json: bool = JS
     _guard(body)
 
 
+SAVE = typer.Option(None, "--save", help="Write checkpoints (DCP) into this directory: DIR/step-N, DIR/latest; "
+                    "after the last step and every --save-every steps, each complete before it replaces the last")
+SAVE_EVERY = typer.Option(0, "--save-every", help="Save every K steps too (0: after the last step only)")
+RESUME = typer.Option(None, "--resume", help="Start from a checkpoint, or a --save directory's latest, saved by "
+                      "any plan of this model")
 DATA = typer.Option(None, "--data", help="Train on this token file (nanoGPT's flat uint16 .bin, uint32 if "
                     "named *.u32; `autopar tokenize` writes one) instead of synthetic tokens")
 
@@ -446,22 +453,28 @@ DATA = typer.Option(None, "--data", help="Train on this token file (nanoGPT's fl
 @app.command()
 def run(plan_file: Path = typer.Argument(..., help="A plan JSON from `autopar plan --out`"),
         steps: int = typer.Option(3, "--steps", min=1, help="Optimizer steps"),
-        save: Optional[Path] = typer.Option(None, "--save", help="Write a checkpoint (DCP) here after the last step"),
-        resume: Optional[Path] = typer.Option(None, "--resume",
-                                              help="Start from a checkpoint saved by any plan of this model"),
-        data: Optional[Path] = DATA, as_json: bool = JSON) -> None:
+        save: Optional[Path] = SAVE, save_every: int = SAVE_EVERY, resume: Optional[Path] = RESUME,
+        max_restarts: int = typer.Option(0, "--max-restarts", help="torchrun restarts after a failure; each "
+                                         "resumes from the latest checkpoint in --save"),
+        data: Optional[Path] = DATA, trust_code: bool = TRUST, as_json: bool = JSON) -> None:
     """Run a plan locally under torchrun (gloo on CPU) on a token file or synthetic tokens."""
     def body() -> None:
-        check_save(save, resume)
-        the_plan = load_plan(plan_file)
+        if max_restarts < 0:
+            raise UserError(f"--max-restarts must be at least 0, got {max_restarts}")
+        check_save(save, resume, trust_code=trust_code, save_every=save_every)
+        the_plan = load_plan_file(plan_file, trust_code)
         if the_plan.gpus > MAX_LOCAL_RANKS:
             raise UserError(f"autopar run starts every rank on this machine (torchrun --standalone); a plan of "
                             f"{the_plan.gpus} devices needs at most {MAX_LOCAL_RANKS}: plan for fewer --gpus")
         refusal = launch_refusal(the_plan)
         if refusal:
             raise UserError(refusal)
-        from autopar.runtime import TrainConfig, run_plan
+        from functools import partial
+
+        from autopar.runtime import TrainConfig
+        from autopar.runtime import run_plan as run_one
         cfg = TrainConfig(data=data)
+        run_plan = partial(run_one, save_every=save_every, max_restarts=max_restarts, trust_code=trust_code)
         if as_json:
             result = run_plan(the_plan, steps, resume=resume, save=save, cfg=cfg)
             typer.echo(json.dumps({"losses": result.losses, "step_times_s": result.step_times_s}))
@@ -496,11 +509,11 @@ def calibrate(plan_file: Path = typer.Argument(..., help="A plan JSON from `auto
               warmup: int = typer.Option(2, "--warmup", min=1, help="First steps, not timed"),
               out: Optional[Path] = typer.Option(None, "--out", help="Write the refitted profile here (default: "
                                                  "<profile>.calibrated.json); plan with --cluster FILE"),
-              as_json: bool = JSON) -> None:
+              trust_code: bool = TRUST, as_json: bool = JSON) -> None:
     """Run a plan profiled, compare each phase with the estimate and refit the profile to it."""
     def body() -> None:
         from autopar.calibrate import calibrate_plan, write_profile
-        the_plan = load_plan(plan_file)
+        the_plan = load_plan_file(plan_file, trust_code)
         target = out or Path(f"{Path(the_plan.cluster).stem}.calibrated.json")
         check_out(target)
         if the_plan.gpus > MAX_LOCAL_RANKS:
@@ -536,12 +549,12 @@ def export(plan_file: Path = typer.Argument(..., help="A plan JSON from `autopar
                                            "pretrain_gpt.py arguments), deepspeed (ds_config.json), torchtitan "
                                            "(config module), accelerate (config YAML)"),
            out: Optional[Path] = typer.Option(None, "--out", help="Write the configuration here (default: stdout)"),
-           as_json: bool = JSON) -> None:
+           trust_code: bool = TRUST, as_json: bool = JSON) -> None:
     """Write a plan as another framework's configuration. What the framework cannot express is a
     warning on stderr naming the nearest setting written instead and its predicted cost."""
     def body() -> None:
         from autopar.export import export_plan
-        result = export_plan(load_plan(plan_file), to, str(out) if out is not None else None)
+        result = export_plan(load_plan_file(plan_file, trust_code), to, str(out) if out is not None else None)
         for gap in result.gaps:
             typer.echo(f"autopar: warning: {gap.line(result.target)}", err=True)
         if result.gaps:
@@ -573,19 +586,20 @@ def launch(plan_file: Path = typer.Argument(..., help="A plan JSON from `autopar
                                                        "localhost:29500; Slurm: the allocation's first node)"),
            max_restarts: int = typer.Option(0, "--max-restarts", help="torchrun restarts after a failure"),
            steps: int = typer.Option(3, "--steps", help="Optimizer steps"),
-           data: Optional[Path] = DATA,
-           save: Optional[Path] = typer.Option(None, "--save", help="Write a checkpoint (DCP) here after the last step"),
-           resume: Optional[Path] = typer.Option(None, "--resume",
-                                                 help="Start from a checkpoint saved by any plan of this model")) -> None:
+           data: Optional[Path] = DATA, save: Optional[Path] = SAVE, save_every: int = SAVE_EVERY,
+           resume: Optional[Path] = RESUME, trust_code: bool = TRUST) -> None:
     """Write the commands that train a plan on several nodes: torchrun per node, Slurm sbatch, run.md."""
     def body() -> None:
         from autopar.jobscripts import local_notes, plan_launch, write_launch
-        the_plan = load_plan(plan_file)
+        if save_every and save is None:
+            raise UserError(f"--save-every {save_every} saves into --save DIR; add --save DIR")
+        the_plan = load_plan_file(plan_file, trust_code)
         refusal = the_plan.refusal()  # the model may live on the cluster only: not traced here
         if refusal:
             raise UserError(refusal)
         spec = plan_launch(the_plan, out, nodes=nodes, gpus_per_node=gpus_per_node, endpoint=rdzv_endpoint,
-                           max_restarts=max_restarts, steps=steps, data=data, save=save, resume=resume)
+                           max_restarts=max_restarts, steps=steps, data=data, save=save, resume=resume,
+                           save_every=save_every, trust_code=trust_code)
         for note in local_notes(spec):
             typer.echo(f"autopar: note: {note}", err=True)
         files = write_launch(spec)
@@ -616,14 +630,15 @@ def report(plan_file: Path = typer.Argument(..., help="A plan JSON from `autopar
                                                    "--json` saved to a file: measured step times beside the "
                                                    "predicted one"),
            top_k: int = typer.Option(10, "--top-k", min=0, help="Alternatives to search and draw (0: none)"),
-           time_limit: float = typer.Option(30.0, "--time-limit", help="Time limit of the alternatives' search, s")
-           ) -> None:
+           time_limit: float = typer.Option(30.0, "--time-limit", help="Time limit of the alternatives' search, s"),
+           trust_code: bool = TRUST) -> None:
     """Draw the plan: a self-contained HTML page and PNG/SVG figures of its pipeline schedule, memory
     per device, step time by kind, the best alternatives and measured step times."""
     def body() -> None:
         from autopar.report import write_report
         if time_limit <= 0:
             raise UserError(f"--time-limit must be positive, got {time_limit}")
+        load_plan_file(plan_file, trust_code)
         target = out if out is not None else plan_file.with_name(plan_file.stem + "-report")
         files = write_report(plan_file, target, measured_file=measured, top_k=top_k, time_limit_s=time_limit)
         console.print(f"wrote {files['page']} and {len(files) - 1} figures (PNG and SVG) in {target}")

@@ -58,23 +58,42 @@ def check_out(out: Path | None) -> None:
         raise UserError(f"--out {out}: {exc.strerror or exc}") from None
 
 
-def check_save(save: Path | None, resume: Path | None) -> None:
-    """``--save DIR``: a new directory or an earlier checkpoint, never a file or a folder of other
-    files; ``--resume DIR``: a checkpoint. Checked before the run starts."""
+def check_save(save: Path | None, resume: Path | None, *, trust_code: bool = False, save_every: int = 0,
+               verify: bool = True) -> None:
+    """``--save DIR``: a new or empty directory, or one autopar saved checkpoints into, never a
+    file or a folder of other files; ``--save-every K``: K >= 0, with ``--save``; ``--resume``:
+    a checkpoint or such a directory, its checksums verified (``verify``) and, without autopar's
+    manifest, only with ``--trust-code``. Checked before the run starts."""
+    from autopar.checkpoint_dir import is_store, resolve
+    if save_every < 0:
+        raise UserError(f"--save-every must be at least 0, got {save_every}")
+    if save_every and save is None:
+        raise UserError(f"--save-every {save_every} saves into --save DIR; add --save DIR")
     try:
-        if resume is not None and not (resume / ".metadata").is_file():
-            raise UserError(f"--resume {resume} is not a checkpoint (no .metadata); write one with "
-                            "`autopar run --save DIR`")
+        if resume is not None and resume.exists():
+            resolve(resume, trust_code=trust_code, check=verify)
+        elif resume is not None and verify:
+            raise UserError(f"--resume {resume} does not exist; give a checkpoint written by `autopar run --save DIR`")
         if save is None:
             return
         if save.exists() and not save.is_dir():
-            raise UserError(f"--save {save} is an existing file; a checkpoint is a directory: give a new "
+            raise UserError(f"--save {save} is an existing file; checkpoints go into a directory: give a new "
                             "directory path")
         if save.is_dir():
-            if any(save.iterdir()) and not (save / ".metadata").is_file():
-                raise UserError(f"--save {save} holds files that are not a checkpoint; give a new or empty directory")
+            if any(save.iterdir()) and not is_store(save):
+                raise UserError(f"--save {save} holds files that are not a checkpoint store of autopar's "
+                                "(step-N directories, latest); give a new or empty directory")
             _writable_dir(save, "--save", save)
         else:
             _writable_dir(save.parent, "--save", save)
     except OSError as exc:
         raise UserError(f"--save/--resume: {exc.strerror or exc}") from None
+
+
+def load_plan_file(path: Path, trust_code: bool):
+    """``load_plan``, refusing a plan that names a Python file unless ``--trust-code``."""
+    from autopar.plan import load_plan, refuse_code
+    plan = load_plan(path)
+    if not trust_code:
+        refuse_code(plan, path)
+    return plan

@@ -1,7 +1,8 @@
 """The scripts that train a plan on a cluster (``autopar launch``): torchrun per node, Slurm, run.md.
 
 Each script starts the entry point ``autopar run`` uses, ``python -m autopar.runtime.worker
-PLAN.json --steps K [--data FILE] [--save DIR] [--resume DIR] --out DIR/result.json``, under
+PLAN.json --steps K [--data FILE] [--save DIR [--save-every K]] [--resume DIR] [--trust-code]
+--out DIR/result.json``, under
 torchrun with c10d rendezvous (``--nnodes N --nproc-per-node G --rdzv-backend c10d
 --rdzv-endpoint HOST:PORT --rdzv-id ID --max-restarts R``): ``node.sh`` is the command every
 node runs (the rendezvous gives each node its ranks; the node whose address is the endpoint
@@ -22,6 +23,7 @@ import uuid
 from dataclasses import dataclass
 from pathlib import Path
 
+from autopar.checkpoint_dir import resolve
 from autopar.data import open_corpus
 from autopar.errors import UserError
 from autopar.plan import Plan
@@ -50,7 +52,11 @@ class Launch:
     steps: int
     data: Path | None = None
     save: Path | None = None
+    save_every: int = 0
+    """Checkpoint every this many steps too (0: after the last step only)."""
     resume: Path | None = None
+    trust_code: bool = False
+    """The worker may import the plan's Python file and load a checkpoint without a manifest."""
     gpus: bool = True
     """Ask Slurm for GPUs (``--gpus-per-node``); False for a CPU (gloo) cluster profile."""
 
@@ -69,7 +75,8 @@ def _absolute(path: Path | None) -> Path | None:
 
 def plan_launch(plan: Plan, out: Path, *, nodes: int | None = None, gpus_per_node: int | None = None,
                 endpoint: str | None = None, max_restarts: int = 0, steps: int = 3, data: Path | None = None,
-                save: Path | None = None, resume: Path | None = None, rdzv_id: str | None = None) -> Launch:
+                save: Path | None = None, resume: Path | None = None, rdzv_id: str | None = None,
+                save_every: int = 0, trust_code: bool = False) -> Launch:
     """Resolve ``autopar launch``'s options for ``plan``: devices per node default to the
     cluster profile's (at most the plan's), nodes to the rest; nodes x devices per node must
     be the plan's device count."""
@@ -84,6 +91,8 @@ def plan_launch(plan: Plan, out: Path, *, nodes: int | None = None, gpus_per_nod
             raise UserError(f"{name} must be at least 1, got {value}")
     if max_restarts < 0:
         raise UserError(f"--max-restarts must be at least 0, got {max_restarts}")
+    if save_every < 0:
+        raise UserError(f"--save-every must be at least 0, got {save_every}")
     if gpus_per_node is None:
         if nodes is not None:
             if plan.gpus % nodes:
@@ -106,7 +115,7 @@ def plan_launch(plan: Plan, out: Path, *, nodes: int | None = None, gpus_per_nod
     return Launch(plan=plan, out=Path(os.path.abspath(out)), nodes=nodes, gpus_per_node=gpus_per_node,
                   endpoint=endpoint, port=port, rdzv_id=rdzv_id or f"autopar-{uuid.uuid4().hex[:12]}",
                   max_restarts=max_restarts, steps=steps, data=_absolute(data), save=_absolute(save),
-                  resume=_absolute(resume), gpus=gpus)
+                  resume=_absolute(resume), gpus=gpus, save_every=save_every, trust_code=trust_code)
 
 
 def local_notes(launch: Launch) -> list[str]:
@@ -119,10 +128,8 @@ def local_notes(launch: Launch) -> list[str]:
         else:
             notes.append(f"--data {launch.data} is not on this machine: the nodes must see it there")
     if launch.resume is not None:
-        if launch.resume.exists():
-            if not (launch.resume / ".metadata").is_file():
-                raise UserError(f"{launch.resume} is not a checkpoint (no .metadata); write one with "
-                                "`autopar run --save DIR`")
+        if launch.resume.exists():  # its checksums are verified by the run's rank 0
+            resolve(launch.resume, trust_code=launch.trust_code, check=False)
         else:
             notes.append(f"--resume {launch.resume} is not on this machine: the nodes must see it there")
     return notes
@@ -134,6 +141,10 @@ def worker_argv(launch: Launch) -> list[str]:
     for flag, path in (("--data", launch.data), ("--save", launch.save), ("--resume", launch.resume)):
         if path is not None:
             argv += [flag, str(path)]
+    if launch.save is not None and launch.save_every:
+        argv += ["--save-every", str(launch.save_every)]
+    if launch.trust_code:
+        argv.append("--trust-code")
     return argv + ["--out", str(launch.out / "result.json")]
 
 
@@ -144,6 +155,11 @@ def _torchrun_lines(launch: Launch, endpoint: str, rdzv_id: str) -> list[str]:
     return [f"--nnodes {launch.nodes}", f"--nproc-per-node {launch.gpus_per_node}", "--rdzv-backend c10d",
             f"--rdzv-endpoint {endpoint}", f"--rdzv-id {rdzv_id}", f"--max-restarts {launch.max_restarts}",
             " ".join(map(q, worker_argv(launch)))]
+
+
+_RESTART_STORE = ("# torch 2.13 keeps one TCPStore across restarts, where gloo would find the killed attempt's\n"
+                  "# addresses: each rendezvous round gets its own store.\n"
+                  "export TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1\n")
 
 
 def _continued(first: str, lines: list[str]) -> str:
@@ -164,6 +180,7 @@ def node_script(launch: Launch) -> str:
             f"# {launch.gpus_per_node} worker(s) here; the c10d rendezvous gives each node its ranks;\n"
             f"# {where}.\n"
             "set -eu\n"
+            f"{_RESTART_STORE}"
             + _continued("exec torchrun", _torchrun_lines(launch, endpoint, q(launch.rdzv_id))))
 
 
@@ -182,6 +199,7 @@ def sbatch_script(launch: Launch) -> str:
             "set -eu\n"
             'head_node=$(scontrol show hostnames "$SLURM_JOB_NODELIST" | head -n1)\n'
             ': "${head_node:?no host in SLURM_JOB_NODELIST}"\n'
+            f"{_RESTART_STORE}"
             + _continued(f"srun --nodes={launch.nodes} --ntasks-per-node=1 torchrun",
                          _torchrun_lines(launch, f'"$head_node:{launch.port}"', '"$SLURM_JOB_ID"')))
 
@@ -222,13 +240,17 @@ def run_md(launch: Launch) -> str:
         f"traceback to `{out}/rank<R>.err`.",
     ]
     if launch.save is not None:
-        lines.append(f"After the last step the run saves a checkpoint to `{launch.save}` (any plan of the model "
-                     "resumes from it: `autopar run` or `autopar launch` with `--resume`).")
+        every = f" and every {launch.save_every} steps" if launch.save_every else ""
+        lines.append(f"After the last step{every} the run saves a checkpoint into `{launch.save}` (`step-N` "
+                     "directories, `latest` naming the last complete one; any plan of the model resumes from it: "
+                     "`autopar run` or `autopar launch` with `--resume`).")
     if launch.resume is not None:
         lines.append(f"The run starts from the checkpoint `{launch.resume}`, with its data position.")
     if launch.max_restarts:
+        again = ("from the latest checkpoint the run saved in --save (else from its start)" if launch.save
+                 else "from its start: add --save DIR --save-every K to keep the progress")
         lines.append(f"torchrun restarts the workers up to {launch.max_restarts} time(s) after a failure; each "
-                     "restart begins the run again (from the --resume checkpoint, if any).")
+                     f"restart resumes {again}.")
     return "\n".join(lines) + "\n"
 
 

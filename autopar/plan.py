@@ -351,3 +351,18 @@ def runtime_unsupported(*, dp: int, pp: int, zero: int, schedule: str, virtual_s
     if offload and (zero == 0 or dp == 1):
         return "CPU offload runs with FSDP2's CPUOffloadPolicy, which needs ZeRO >= 1 over dp > 1; use --zero 1..3"
     return None
+
+
+def names_code(plan: Plan) -> bool:
+    """Whether the plan's model is a Python file (``path/to/file.py:factory``), which tracing,
+    pricing or running the plan imports and calls."""
+    from autopar.spec import parse_model_spec
+    return parse_model_spec(plan.model).arch == "module"
+
+
+def refuse_code(plan: Plan, path: str | Path) -> None:
+    """A ``UserError`` if the plan file ``path`` names a Python file: reading a plan is reading
+    data, running its model is running code, which takes ``--trust-code`` (README: What is code)."""
+    if names_code(plan):
+        raise UserError(f"plan file {shown(str(path))} names Python code ({shown(plan.model)}), which this command "
+                        "would import and run; pass --trust-code if you trust the plan and that file")

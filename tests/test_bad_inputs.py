@@ -312,6 +312,24 @@ case("run-save-into-other-files", "run", "{tmp}/plan.json", "--save", "{tmp}/stu
 case("run-save-unwritable", "run", "{tmp}/plan.json", "--save", "/proc/autopar-ckpt", files=GOOD, fragment="cannot write")
 case("run-resume-not-checkpoint", "run", "{tmp}/plan.json", "--resume", "{tmp}", files=GOOD, fragment="not a checkpoint")
 case("run-steps-0", "run", "{tmp}/plan.json", "--steps", "0", files=GOOD, fragment="--steps")
+# -- run: checkpoints and code (README: What is code) ------------------------------------------------
+BAD_SUM = json.dumps({"format": "autopar-checkpoint/1", "step": 2, "samples": 16, "model": "gpt-tiny",
+                      "files": {".metadata": "0" * 64}})
+case("run-resume-changed-byte", "run", "{tmp}/plan.json", "--resume", "{tmp}/ck",
+     files={**GOOD, "ck/latest": "step-00000002\n", "ck/step-00000002/manifest.json": BAD_SUM,
+            "ck/step-00000002/.metadata": "x"}, fragment=".metadata does not match its sha256")
+case("run-resume-no-manifest", "run", "{tmp}/plan.json", "--resume", "{tmp}/raw", files={**GOOD, "raw/.metadata": "x"},
+     fragment="pass --trust-code")
+case("run-resume-no-complete", "run", "{tmp}/plan.json", "--resume", "{tmp}/ck",
+     files={**GOOD, "ck/latest": "step-00000004\n"}, fragment="holds no complete checkpoint")
+case("run-save-every-without-save", "run", "{tmp}/plan.json", "--save-every", "2", files=GOOD, fragment="add --save DIR")
+case("run-save-every-negative", "run", "{tmp}/plan.json", "--save", "{tmp}/ck", "--save-every", "-1", files=GOOD,
+     fragment="--save-every must be at least 0")
+case("run-max-restarts-negative", "run", "{tmp}/plan.json", "--max-restarts", "-1", files=GOOD,
+     fragment="--max-restarts must be at least 0")
+CODE_PLAN = {"plan.json": plan_with(model="tests/fixtures/nanogpt/make.py:make")}
+case("run-plan-names-code", "run", "{tmp}/plan.json", files=CODE_PLAN, fragment="pass --trust-code")
+case("explain-plan-names-code", "explain", "{tmp}/plan.json", files=CODE_PLAN, fragment="pass --trust-code")
 case("run-too-many-ranks", "run", "{tmp}/plan.json",
      files={"plan.json": plan_with(cluster="dgx-h100", gpus=128, mesh__dp=64, global_batch=256)},
      fragment="at most 64")

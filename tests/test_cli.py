@@ -157,6 +157,17 @@ def test_cli_surface_is_frozen():
     names = sorted(c.name or c.callback.__name__ for c in app.registered_commands)
     assert names == ["calibrate", "demo", "estimate", "explain", "export", "inspect", "launch", "plan", "profile",
                      "report", "run", "tokenize", "verify"]
+    import typer
+    group = typer.main.get_command(app)
+
+    def options(name: str) -> list[str]:
+        return sorted(o for p in group.commands[name].params for o in p.opts if o.startswith("--"))
+    assert options("run") == ["--data", "--json", "--max-restarts", "--resume", "--save", "--save-every", "--steps",
+                              "--trust-code"]
+    assert options("launch") == ["--data", "--gpus-per-node", "--max-restarts", "--nodes", "--out", "--rdzv-endpoint",
+                                 "--resume", "--save", "--save-every", "--steps", "--trust-code"]
+    for name in ("calibrate", "explain", "export", "report"):  # every command that reads a plan file (README: What is code)
+        assert "--trust-code" in options(name)
 
 
 def test_plan_pins_vpp_refuses_cp_and_explain_lists_alternatives(tmp_path):

@@ -132,8 +132,9 @@ def test_slurm_script_runs_torchrun_once_per_node(tmp_path):
         "--rdzv-backend", "c10d", "--rdzv-endpoint", "nodeA:29500", "--rdzv-id", "4242", "--max-restarts", "1",
         *worker]
     assert parse_args(worker[2:]) == {"runs": [{"plan": str(job / "plan.json"), "steps": 2, "resume": None,
-                                                "save": str(tmp_path / "ck")}],
-                                      "out": str(job / "result.json"), "data": str(data)}
+                                                "save": str(tmp_path / "ck"), "save_every": 0}],
+                                      "out": str(job / "result.json"), "data": str(data), "trust_code": False}
+    assert "export TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1" in script.splitlines()
     assert load_plan(job / "plan.json") == load_plan(tmp_path / "plan.json")
 
     # Several nodes and no --rdzv-endpoint: node.sh wants $AUTOPAR_RDZV_ENDPOINT, and says so.
@@ -180,10 +181,10 @@ def test_names_cannot_inject_shell(tmp_path):
     make_plan(model, dp=4, mbs=2).save(plan_file)
     out, save, resume = (tmp_path / f"{kind} {evil}" for kind in ("out", "ck", "old"))
     job = launch(plan_file, "--out", out, "--nodes", "2", "--gpus-per-node", "2", "--data", data,
-                 "--save", save, "--resume", resume)
+                 "--save", save, "--resume", resume, "--trust-code")  # the plan names a Python file
     assert load_plan(job / "plan.json").model == model
     worker = ["-m", "autopar.runtime.worker", str(out / "plan.json"), "--steps", "3", "--data", str(data),
-              "--save", str(save), "--resume", str(resume), "--out", str(out / "result.json")]
+              "--save", str(save), "--resume", str(resume), "--trust-code", "--out", str(out / "result.json")]
     env = stubbed(tmp_path, SLURM_JOB_NODELIST="nodeA,nodeB", SLURM_JOB_ID="7", AUTOPAR_RDZV_ENDPOINT="h:1")
     for script, stub in (("node.sh", "torchrun"), ("sbatch.sh", "srun")):
         run = bash(out / script, env, tmp_path)

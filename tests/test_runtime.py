@@ -237,6 +237,13 @@ def test_a_rank_killed_without_a_report_is_named(tmp_path):
            "  exitcode  : -9 (pid: 12)\n============\n")
     assert _first_error(tmp_path, logs, log) == "rank 1 killed by signal 9: loading stage 1"
     assert _first_error(tmp_path, None, "torchrun: bad flag\n=====\n") == "torchrun: bad flag"
+    # A rank SIGKILLed without a report, the others failing on their lost connection (which
+    # torchrun may call the root cause): the kill comes first, then the first report.
+    (logs / "attempt_0" / "0" / "stderr.log").write_text("autopar: rank 0: RuntimeError: Connection reset by peer\n")
+    log = ("Failures:\n[1]:\n  rank      : 1 (local_rank: 1)\n  exitcode  : -9 (pid: 12)  (SIGKILL)\n"
+           "Root Cause (first observed failure):\n[0]:\n  rank      : 0 (local_rank: 0)\n  exitcode  : 1 (pid: 11)\n")
+    assert _first_error(tmp_path, logs, log) == ("rank 1 killed by signal 9 (SIGKILL); then rank 0: RuntimeError: "
+                                                 "Connection reset by peer")
 
 
 def test_rank_report_is_the_first_meaningful_line():

@@ -106,15 +106,18 @@ def test_selective_recompute_checkpoints_the_sdpa_call():
 
 @pytest.mark.slow
 def test_autopar_plan_then_run(tmp_path, references):
-    """``autopar plan`` on the factory file, then ``autopar run`` on the plan file: the losses
-    are one process's."""
+    """``autopar plan`` on the factory file, then ``autopar run --trust-code`` on the plan file:
+    the losses are one process's (without the flag, run and explain refuse the plan file)."""
     runner = CliRunner()
     out = tmp_path / "plan.json"
     res = runner.invoke(app, ["plan", "--model", NANO, "--cluster", "cpu-local", "--gpus", "2",
                               "--global-batch", "8", "--dtype", "fp32", "--tp", "2", "--out", str(out)])
     assert res.exit_code == 0, res.output
     assert json.loads(out.read_text())["mesh"]["tp"] == 2
-    res = runner.invoke(app, ["run", str(out), "--steps", str(STEPS), "--json"])
+    for command in ("run", "explain"):  # the plan file names a Python file: running it takes --trust-code
+        res = runner.invoke(app, [command, str(out)])
+        assert res.exit_code == 2 and "pass --trust-code" in res.stderr, res.output
+    res = runner.invoke(app, ["run", str(out), "--steps", str(STEPS), "--json", "--trust-code"])
     assert res.exit_code == 0, res.output
     losses = json.loads(res.stdout.strip().splitlines()[-1])["losses"]
     assert losses == pytest.approx(references[NANO][0].losses, abs=2e-6)

@@ -10,6 +10,7 @@ import json
 import os
 import re
 import shutil
+import signal
 import subprocess
 import sys
 import tempfile
@@ -19,6 +20,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
 
+from autopar.checkpoint_dir import resolve
 from autopar.data import open_corpus
 from autopar.errors import UserError
 from autopar.plan import Plan
@@ -32,9 +34,12 @@ class RunSpec:
     plan: Plan
     steps: int
     resume: Path | None = None
-    """A checkpoint directory (saved by any plan of the model) to start from."""
+    """A checkpoint (saved by any plan of the model), or a ``save`` directory (its latest), to start from."""
     save: Path | None = None
-    """Where to write a checkpoint after the last step."""
+    """The directory to write checkpoints into (``autopar.checkpoint_dir``): after the last step,
+    and every ``save_every`` steps."""
+    save_every: int = 0
+    """Save every this many steps too (0: after the last step only)."""
     phases: int = 0
     """Profile this many last steps (``runtime.phases``, for ``autopar calibrate``; the
     profiler slows them): ``RunResult.phases`` gets every rank's summary; 0: no profiling."""
@@ -68,9 +73,21 @@ _TORCHRUN_ENV = {"RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "GROUP_
 rank verifying a model's twin) must not join that job."""
 
 
+def _killed(log: str, reported: set[int]) -> str:
+    """``rank R killed by signal S; then `` for a rank that a signal ended without a report,
+    other than the SIGTERM/SIGINT torchrun stops the others with (torchrun may name a rank that
+    lost its connection to it as the root cause), else ''."""
+    for rank, code in re.findall(r"\brank\s*:\s*(\d+).*?\bexitcode\s*:\s*(-?\d+)", log, re.S):
+        if int(code) < 0 and -int(code) not in (signal.SIGTERM, signal.SIGINT) and int(rank) not in reported:
+            name = next((sig.name for sig in signal.Signals if sig == -int(code)), "?")
+            return f"rank {rank} killed by signal {-int(code)} ({name}); then "
+    return ""
+
+
 def _first_error(wd: Path, logs: Path | None, log: str) -> str:
-    """The one-line report of the rank that failed first (the earliest ``rank<R>.err``);
-    without one, the rank torchrun names as the root cause and its exit code or last line."""
+    """The one-line report of the rank that failed first (the earliest ``rank<R>.err``), after
+    a rank a signal killed first (``_killed``); without a report, the rank torchrun names as the
+    root cause and its exit code or last line."""
     reports = {}
     for rank, path in _rank_logs(logs).items():
         lines = [line for line in path.read_text(errors="replace").splitlines() if line.startswith("autopar: rank")]
@@ -80,7 +97,7 @@ def _first_error(wd: Path, logs: Path | None, log: str) -> str:
         def written(rank: int) -> float:
             err = wd / f"rank{rank}.err"
             return err.stat().st_mtime_ns if err.is_file() else float("inf")
-        return reports[min(reports, key=lambda r: (written(r), r))]
+        return _killed(log, set(reports)) + reports[min(reports, key=lambda r: (written(r), r))]
     root = log.rpartition("Root Cause")[2] or log  # torchrun's summary lists other failures first
     cause = re.search(r"\brank\s*:\s*(\d+).*?\bexitcode\s*:\s*(-?\d+)", root, re.S)
     if cause:
@@ -97,9 +114,14 @@ def _kept(wd: Path) -> str:
 
 
 def run_job(runs: list[RunSpec], *, workdir: Path | None = None, cfg: TrainConfig = TrainConfig(),
-            timeout_s: float = 600.0, threads_per_rank: int = 1,
+            timeout_s: float = 600.0, threads_per_rank: int = 1, max_restarts: int = 0, trust_code: bool = True,
             on_step: Callable[[int, float, float], None] | None = None) -> list[RunResult]:
     """Execute ``runs`` in turn in one torchrun job of their common size; one result each.
+
+    ``max_restarts``: torchrun restarts the workers after a failure (a killed rank) up to this
+    many times; a run with ``save`` resumes from its latest checkpoint (``runtime.worker``).
+    ``trust_code``: the workers may import a plan's Python file and load a checkpoint without
+    a manifest (the Python API is code already; ``autopar run`` passes its ``--trust-code``).
 
     Each rank's stdout and stderr go to their own files under ``<workdir>/logs`` (torchrun's
     ``--log-dir`` and ``--redirects 3``), a failing rank's traceback to ``rank<R>.err`` and
@@ -117,19 +139,23 @@ def run_job(runs: list[RunSpec], *, workdir: Path | None = None, cfg: TrainConfi
         run.plan.save(wd / f"plan{i}.json")
         entries.append({"plan": str(wd / f"plan{i}.json"), "steps": run.steps, "dump": run.dump, "phases": run.phases,
                         "resume": str(run.resume) if run.resume else None,
-                        "save": str(run.save) if run.save else None})
+                        "save": str(run.save) if run.save else None, "save_every": run.save_every})
     out = wd / "result.json"
     for stale in (out, *wd.glob("rank*.err")):  # from an earlier job in this workdir
         stale.unlink(missing_ok=True)
     earlier = set((wd / "logs").glob("*"))
     (wd / "job.json").write_text(json.dumps({"runs": entries, "out": str(out), "lr": cfg.lr, "optimizer": cfg.optimizer,
                                              "data": str(Path(cfg.data).absolute()) if cfg.data else None,
+                                             "trust_code": trust_code,
                                              "timeout_s": min(timeout_s, 300.0)}))
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={world}",
-           f"--log-dir={wd / 'logs'}", "--redirects=3",
+           f"--log-dir={wd / 'logs'}", "--redirects=3", f"--max-restarts={max_restarts}",
            "-m", "autopar.runtime.worker", "--job", str(wd / "job.json")]
     env = {**{k: v for k, v in os.environ.items() if k not in _TORCHRUN_ENV and not k.startswith("TORCHELASTIC_")},
-           "OMP_NUM_THREADS": str(threads_per_rank), "PYTHONWARNINGS": "ignore"}
+           "OMP_NUM_THREADS": str(threads_per_rank), "PYTHONWARNINGS": "ignore",
+           # torch 2.13 shares one TCPStore across restarts, where gloo finds the killed attempt's
+           # addresses ("Connection refused"): a store per rendezvous round.
+           "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"}
     with subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env) as proc:
         try:
             log = _wait(proc, timeout_s, wd / "logs", earlier, on_step)
@@ -163,12 +189,15 @@ def _wait(proc: subprocess.Popen, timeout_s: float, logs: Path, earlier: set[Pat
     chunks: list[str] = []
     reader = threading.Thread(target=lambda: chunks.extend(proc.stdout or ()), daemon=True)
     reader.start()
-    deadline, seen = time.monotonic() + timeout_s, 0
+    deadline, seen, shown_from = time.monotonic() + timeout_s, 0, None
     while True:
         done = proc.poll() is not None
         runs = sorted(set(logs.glob("*")) - earlier)
-        rank0 = runs[-1] / "attempt_0" / "0" / "stdout.log" if runs else None
+        attempts = sorted(runs[-1].glob("attempt_*"), key=lambda p: int(p.name.rpartition("_")[2])) if runs else []
+        rank0 = attempts[-1] / "0" / "stdout.log" if attempts else None
         if rank0 is not None and rank0.is_file():
+            if rank0 != shown_from:  # a restart: its steps from the checkpoint on
+                shown_from, seen = rank0, 0
             lines = [line.split() for line in rank0.read_text().splitlines() if line.startswith("step ")]
             for words in lines[seen:]:
                 on_step(int(words[1].rstrip(":")), float(words[3]), float(words[4]))
@@ -181,21 +210,19 @@ def _wait(proc: subprocess.Popen, timeout_s: float, logs: Path, earlier: set[Pat
         time.sleep(0.2)
 
 
-def check_resume(resume: Path) -> None:
-    """A ``UserError`` unless ``resume`` is a checkpoint directory."""
-    if not (Path(resume) / ".metadata").is_file():
-        raise UserError(f"{resume} is not a checkpoint (no .metadata); write one with `autopar run --save DIR`")
-
-
-def run_plan(plan: Plan, steps: int, *, resume: Path | None = None, save: Path | None = None,
-             cfg: TrainConfig = TrainConfig(),
+def run_plan(plan: Plan, steps: int, *, resume: Path | None = None, save: Path | None = None, save_every: int = 0,
+             max_restarts: int = 0, trust_code: bool = True, cfg: TrainConfig = TrainConfig(),
              on_step: Callable[[int, float, float], None] | None = None) -> RunResult:
     """Train ``plan`` locally for ``steps`` optimizer steps (``autopar run``), on ``cfg.data``
-    (a token file, checked before anything starts) or synthetic tokens."""
+    (a token file, checked before anything starts) or synthetic tokens; ``resume``'s checksums
+    are verified before any rank starts."""
     if steps < 1:
         raise UserError(f"--steps must be at least 1, got {steps}")
+    if save_every < 0:
+        raise UserError(f"--save-every must be at least 0, got {save_every}")
     if resume is not None:
-        check_resume(resume)
+        resolve(resume, trust_code=trust_code)
     if cfg.data is not None:
         open_corpus(cfg.data, plan.seq_len)
-    return run_job([RunSpec(plan=plan, steps=steps, resume=resume, save=save)], cfg=cfg, on_step=on_step)[0]
+    return run_job([RunSpec(plan=plan, steps=steps, resume=resume, save=save, save_every=save_every)], cfg=cfg,
+                   max_restarts=max_restarts, trust_code=trust_code, on_step=on_step)[0]
