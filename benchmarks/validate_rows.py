@@ -294,12 +294,22 @@ DOCUMENTED = {"dgx-h100": ("flash2",), "dgx-a100-80g": ("cudnn",), "dgx-a100-40g
 (its notes say which): usable as out-of-sample priors."""
 
 
+KERNEL_PRIORS = {"triton": ("flash2", 1.83)}
+"""Documented speed of a kernel relative to another, as (reference kernel, slowdown): MPT /
+llm-foundry's Triton FlashAttention (FlashAttention-1's algorithm written in Triton) is
+"around 1.3-1.5x" slower than FlashAttention-2 in the forward pass and "around 2x" in the
+backward (Dao 2023, arXiv:2307.08691, section 4.1, A100); with the backward's 2.5x the
+forward's FLOPs, (1.4 + 2.5 x 2) / 3.5 = 1.83x over both. A prior for a held-out source whose
+kernel no other source runs, never fitted."""
+
+
 def loso(sources: list[Source], models: Models) -> list[Result]:
     """Each source predicted with constants fitted on the others. A kernel's efficiency that
     only the held-out source pins is replaced by what the others give the same chip: another
     fitted kernel's value, else a documented one (``DOCUMENTED``); a family the others do not
     price at all takes the fitted fractions of the first family they do (``FAMILIES`` order),
-    so no held-out row is priced with a constant it determined."""
+    so no held-out row is priced with a constant it determined. A kernel with a documented speed
+    relative to a known one (``KERNEL_PRIORS``) takes that instead of the generic prior."""
     out = []
     for held in sources:
         rest = [s for s in sources if s.source != held.source]
@@ -320,7 +330,11 @@ def loso(sources: list[Source], models: Models) -> list[Result]:
                 hw = hws[name]
                 known = [k for k in fitted] + list(DOCUMENTED.get(name, ()))
                 prior = hw.attention_eff(known[0]) if known else hw.matmul_efficiency
-                attn = {k: (v if k in known else prior) for k, v in hw.attention_efficiency.items()}
+
+                def unknown(kernel: str) -> float:
+                    ref, slowdown = KERNEL_PRIORS.get(kernel, ("", 1.0))
+                    return hw.attention_eff(ref) / slowdown if ref in known else prior
+                attn = {k: (v if k in known else unknown(k)) for k, v in hw.attention_efficiency.items()}
                 hws[name] = dataclasses.replace(hw, attention_efficiency=attn)
         out += evaluate([held], hws, models)
     return out

@@ -72,14 +72,13 @@ def held_out():
                          MODELS)
 
 
-@pytest.mark.xfail(strict=True, reason="llm-foundry is the only source that ran FlashAttention's "
-                   "Triton kernel: held out, its rows take the cuDNN/flash2 efficiency instead "
-                   "(0.56 vs 0.16 on H100), so its long-sequence rows come out up to 2.4x fast "
-                   "(median 10.4 % over all rows; `validate_rows.py --loso --by-table` leaves one "
-                   "published table out instead)")
 def test_leave_one_source_out_median_within_8_percent(held_out):
+    """Held out, llm-foundry (the only source that ran FlashAttention's Triton kernel) prices it
+    at flash2's efficiency over its documented slowdown (``validate_rows.KERNEL_PRIORS``): no
+    long-sequence row is off by more than a third (it was 2.4x with flash2's own efficiency)."""
     errors = [abs(r.error) for r in validate.priced(held_out)]
     assert statistics.median(errors) <= 8.0
+    assert max(abs(r.error) for r in validate.priced(held_out) if r.source == "llmfoundry") <= 33.0
 
 
 def test_leave_one_source_out_every_source_but_the_single_h100_one_within_8_percent(held_out):
