@@ -357,7 +357,8 @@ def profile(ranks: int = typer.Option(4, "--ranks", help="Processes to measure a
             name: Optional[str] = typer.Option(None, "--name", help="The profile's name (default: --out's stem)"),
             as_json: bool = JSON) -> None:
     """Measure this machine as a cluster (GEMMs, memory bandwidth, per-op dispatch, collectives
-    fitted to the cost model's α-β law) and write a hardware profile for --cluster."""
+    fitted to the cost model's α-β law, then a reference training run's efficiencies) and write a
+    hardware profile for --cluster."""
     def body() -> None:
         from rich.progress import Progress
         from autopar.profile import PHASES, profile_machine
@@ -374,7 +375,10 @@ def profile(ranks: int = typer.Option(4, "--ranks", help="Processes to measure a
         table = Table("figure", "value", title=f"{result['name']}: {result['device']} x {ranks}")
         tier = result["intra_node"]
         for key, value in (("peak TFLOP/s", result["peak_tflops"]), ("matmul efficiency", result["matmul_efficiency"]),
-                           ("memory GB/s", result["hbm_bw_gbps"]), ("dispatch us/op", result["kernel_dispatch_us"]),
+                           ("memory GB/s", result["hbm_bw_gbps"]),
+                           ("element-wise efficiency (reference run)", round(result["memory_efficiency"], 4)),
+                           ("optimizer efficiency (reference run)", round(result["optimizer_memory_efficiency"], 4)),
+                           ("dispatch us/op", result["kernel_dispatch_us"]),
                            ("collective alpha us/step", tier["latency_us"]), ("bus GB/s", tier["bw_gbps"]),
                            ("p2p GB/s", tier["p2p_bw_gbps"])):
             table.add_row(key, str(value))

@@ -11,6 +11,12 @@ sees while the others run. Each rank times (medians of repeats):
 - all-reduce, reduce-scatter and all-gather over the whole group at message sizes from 4 B to
   16 MiB, and point-to-point send/recv between pairs.
 
+Then a reference transformer (``REFERENCE``: a small GPT, data-parallel over every rank) trains
+a few steps under the new profile and ``autopar.calibrate`` refits its efficiencies to it (the
+GEMM rate inside a training step, the optimizer's and the element-wise throughput, where the
+host time of small operators lands): micro-benchmarks miss what a real step does between its
+GEMMs. The user's own plans are out of sample; ``autopar calibrate PLAN`` fits one of them.
+
 The collectives are fitted, by non-negative least squares over every size and kind at once,
 to the cost model's own α-β formulas (``cost_models.comm``): t = a(n, bytes)·α + b(n, bytes)/β,
 where a and b are what those formulas give for α = 1 s, β = ∞ and for α = 0, β = 1 B/s. The
@@ -28,13 +34,21 @@ import sys
 import tempfile
 import time
 from pathlib import Path
-from typing import Callable
+from typing import TYPE_CHECKING, Callable
 
 import numpy as np
 
 from autopar.errors import UserError
 
-PHASES = ("gemm", "memory", "dispatch", "collectives", "p2p")
+if TYPE_CHECKING:
+    from autopar.plan import Plan
+
+PHASES = ("gemm", "memory", "dispatch", "collectives", "p2p", "reference")
+REFERENCE = {"cpu": ("gpt:layers=4,hidden=256,heads=4,vocab=1024,seq=128,tied=0", 4),
+             "cuda": ("gpt:layers=8,hidden=2048,heads=16,vocab=32000,seq=2048,tied=0", 2)}
+"""The reference transformer per device type and its micro-batch per rank (one micro-batch)."""
+REFERENCE_STEPS = 10
+"""Steps of the reference run: 2 warm-up, 5 timed, 3 profiled (``autopar.calibrate``)."""
 SIZES = tuple(4 ** k for k in range(1, 13))
 """Collective message sizes, bytes: 4 B to 16 MiB."""
 SHAPES = ((512, 128, 384), (512, 128, 512), (512, 512, 128), (2048, 512, 2048), (2048, 2048, 512))
@@ -249,9 +263,35 @@ def profile_machine(ranks: int, out: Path, name: str, on_phase: Callable[[str], 
         if proc.returncode != 0 or not result.is_file():
             tail = [line.strip() for line in log if line.strip()][-1:] or ["no output"]
             raise UserError(f"profiling failed: {tail[0]}")
-        profile = json.loads(result.read_text())
+        on_phase("reference")
+        profile = calibrated(result, ranks, command)
     out.write_text(json.dumps(profile, indent=2) + "\n")
     return profile
+
+
+def reference_plan(profile_file: Path, ranks: int) -> "Plan":
+    """The reference transformer (``REFERENCE``) data-parallel over ``ranks``, priced on the
+    profile in ``profile_file``."""
+    from autopar.plan import Mesh, Plan
+    from autopar.spec import parse_model_spec
+    data = json.loads(profile_file.read_text())
+    model, mbs = REFERENCE["cpu" if data.get("launcher") == "gloo" else "cuda"]
+    spec = parse_model_spec(model)
+    return Plan(model=model, cluster=str(profile_file), gpus=ranks, global_batch=mbs * ranks, seq_len=spec.seq,
+                dtype=next(iter(data["peak_tflops"])), mesh=Mesh(dp=ranks), zero_stage=0, micro_batch_size=mbs,
+                num_microbatches=1, schedule="1f1b", stage_layers=(spec.layers,), recompute=("none",) * spec.layers)
+
+
+def calibrated(profile_file: Path, ranks: int, command: str) -> dict:
+    """The profile in ``profile_file`` refitted to a run of the reference plan (``calibrate``)."""
+    import dataclasses
+    from autopar.calibrate import calibrate_plan
+    plan = reference_plan(profile_file, ranks)
+    cal = calibrate_plan(plan, REFERENCE_STEPS, 2, f"`{command}` (reference {plan.model}, dp {ranks}, "
+                                                   f"micro-batch {plan.micro_batch_size})")
+    out = dataclasses.asdict(cal.profile)
+    out["notes"]["source"] += "; then calibrated on a reference run (notes.calibrated)"
+    return out
 
 
 if __name__ == "__main__":
