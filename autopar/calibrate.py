@@ -41,7 +41,7 @@ from typing import Callable
 from autopar.errors import UserError
 from autopar.plan import Plan
 from cost_models import HardwareProfile, ModelProfile, estimate
-from cost_models.compute import block_gemms, gemm_s
+from cost_models.compute import block_gemms, elem_bytes, gemm_s
 from cost_models.strategy import Estimate
 
 LOW = 1e-3
@@ -118,8 +118,7 @@ def _gemm_tflops(model: ModelProfile, hw: HardwareProfile, plan: Plan) -> float:
     """The GEMM rate ``hw`` predicts for one block's weight GEMMs of ``plan``, TFLOP/s."""
     strat = plan.strategy()
     weights, _ = block_gemms(model, strat)
-    return sum(g.flops for g in weights) / sum(gemm_s(g, hw, strat.dtype, 4 if strat.dtype == "fp32" else 2)
-                                               for g in weights) / 1e12
+    return sum(g.flops for g in weights) / sum(gemm_s(g, hw, strat.dtype, elem_bytes(strat)) for g in weights) / 1e12
 
 
 def _solve(value: Callable[[float], float], target: float, old: float) -> tuple[float, str]:
@@ -182,7 +181,7 @@ def phases(before: Estimate, run: Measured, after: Estimate) -> tuple[Phase, ...
             Phase(name="step", before_s=before.step_time_s, measured_s=run.step_s, after_s=after.step_time_s))
 
 
-def calibrate(plan: Plan, model: ModelProfile, hw: HardwareProfile, steps: int, warmup: int,
+def calibrate(plan: Plan, model: ModelProfile, hw: HardwareProfile, warmup: int,
               run_fn: Callable[[], tuple[list[float], tuple[dict[str, float], ...]]],
               source: str) -> Calibration:
     """Run the plan (``run_fn``: its step times and every rank's phase summary), refit ``hw``
@@ -220,4 +219,4 @@ def calibrate_plan(plan: Plan, steps: int, warmup: int, source: str) -> Calibrat
     def run_fn() -> tuple[list[float], tuple[dict[str, float], ...]]:
         (result,) = run_job([RunSpec(plan=plan, steps=steps, phases=PROFILED)])
         return result.step_times_s, result.phases
-    return calibrate(plan, profile_spec(job.spec), job.hw, steps, warmup, run_fn, source)
+    return calibrate(plan, profile_spec(job.spec), job.hw, warmup, run_fn, source)
