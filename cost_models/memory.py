@@ -36,7 +36,10 @@ from cost_models.recipe import Attention
 from cost_models.strategy import Strategy
 
 DDP_BUCKET_BYTES = 25e6
-"""PyTorch DDP's default gradient bucket; two are live (one reducing, one filling)."""
+"""PyTorch DDP's default gradient bucket size: under ZeRO 1-2 two are live (one reducing, one
+filling). Under ZeRO-0 the gradients themselves live in the buckets (Megatron's contiguous
+gradient buffer; torch DDP with ``gradient_as_bucket_view``, as autopar's runtime builds it),
+so the buckets add nothing to the states."""
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -217,7 +220,8 @@ def base_buffer_bytes(model: ModelProfile, hw: HardwareProfile, strat: Strategy)
 
     - hw.reserve_gib (CUDA context, library workspaces) and hw.nccl_gib_per_group per
       communicator;
-    - data-parallel buffers: two 25 MB DDP buckets (ZeRO 0-2, dp > 1), or for ZeRO-3 the
+    - data-parallel buffers: two 25 MB buckets (ZeRO 1-2, dp > 1; under ZeRO-0 the gradients
+      are the buckets), or for ZeRO-3 the
       gathered compute-dtype weights of two blocks (current and prefetched) and the unsharded
       gradients of one block before its reduce-scatter;
     - with offload under ZeRO 2, the unsharded gradients of one block before their
@@ -228,7 +232,7 @@ def base_buffer_bytes(model: ModelProfile, hw: HardwareProfile, strat: Strategy)
     if strat.dp > 1:
         if strat.zero >= 3:
             total += layer_params(model, strat) * (2 * gather_bytes(strat) + lay.grad)
-        else:
+        elif strat.zero > 0:
             total += 2 * DDP_BUCKET_BYTES
             if strat.offload and strat.zero == 2:
                 total += layer_params(model, strat) * lay.grad

@@ -231,7 +231,8 @@ def apply_data_parallel(model: nn.Module, plan: Plan, ctx: ParallelContext, anat
     if plan.mesh.dp == 1:
         return model
     if uses_ddp(plan):
-        return DistributedDataParallel(model, process_group=ctx.group(Axis.DP),
+        # Gradients as views of DDP's buckets: no second copy of them (the cost model keeps none).
+        return DistributedDataParallel(model, process_group=ctx.group(Axis.DP), gradient_as_bucket_view=True,
                                        device_ids=[ctx.device.index] if ctx.device.type == "cuda" else None)
     dtype = DTYPES[plan.dtype]
     kw: dict = dict(mesh=ctx.submesh(Axis.DP),
