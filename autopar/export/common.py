@@ -197,8 +197,8 @@ class Priced:
 
 
 def strategy(plan: Plan, recipe: ExecutionRecipe) -> Strategy:
-    """``Plan.strategy`` with what it leaves out (CPU offload, mesh order) and ``recipe``."""
-    return dataclasses.replace(plan.strategy(), offload=plan.offload, axis_order=plan.axis_order, recipe=recipe)
+    """``Plan.strategy`` priced under ``recipe``."""
+    return dataclasses.replace(plan.strategy(), recipe=recipe)
 
 
 _PRICED = ("model", "cluster", "gpus", "global_batch", "seq_len", "dtype", "mesh", "zero_stage", "micro_batch_size",
