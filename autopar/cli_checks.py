@@ -8,17 +8,17 @@ from pathlib import Path
 
 from autopar.errors import UserError
 from autopar.limits import MAX_GLOBAL_BATCH, MAX_GPUS, MAX_LAYERS, check_count
-from autopar.plan import AXES
+from cost_models.axes import Axis, parse_order
 
 
-def parse_axis_order(text: str | None) -> tuple[str, ...] | None:
-    """``--axis-order pp,dp,tp`` as a tuple; a wrong list is a one-line error."""
+def parse_axis_order(text: str | None) -> tuple[Axis, ...] | None:
+    """``--axis-order pp,dp,tp`` as an axis order; a wrong list is a one-line error."""
     if text is None:
         return None
-    order = tuple(a.strip() for a in text.split(","))
-    if sorted(order) != sorted(AXES):
-        raise UserError(f"--axis-order {text!r} must list {', '.join(AXES)} once each, outermost first")
-    return order
+    try:
+        return parse_order(a.strip() for a in text.split(","))
+    except ValueError as exc:
+        raise UserError(f"--axis-order {text!r} {exc}") from None
 
 
 def check_pins(**pins: int | None) -> None:

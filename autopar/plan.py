@@ -13,12 +13,14 @@ import os
 import types
 import typing
 from dataclasses import dataclass
+from enum import Enum
 from pathlib import Path
 
 from autopar.errors import UserError
 from autopar.layout import Anatomy
 from autopar.limits import (MAX_GLOBAL_BATCH, MAX_GPUS, MAX_LAYERS, MAX_SEQ, check_count, is_int,
                             shown)
+from cost_models.axes import DEFAULT_ORDER, Axis, Degrees, parse_order
 from cost_models.jsonfile import JsonFileError, decode_json
 from cost_models.recipe import ExecutionRecipe, RecipeError, load_recipe
 from cost_models.strategy import RECOMPUTE, SCHEDULES, Estimate, Strategy
@@ -27,8 +29,6 @@ if typing.TYPE_CHECKING:
     from autopar.spec import ModelSpec
 
 PLAN_VERSION = 1
-AXES = ("pp", "dp", "tp")
-"""The mesh axes the runtime builds, in Megatron's rank order (outermost first)."""
 DTYPES = ("bf16", "fp16", "fp32")
 """Training dtypes the runtime has (``autopar.runtime.context.DTYPES``)."""
 FEATURES = ("dp", "tp", "sp", "pp", "selective")
@@ -38,18 +38,23 @@ MAX_PLAN_BYTES = 64 << 20
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
-class Mesh:
-    """Degrees of the device-mesh axes; their product is the number of devices."""
+class Mesh(Degrees):
+    """Degrees of the device-mesh axes; their product (``size``) is the number of devices.
+    Beside every ``Axis``, the context- and expert-parallel degrees that ``autopar export``
+    writes for other frameworks; autopar's cost model and runtime have neither yet, and every
+    plan autopar makes has cp = ep = 1 (``Plan.check_model``)."""
 
-    dp: int = 1
-    tp: int = 1
-    pp: int = 1
     cp: int = 1
     ep: int = 1
 
-    @property
-    def size(self) -> int:
-        return self.dp * self.tp * self.pp * self.cp * self.ep
+    @classmethod
+    def of(cls, degrees: Degrees) -> Mesh:
+        """The mesh of ``degrees`` (cp = ep = 1)."""
+        return cls(**{axis.value: degrees[axis] for axis in Axis})
+
+    def degrees(self) -> Degrees:
+        """The degree of each ``Axis`` (what the cost model and the runtime read)."""
+        return Degrees(**{axis.value: self[axis] for axis in Axis})
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -80,7 +85,7 @@ class Plan:
     """Recompute mode of each transformer block: none, selective or full."""
     offload: bool = False
     """Optimizer state and master weights kept in host memory."""
-    axis_order: tuple[str, ...] = AXES
+    axis_order: tuple[Axis, ...] = DEFAULT_ORDER
     """Mesh axes from outermost to innermost: ranks that differ only in the last axis are
     consecutive (share a node first). Megatron's order is pp, dp, tp."""
     recipe: str = "autopar"
@@ -108,8 +113,6 @@ class Plan:
         if len(self.recompute) != sum(self.stage_layers):
             raise UserError(f"plan has {len(self.recompute)} recompute entries for "
                             f"{sum(self.stage_layers)} layers")
-        if sorted(self.axis_order) != sorted(AXES):
-            raise UserError(f"plan axis_order {self.axis_order} must order the axes {', '.join(AXES)}")
         per_step = self.mesh.dp * self.micro_batch_size * self.num_microbatches
         if per_step != self.global_batch:
             raise UserError(f"plan dp x micro_batch_size x num_microbatches = {per_step} "
@@ -128,8 +131,8 @@ class Plan:
         check_count("plan gpus", self.gpus, MAX_GPUS)
         check_count("plan global_batch", self.global_batch, MAX_GLOBAL_BATCH)
         check_count("plan seq_len", self.seq_len, MAX_SEQ)
-        for axis in ("dp", "tp", "pp", "cp", "ep"):
-            check_count(f"plan mesh.{axis}", getattr(self.mesh, axis), MAX_GPUS)
+        for f in dataclasses.fields(self.mesh):
+            check_count(f"plan mesh.{f.name}", getattr(self.mesh, f.name), MAX_GPUS)
         check_count("plan micro_batch_size", self.micro_batch_size, MAX_GLOBAL_BATCH)
         check_count("plan num_microbatches", self.num_microbatches, MAX_GLOBAL_BATCH)
         check_count("plan virtual_stages", self.virtual_stages, MAX_LAYERS)
@@ -151,9 +154,12 @@ class Plan:
         if bad:
             raise UserError(f"plan recompute modes {', '.join(map(shown, bad))} are not "
                             f"{', '.join(RECOMPUTE)}")
-        if sorted(self.axis_order) != sorted(AXES):
-            raise UserError(f"plan axis_order {shown(self.axis_order)} must order the axes "
-                            f"{', '.join(AXES)} once each")
+        try:  # names ("pp", ...) become members
+            object.__setattr__(self, "axis_order", parse_order(self.axis_order))
+        except ValueError:
+            given = tuple(str(a) if isinstance(a, str) else a for a in self.axis_order)
+            raise UserError(f"plan axis_order {shown(given)} must order the axes "
+                            f"{', '.join(Axis)} once each") from None
         checks = [c for c, _ in self.verified]
         if any(c not in FEATURES for c in checks) or len(set(checks)) != len(checks):
             raise UserError(f"plan verified must name each of the checks {', '.join(FEATURES)} at most "
@@ -211,7 +217,7 @@ class Plan:
             per_rank.append(tuple(modes.count(m) for m in RECOMPUTE))
         totals = [self.recompute.count(m) for m in RECOMPUTE]
         nominal = RECOMPUTE[max(range(len(RECOMPUTE)), key=lambda i: (totals[i], -i))]
-        return Strategy(dp=self.mesh.dp, tp=self.mesh.tp, pp=pp, zero=self.zero_stage,
+        return Strategy(mesh=self.mesh.degrees(), zero=self.zero_stage,
                         micro_batch=self.micro_batch_size, num_microbatches=self.num_microbatches,
                         schedule=self.schedule, virtual_stages=self.virtual_stages,
                         sequence_parallel=self.sequence_parallel, recompute=nominal,
@@ -292,6 +298,11 @@ def rebuild(tp: typing.Any, value: typing.Any, where: str) -> typing.Any:
         if not math.isfinite(number):
             raise UserError(f"{where} must be a finite number, got {shown(value)}")
         return number
+    if isinstance(tp, type) and issubclass(tp, Enum):
+        names = [m.value for m in tp]
+        if value not in names:
+            raise UserError(f"{where} must be one of {', '.join(map(str, names))}, got {shown(value)}")
+        return tp(value)
     if tp is str:
         if not isinstance(value, str):
             raise UserError(f"{where} must be a string, got {shown(value)}")

@@ -15,6 +15,7 @@ from autopar.spec import ModelSpec, parse_model_spec, with_seq
 from autopar.layout import Anatomy
 from autopar.profiles import profile_and_layout, profile_spec, shaped_spec
 from cost_models import HardwareProfile, ModelProfile, ProfileError, Strategy, estimate, load_profile
+from cost_models.axes import Degrees
 from cost_models.estimate import even_stage_layers
 from cost_models.recipe import DEFAULT_RECIPE, ExecutionRecipe, RecipeError, load_recipe
 from cost_models.strategy import RECOMPUTE, Estimate
@@ -91,8 +92,8 @@ def layer_layout(strat: Strategy, layers: int) -> tuple[tuple[int, ...], tuple[s
     """
     loads = strat.stage_recompute or tuple(
         tuple(n if m == strat.recompute else 0 for m in RECOMPUTE) for n in
-        (strat.stage_layers or even_stage_layers(layers, strat.pp)))
-    v, pp = strat.virtual_stages, strat.pp
+        (strat.stage_layers or even_stage_layers(layers, strat.mesh.pp)))
+    v, pp = strat.virtual_stages, strat.mesh.pp
     chunks: dict[int, list[str]] = {}
     for r, counts in enumerate(loads):
         modes = [m for m, k in zip(RECOMPUTE, counts) for _ in range(k)]
@@ -116,7 +117,7 @@ def plan_from_strategy(job: Job, strat: Strategy, est: Estimate | None,
     stage_layers, recompute = layer_layout(strat, job.spec.layers)
     return Plan(model=job.spec.name, cluster=job.cluster, gpus=job.gpus,
                 global_batch=job.global_batch, seq_len=job.seq_len, dtype=job.dtype,
-                mesh=Mesh(dp=strat.dp, tp=strat.tp, pp=strat.pp), zero_stage=strat.zero,
+                mesh=Mesh.of(strat.mesh), zero_stage=strat.zero,
                 micro_batch_size=strat.micro_batch, num_microbatches=strat.num_microbatches,
                 schedule=strat.schedule, virtual_stages=strat.virtual_stages,
                 sequence_parallel=strat.sequence_parallel, stage_layers=stage_layers,
@@ -197,7 +198,7 @@ def fixed_strategy(job: Job, *, tp: int, pp: int, dp: int | None, zero: int, mic
         raise UserError(f"--vpp {virtual_stages} x --pp {pp} does not divide the model's "
                         f"{job.spec.layers} layers into equal chunks")
     try:
-        return Strategy(dp=dp, tp=tp, pp=pp, zero=zero, micro_batch=micro_batch,
+        return Strategy(mesh=Degrees(dp=dp, tp=tp, pp=pp), zero=zero, micro_batch=micro_batch,
                         num_microbatches=job.global_batch // (dp * micro_batch),
                         schedule=schedule, virtual_stages=virtual_stages,
                         sequence_parallel=sequence_parallel and tp > 1,

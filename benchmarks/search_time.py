@@ -56,12 +56,6 @@ TABLE1 = [("megatron-1.7b", 1, 1, 32, 512), ("megatron-3.6b", 2, 1, 64, 512),
           ("megatron-529.6b", 8, 35, 2520, 2520), ("megatron-1t", 8, 64, 3072, 3072)]
 
 
-def _describe(s) -> str:
-    """The plan, with its mesh axis order when it is not Megatron's (pp, dp, tp)."""
-    order = "" if s.axis_order == ("pp", "dp", "tp") else f" order={','.join(s.axis_order)}"
-    return describe(s) + order
-
-
 def plan_process(model: str, cluster: str, gpus: int, batch: int, seq: int | None,
                  time_limit: float) -> tuple[float, dict]:
     """Wall time of one whole ``autopar plan --json`` process, and its JSON (``$AUTOPAR_CACHE``
@@ -95,7 +89,7 @@ def time_jobs(repeats: int, time_limit: float) -> None:
         met = "-" if target is None else ("yes" if wall <= target else "no")
         print(f"{label:45s} {cold:6.2f} {wall:6.2f} {'-' if target is None else f'{target:g}':>6s} {met:>3s} "
               f"{statistics.median(times):8.2f} {sol.candidates:10d} {sol.solved:6d} {sol.gap:6.1%}  "
-              f"{_describe(sol.strategy)}  {sol.estimate.tflops_per_gpu:.0f} TFLOP/s, MFU {sol.estimate.mfu:.1%}")
+              f"{describe(sol.strategy)}  {sol.estimate.tflops_per_gpu:.0f} TFLOP/s, MFU {sol.estimate.mfu:.1%}")
 
 
 def time_limited(limit: float) -> None:
@@ -132,7 +126,7 @@ def compare_table1() -> None:
         except (ValueError, UserError) as exc:  # the published split may not fit this cost model's memory
             ref, ratio = f"{'(' + str(exc)[:17] + ')':>20s}", "   n/a"
         print(f"{preset:18s} {f'({tp},{pp})':>18s} {ref} {free.estimate.tokens_per_s:12,.0f} {ratio} "
-              f"{took:8.2f} {free.gap:5.1%}  {_describe(free.strategy)}")
+              f"{took:8.2f} {free.gap:5.1%}  {describe(free.strategy)}")
 
 
 def main() -> None:

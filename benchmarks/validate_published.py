@@ -43,7 +43,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from cost_models import (HardwareProfile, ModelProfile, Strategy, estimate, load_profile,  # noqa: E402
+from cost_models import (Degrees, HardwareProfile, ModelProfile, Strategy, estimate, load_profile,  # noqa: E402
                          stage_costs)
 from cost_models.estimate import layer_pass_times  # noqa: E402
 from cost_models.memory import state_bytes  # noqa: E402
@@ -128,13 +128,13 @@ def _schedule(pp: int, chunks: int) -> dict:
 def narayanan_strategy(row: tuple) -> Strategy:
     _, _, _, _, tp, pp, gpus, batch, mbs, chunks, _ = row
     dp = gpus // (tp * pp)
-    return Strategy(dp=dp, tp=tp, pp=pp, micro_batch=mbs, num_microbatches=batch // (dp * mbs),
+    return Strategy(mesh=Degrees(dp=dp, tp=tp, pp=pp), micro_batch=mbs, num_microbatches=batch // (dp * mbs),
                     recompute="full", recipe=load_recipe("megatron-2021"), **_schedule(pp, chunks))
 
 
 def korthikanti_strategy(row: tuple, recompute: str, sp: bool) -> Strategy:
     _, _, _, _, tp, pp, batch, mbs, chunks, _, _ = row
-    return Strategy(tp=tp, pp=pp, micro_batch=mbs, num_microbatches=batch // mbs,
+    return Strategy(mesh=Degrees(tp=tp, pp=pp), micro_batch=mbs, num_microbatches=batch // mbs,
                     recompute=recompute, sequence_parallel=sp, recipe=load_recipe("megatron-core"),
                     **_schedule(pp, chunks))
 
@@ -181,7 +181,7 @@ def memory_rows(hw: HardwareProfile) -> list[Row]:
                             predicted=nbytes / 2**30))
     zero = load_recipe("megatron-2021")  # the ZeRO paper's fp16 layout, 2 + 2 + 12
     rows += [Row(source="ZeRO T1 GB", row=f"{p / 1e9:g}B dp{dp} z{z}", published=gb,
-                 predicted=state_bytes(p, Strategy(dp=dp, zero=z, recipe=zero)).total / 1e9)
+                 predicted=state_bytes(p, Strategy(mesh=Degrees(dp=dp), zero=z, recipe=zero)).total / 1e9)
              for p, dp, z, gb in ZERO_T1]
     return rows
 

@@ -36,7 +36,7 @@ from published_rows import Row as DataRow, Source, load_sources  # noqa: E402
 
 from autopar.errors import UserError  # noqa: E402
 from autopar.spec import parse_model_spec, with_seq  # noqa: E402
-from cost_models import HardwareProfile, ModelProfile, Strategy, estimate, load_profile  # noqa: E402
+from cost_models import Degrees, HardwareProfile, ModelProfile, Strategy, estimate, load_profile  # noqa: E402
 from cost_models.estimate import model_flops_per_step  # noqa: E402
 from cost_models.hardware import ProfileError  # noqa: E402
 from cost_models.recipe import load_recipe  # noqa: E402
@@ -127,7 +127,7 @@ def skip_reason(src: Source, row: DataRow) -> str:
 
 def row_strategy(row: DataRow, layers: int, recipe: str) -> Strategy:
     """The row's layout as the fixed strategy ``autopar estimate`` would build."""
-    strat = Strategy(dp=row.dp, tp=row.tp, pp=row.pp, zero=row.zero, micro_batch=row.micro_batch,
+    strat = Strategy(mesh=Degrees(dp=row.dp, tp=row.tp, pp=row.pp), zero=row.zero, micro_batch=row.micro_batch,
                      num_microbatches=row.global_batch // (row.dp * row.micro_batch),
                      sequence_parallel=row.sequence_parallel, recompute=row.recompute,
                      dtype=row.dtype, fp8=row.fp8, recipe=load_recipe(recipe),

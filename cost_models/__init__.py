@@ -4,6 +4,7 @@
 evaluates exactly them for one placement. See ``cost_models.stages`` for the formulas.
 """
 
+from cost_models.axes import Axis, Degrees
 from cost_models.estimate import estimate, even_stage_layers, model_flops_per_step, stage_costs
 from cost_models.hardware import HardwareProfile, LinkTier, ProfileError, load_profile
 from cost_models.model_profile import ModelProfile
@@ -11,7 +12,7 @@ from cost_models.stages import StageCosts
 from cost_models.strategy import Estimate, Strategy
 
 __all__ = [
-    "Estimate", "HardwareProfile", "LinkTier", "ModelProfile", "ProfileError", "StageCosts",
+    "Axis", "Degrees", "Estimate", "HardwareProfile", "LinkTier", "ModelProfile", "ProfileError", "StageCosts",
     "Strategy", "estimate", "even_stage_layers", "load_profile", "model_flops_per_step",
     "stage_costs",
 ]

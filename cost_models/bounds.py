@@ -40,7 +40,7 @@ def least_memory_costs(model: ModelProfile, hw: HardwareProfile, strat: Strategy
     block, first, last = (memory.layer_params(model, s), memory.first_params(model, s),
                           memory.last_params(model, s))
     return StageCosts(
-        pp=s.pp, nominal=0, mode_time_s=(0.0,) * len(RECOMPUTE), first_time_s=0.0,
+        pp=s.mesh.pp, nominal=0, mode_time_s=(0.0,) * len(RECOMPUTE), first_time_s=0.0,
         last_time_s=0.0, p2p_time_s=0.0, mode_dp_time_s=(0.0,) * len(RECOMPUTE),
         first_dp_time_s=0.0, last_dp_time_s=0.0,
         layer_static_bytes=memory.state_bytes(block, s).total,

@@ -9,7 +9,7 @@ small messages at scale); all-to-all sends ``(n-1)/n`` of the buffer in ``n-1`` 
 always the full (unsharded) buffer size. Times in seconds, sizes in bytes.
 
 Rank order is ``Strategy.axis_order`` (outermost first; Megatron's default: pp, dp, tp, i.e.
-tp innermost on consecutive ranks). An axis of degree ``n`` whose ranks are ``k`` apart (``k``
+tp innermost on consecutive ranks: ``cost_models.axes``). An axis of degree ``n`` whose ranks are ``k`` apart (``k``
 the product of the degrees of the axes inside it) stays inside one node iff ``n * k`` is at most
 ``devices_per_node``; otherwise it crosses nodes with ``min(n, devices_per_node // k)`` (at
 least 1) members on each node. A group crossing nodes with ``k`` members on
@@ -22,6 +22,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
+from cost_models.axes import Axis
 from cost_models.hardware import HardwareProfile
 from cost_models.strategy import Strategy
 
@@ -55,29 +56,11 @@ def group(hw: HardwareProfile, size: int, inner: int = 1) -> Group:
                  latency_s=inter.latency_us * 1e-6, inter_node=True)
 
 
-@dataclass(frozen=True, kw_only=True, slots=True)
-class AxisGroups:
-    """The tp, dp and pp communicators of a strategy (in its ``axis_order``)."""
-
-    tp: Group
-    dp: Group
-    pp: Group
-
-
-def axis_strides(strat: Strategy) -> dict[str, int]:
-    """Rank distance between neighbours of each axis: the product of the inner degrees."""
-    degree = {"tp": strat.tp, "dp": strat.dp, "pp": strat.pp}
-    stride, out = 1, {}
-    for axis in reversed(strat.axis_order):
-        out[axis] = stride
-        stride *= degree[axis]
-    return out
-
-
-def axis_groups(hw: HardwareProfile, strat: Strategy) -> AxisGroups:
-    k = axis_strides(strat)
-    return AxisGroups(tp=group(hw, strat.tp, k["tp"]), dp=group(hw, strat.dp, k["dp"]),
-                      pp=group(hw, strat.pp, k["pp"]))
+def axis_groups(hw: HardwareProfile, strat: Strategy) -> dict[Axis, Group]:
+    """The communicator of each axis of ``strat``, its ranks apart by the product of the
+    degrees inside it in ``strat.axis_order``."""
+    stride = strat.mesh.strides(strat.axis_order)
+    return {axis: group(hw, strat.mesh[axis], stride[axis]) for axis in Axis}
 
 
 def exposed_s(comm_s: float, window_s: float, hw: HardwareProfile) -> float:

@@ -135,7 +135,7 @@ def host_optimizer_s(nbytes: float, hw: HardwareProfile) -> float:
 
 def block_gemms(model: ModelProfile, strat: Strategy) -> tuple[list[Gemm], list[Gemm]]:
     """(weight GEMMs, attention-core GEMMs) of one block's forward on one tp rank."""
-    t, h, f = strat.tp, model.hidden, model.ffn
+    t, h, f = strat.mesh.tp, model.hidden, model.ffn
     d = h / model.heads
     tokens = strat.micro_batch * model.seq
     qkv = (model.heads + 2 * model.kv_heads) * d
@@ -171,7 +171,7 @@ def fp8_cast_bytes(model: ModelProfile, strat: Strategy) -> tuple[float, float]:
     per = strat.recipe.fp8_cast_bytes
     ins = sum(g.m * g.k for g in weights)
     grads = sum(g.m * g.n for g in weights)
-    w = model.block_params / strat.tp
+    w = model.block_params / strat.mesh.tp
     return per * (ins + w), per * (grads + w)
 
 
@@ -188,13 +188,13 @@ def block_gemm_s(model: ModelProfile, hw: HardwareProfile, strat: Strategy) -> t
     """(weight GEMMs, attention core) forward seconds of one block, one micro-batch."""
     tokens = strat.micro_batch * model.seq
     weights, core = block_gemms(model, strat)
-    attn_flops = tokens * model.block_attn_flops_per_token / strat.tp
+    attn_flops = tokens * model.block_attn_flops_per_token / strat.mesh.tp
     if fused(strat):
         eff = hw.attention_eff(strat.recipe.attention_kernel)
         core_s = attn_flops * causal_fraction(model.seq) / (hw.peak_flops(strat.dtype) * eff)
     else:
         core_s = _scaled_s(core, attn_flops, hw, strat)
-    return (_scaled_s(weights, tokens * model.block_matmul_flops_per_token / strat.tp, hw, strat,
+    return (_scaled_s(weights, tokens * model.block_matmul_flops_per_token / strat.mesh.tp, hw, strat,
                       "fp8" if strat.fp8 else None), core_s)
 
 
@@ -203,10 +203,10 @@ def block_elementwise_bytes(model: ModelProfile, strat: Strategy,
     """(non-attention, attention-core) element-wise bytes of one block on one tp rank; a fused
     attention kernel moves no s x s bytes."""
     scale = elem_bytes(strat) / 2 * strat.micro_batch * model.seq * strat.recipe.elementwise_traffic
-    sp = strat.tp if strat.sequence_parallel else 1
+    sp = strat.mesh.tp if strat.sequence_parallel else 1
     repl, sharded, attn = model.act_bytes_per_token(fused(strat))
-    rest = traffic[0] * repl / sp + traffic[1] * sharded / strat.tp
-    core = 0.0 if fused(strat) else traffic[2] * attn / strat.tp
+    rest = traffic[0] * repl / sp + traffic[1] * sharded / strat.mesh.tp
+    core = 0.0 if fused(strat) else traffic[2] * attn / strat.mesh.tp
     return scale * rest, scale * core
 
 
@@ -255,8 +255,8 @@ def last_times(model: ModelProfile, hw: HardwareProfile, strat: Strategy) -> Pas
     efficiency plus the fp32 logits written, read by the softmax and written back as
     probabilities (3 x 4 s b V / tp); backward runs the GEMM twice."""
     tokens = strat.micro_batch * model.seq
-    flops = tokens * model.head_flops_per_token / strat.tp
-    g = Gemm(batch=1, m=tokens, n=model.vocab / strat.tp, k=model.hidden)
+    flops = tokens * model.head_flops_per_token / strat.mesh.tp
+    g = Gemm(batch=1, m=tokens, n=model.vocab / strat.mesh.tp, k=model.hidden)
     gemm = _scaled_s([g], flops, hw, strat)
-    logits = memory_s(3 * tokens * model.vocab / strat.tp * 4, hw)
+    logits = memory_s(3 * tokens * model.vocab / strat.mesh.tp * 4, hw)
     return PassTimes(forward_s=gemm + logits, recompute_s=0.0, backward_s=2 * gemm + logits)

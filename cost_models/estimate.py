@@ -22,8 +22,10 @@ weights gathered and gradients unsharded until the last backward
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
+from typing import Mapping
 
 from cost_models import comm, compute, memory, pipeline
+from cost_models.axes import Axis
 from cost_models.hardware import HardwareProfile
 from cost_models.model_profile import ModelProfile
 from cost_models.stages import StageCosts
@@ -105,7 +107,7 @@ def grad_accum_bytes_per_param(rec: memory.StateLayout, strat: Strategy) -> floa
     if strat.recipe.grad_accum_fusion:
         return 0.0
     per = (memory.compute_copy_bytes(strat) or rec.weight) + 2 * rec.grad
-    return per / strat.dp if strat.zero >= 2 and not memory.holds_unsharded(strat) else per
+    return per / strat.mesh.dp if strat.zero >= 2 and not memory.holds_unsharded(strat) else per
 
 
 def fsdp_copy_bytes_per_param(strat: Strategy) -> float:
@@ -116,7 +118,7 @@ def fsdp_copy_bytes_per_param(strat: Strategy) -> float:
     gathers twice and reduces once per micro-batch (once per micro-batch and per step under a
     pipeline that holds them, ``memory.holds_unsharded``); ZeRO-2 reduces per micro-batch and
     gathers per step; ZeRO-1 both per step (spread over the micro-batches here)."""
-    if not strat.recipe.fsdp_copies or strat.dp == 1 or strat.zero == 0:
+    if not strat.recipe.fsdp_copies or strat.mesh.dp == 1 or strat.zero == 0:
         return 0.0
     rec = memory.state_layout(strat)
     gather = 2 * memory.gather_bytes(strat)
@@ -132,7 +134,7 @@ def fsdp_copy_bytes_per_param(strat: Strategy) -> float:
 
 
 def _piece(params: float, passes: compute.PassTimes, tp: compute.PassTimes, act: float,
-           hw: HardwareProfile, strat: Strategy, groups: comm.AxisGroups, *,
+           hw: HardwareProfile, strat: Strategy, groups: Mapping[Axis, comm.Group], *,
            reduced_last: bool = False) -> _Piece:
     """Costs of one block (or the embedding/head) holding ``params`` parameters per device.
 
@@ -145,7 +147,7 @@ def _piece(params: float, passes: compute.PassTimes, tp: compute.PassTimes, act:
     """
     rec = memory.state_layout(strat)
     grads, weights = params * rec.grad, params * memory.gather_bytes(strat)
-    rs, ag = comm.reduce_scatter_s(grads, groups.dp), comm.all_gather_s(weights, groups.dp)
+    rs, ag = comm.reduce_scatter_s(grads, groups[Axis.DP]), comm.all_gather_s(weights, groups[Axis.DP])
     fwd, bwd = passes.forward_s, passes.recompute_s + passes.backward_s
     if not strat.dp_overlap:
         fwd = bwd = 0.0
@@ -153,7 +155,7 @@ def _piece(params: float, passes: compute.PassTimes, tp: compute.PassTimes, act:
     hide = lambda comm_s, window_s: comm.exposed_s(comm_s, window_s, hw)  # noqa: E731
     exposed, tail, exposed_fwd = 0.0, 0.0, 0.0
     if strat.zero == 0:
-        tail = hide(comm.best_all_reduce_s(grads, groups.dp), bwd_window)
+        tail = hide(comm.best_all_reduce_s(grads, groups[Axis.DP]), bwd_window)
     elif strat.zero == 1:
         tail = hide(rs, bwd_window) + hide(ag, fwd)
     elif memory.holds_unsharded(strat):
@@ -170,7 +172,7 @@ def _piece(params: float, passes: compute.PassTimes, tp: compute.PassTimes, act:
     else:
         exposed_fwd = hide(ag, fwd)
         exposed = exposed_fwd + hide(ag + rs, bwd)
-    sharded = params / (strat.dp if strat.zero >= 1 else 1)
+    sharded = params / (strat.mesh.dp if strat.zero >= 1 else 1)
     if strat.offload:
         opt = compute.host_optimizer_s(sharded * optimizer_bytes_per_param(rec), hw)
         up = compute.host_copy_s(sharded * rec.weight, hw)
@@ -220,7 +222,7 @@ def block_tp_s(model: ModelProfile, hw: HardwareProfile, strat: Strategy,
     al. Table 4 shows SP saving 0.1 of 11.9 ms of backward).
     """
     unit = _tp_unit_s(model, strat, g)
-    if strat.tp == 1:
+    if strat.mesh.tp == 1:
         return compute.PassTimes(forward_s=0.0, recompute_s=0.0, backward_s=0.0)
     bwd = 2 * unit
     if strat.recipe.tp_overlap:
@@ -246,37 +248,37 @@ def layer_pass_times(model: ModelProfile, hw: HardwareProfile, strat: Strategy) 
     """One block's forward, recompute and backward per micro-batch with its exposed
     tensor-parallel communication: what Korthikanti et al. Table 4 times per layer."""
     passes = compute.block_times(model, hw, strat)
-    tp = block_tp_s(model, hw, strat, comm.axis_groups(hw, strat).tp)
+    tp = block_tp_s(model, hw, strat, comm.axis_groups(hw, strat)[Axis.TP])
     return compute.PassTimes(forward_s=passes.forward_s + tp.forward_s,
                              recompute_s=passes.recompute_s + tp.recompute_s,
                              backward_s=passes.backward_s + tp.backward_s)
 
 
-def p2p_s(model: ModelProfile, strat: Strategy, groups: comm.AxisGroups) -> float:
+def p2p_s(model: ModelProfile, strat: Strategy, groups: Mapping[Axis, comm.Group]) -> float:
     """Pipeline sends per micro-batch on a stage's critical path: an activation forward and
     a gradient backward per model chunk. With scatter/gather (Narayanan et al.; the recipe's
     ``pp_scatter_gather``) each of the tp ranks sends b s h / tp over its own link, and the
     receiver all-gathers the pieces inside its tp group; without it every tp rank sends the
     whole b s h (DeepSpeed's pipeline engine)."""
-    if strat.pp == 1:
+    if strat.mesh.pp == 1:
         return 0.0
     vol = strat.micro_batch * model.seq * model.hidden * compute.elem_bytes(strat)
     if strat.recipe.pp_scatter_gather:
-        one = comm.p2p_s(vol / strat.tp, groups.pp) + comm.all_gather_s(vol, groups.tp)
+        one = comm.p2p_s(vol / strat.mesh.tp, groups[Axis.PP]) + comm.all_gather_s(vol, groups[Axis.TP])
     else:
-        one = comm.p2p_s(vol, groups.pp)
+        one = comm.p2p_s(vol, groups[Axis.PP])
     return pipeline.chunks(strat) * 2 * one
 
 
 def _parts(model: ModelProfile, hw: HardwareProfile, strat: Strategy) -> _Parts:
     groups = comm.axis_groups(hw, strat)
-    unit = _tp_unit_s(model, strat, groups.tp) if strat.tp > 1 else 0.0
+    unit = _tp_unit_s(model, strat, groups[Axis.TP]) if strat.mesh.tp > 1 else 0.0
     layers, passes = [], []
     for mode in RECOMPUTE:
         s = replace(strat, recompute=mode)
         passes.append(compute.block_times(model, hw, s))
         layers.append(_piece(memory.layer_params(model, s), passes[-1],
-                             block_tp_s(model, hw, s, groups.tp),
+                             block_tp_s(model, hw, s, groups[Axis.TP]),
                              memory.block_act_bytes(model, s), hw, s, groups))
     # Embedding: 1 forward exchange (vocab-parallel lookup); head: 1 backward (gradient of
     # the projection's input).
@@ -287,12 +289,12 @@ def _parts(model: ModelProfile, hw: HardwareProfile, strat: Strategy) -> _Parts:
     last = _piece(memory.last_params(model, strat), compute.last_times(model, hw, strat),
                   compute.PassTimes(forward_s=0.0, recompute_s=0.0, backward_s=unit),
                   memory.last_act_bytes(model, strat), hw, strat, groups)
-    if strat.pp > 1 and model.tied:
+    if strat.mesh.pp > 1 and model.tied:
         # The tied embedding and its copy on the last stage sum their gradients after the
         # flush (Megatron's embedding all-reduce), exposed on both stages.
-        pair = comm.Group(size=2, bw_bytes_s=groups.pp.bw_bytes_s, p2p_bytes_s=groups.pp.p2p_bytes_s,
-                          latency_s=groups.pp.latency_s, inter_node=groups.pp.inter_node)
-        sync = comm.all_reduce_s(model.vocab * model.hidden / strat.tp
+        pair = comm.Group(size=2, bw_bytes_s=groups[Axis.PP].bw_bytes_s, p2p_bytes_s=groups[Axis.PP].p2p_bytes_s,
+                          latency_s=groups[Axis.PP].latency_s, inter_node=groups[Axis.PP].inter_node)
+        sync = comm.all_reduce_s(model.vocab * model.hidden / strat.mesh.tp
                                  * memory.state_layout(strat).grad, pair)
         first = replace(first, dp_tail_s=first.dp_tail_s + sync)
         last = replace(last, dp_tail_s=last.dp_tail_s + sync)
@@ -303,7 +305,7 @@ def _parts(model: ModelProfile, hw: HardwareProfile, strat: Strategy) -> _Parts:
 def parts_key(strat: Strategy) -> tuple:
     """What ``_parts`` depends on: strategies with equal keys share their per-piece costs
     (schedule, chunks and the nominal recompute mode enter only ``stage_costs``)."""
-    return (strat.dp, strat.tp, strat.pp, strat.zero, strat.micro_batch, strat.sequence_parallel,
+    return (strat.mesh, strat.zero, strat.micro_batch, strat.sequence_parallel,
             strat.dtype, strat.fp8, strat.recipe, strat.offload, strat.axis_order)
 
 
@@ -328,7 +330,7 @@ def stage_costs(model: ModelProfile, hw: HardwareProfile, strat: Strategy,
     sum_w, max_w = pipeline.schedule_weights(strat, pipeline.zb_fill_fraction(
         passes.forward_s, passes.recompute_s, passes.backward_s))
     return StageCosts(
-        pp=strat.pp, nominal=RECOMPUTE.index(strat.recompute),
+        pp=strat.mesh.pp, nominal=RECOMPUTE.index(strat.recompute),
         mode_time_s=tuple(p.time_s for p in parts.layers), first_time_s=parts.first.time_s,
         last_time_s=parts.last.time_s, p2p_time_s=parts.p2p_s,
         mode_dp_time_s=tuple(p.tail_s for p in parts.layers), first_dp_time_s=parts.first.tail_s,
@@ -403,7 +405,7 @@ def stage_details(model: ModelProfile, hw: HardwareProfile, strat: Strategy) -> 
     out = []
     for s, load in enumerate(strat.stage_loads(model.layers)):
         counts = c.counts(load)
-        pieces = _stage_pieces(parts, s, counts, strat.pp)
+        pieces = _stage_pieces(parts, s, counts, strat.mesh.pp)
         fwd = sum(k * p.forward_s for k, p in pieces)
         rc = sum(k * p.recompute_s for k, p in pieces)
         out.append(StageDetail(
@@ -429,9 +431,9 @@ def estimate(model: ModelProfile, hw: HardwareProfile, strat: Strategy, *,
     The memory breakdown is that of the stage with the highest peak.
     """
     tokens_per_rank = strat.micro_batch * strat.num_microbatches
-    if global_batch != strat.dp * tokens_per_rank:
+    if global_batch != strat.mesh.dp * tokens_per_rank:
         raise ValueError(f"global batch {global_batch} is not dp x micro_batch x "
-                         f"num_microbatches = {strat.dp} x {strat.micro_batch} x "
+                         f"num_microbatches = {strat.mesh.dp} x {strat.micro_batch} x "
                          f"{strat.num_microbatches}; set num_microbatches = B / (dp x mbs)")
     c = stage_costs(model, hw, strat)
     layers = tuple(c.counts(x) for x in strat.stage_loads(model.layers))
@@ -441,10 +443,10 @@ def estimate(model: ModelProfile, hw: HardwareProfile, strat: Strategy, *,
 
     times = [c.stage_time_s(s, n) for s, n in enumerate(layers)]
     tails = [c.stage_dp_time_s(s, n) for s, n in enumerate(layers)]
-    st = max(range(strat.pp), key=times.__getitem__)
-    sd = max(range(strat.pp), key=tails.__getitem__)
-    crit = _stage_pieces(parts, st, layers[st], strat.pp)
-    tail = _stage_pieces(parts, sd, layers[sd], strat.pp)
+    st = max(range(strat.mesh.pp), key=times.__getitem__)
+    sd = max(range(strat.mesh.pp), key=tails.__getitem__)
+    crit = _stage_pieces(parts, st, layers[st], strat.mesh.pp)
+    tail = _stage_pieces(parts, sd, layers[sd], strat.mesh.pp)
     compute_s = m * sum(k * p.compute_s for k, p in crit)
     tp_s = m * sum(k * p.tp_s for k, p in crit)
     pp_s = m * c.p2p_time_s
@@ -454,7 +456,7 @@ def estimate(model: ModelProfile, hw: HardwareProfile, strat: Strategy, *,
 
     peaks = [c.stage_memory_bytes(s, n) for s, n in enumerate(layers)]
     hosts = [c.stage_host_bytes(s, n) for s, n in enumerate(layers)]
-    sm = max(range(strat.pp), key=peaks.__getitem__)
+    sm = max(range(strat.mesh.pp), key=peaks.__getitem__)
     memory_bd = replace(_stage_memory(parts, c, sm, layers[sm]), host_bytes=max(hosts))
 
     flops = model_flops_per_step(model, global_batch)

@@ -85,8 +85,8 @@ def gather_bytes(strat: Strategy) -> float:
 def holds_unsharded(strat: Strategy) -> bool:
     """ZeRO-2/3 under a pipeline keep the stage's weights gathered and gradients unsharded
     until the last backward (``ExecutionRecipe.pp_unsharded_accumulation``)."""
-    return strat.recipe.pp_unsharded_accumulation and strat.pp > 1 and strat.zero >= 2 \
-        and strat.dp > 1
+    return strat.recipe.pp_unsharded_accumulation and strat.mesh.pp > 1 and strat.zero >= 2 \
+        and strat.mesh.dp > 1
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -103,7 +103,7 @@ class StateBytes:
 
 
 def state_bytes(params: float, strat: Strategy) -> StateBytes:
-    """Model states of ``params`` parameters (already divided by tp) on one of ``strat.dp``
+    """Model states of ``params`` parameters (already divided by tp) on one of ``strat.mesh.dp``
     ranks, in device memory (with ``offload``, what stays on the device).
 
     The weights are sharded by ZeRO-3, or by ZeRO >= 1 where they are the fp32 master; a
@@ -111,7 +111,7 @@ def state_bytes(params: float, strat: Strategy) -> StateBytes:
     pipeline keeps them gathered), the gradients are sharded by ZeRO >= 2 unless the pipeline
     accumulates them unsharded, the optimizer states by ZeRO >= 1.
     """
-    lay, zero, dp = state_layout(strat), strat.zero, strat.dp
+    lay, zero, dp = state_layout(strat), strat.zero, strat.mesh.dp
     copy = compute_copy_bytes(strat)
     hold = holds_unsharded(strat)
     copy_held = copy if (zero < 3 or hold) else 0.0
@@ -129,28 +129,28 @@ def state_bytes(params: float, strat: Strategy) -> StateBytes:
 
 def host_state_bytes(params: float, strat: Strategy) -> float:
     """Bytes of host memory the offloaded shards of ``params`` parameters take on one of
-    ``strat.dp`` ranks: weight, gradient and optimizer shards (0 without ``offload``)."""
+    ``strat.mesh.dp`` ranks: weight, gradient and optimizer shards (0 without ``offload``)."""
     if not strat.offload:
         return 0.0
     lay = state_layout(strat)
-    return params * (lay.weight + lay.grad + lay.optimizer) / strat.dp
+    return params * (lay.weight + lay.grad + lay.optimizer) / strat.mesh.dp
 
 
 def layer_params(model: ModelProfile, strat: Strategy) -> float:
     """Parameters of one block on one device."""
-    return model.block_params / strat.tp
+    return model.block_params / strat.mesh.tp
 
 
 def first_params(model: ModelProfile, strat: Strategy) -> float:
     """Embedding parameters on one device of the first stage (vocab-parallel over tp)."""
-    return model.embed_params / strat.tp
+    return model.embed_params / strat.mesh.tp
 
 
 def last_params(model: ModelProfile, strat: Strategy) -> float:
     """Head parameters on one device of the last stage; a tied projection is the embedding's
     own weight when pp = 1, and a copy (counted) when pp > 1."""
-    shared = model.vocab * model.hidden if model.tied and strat.pp == 1 else 0
-    return (model.head_params - shared) / strat.tp
+    shared = model.vocab * model.hidden if model.tied and strat.mesh.pp == 1 else 0
+    return (model.head_params - shared) / strat.mesh.tp
 
 
 def act_scale(strat: Strategy) -> float:
@@ -171,17 +171,17 @@ def block_act_bytes(model: ModelProfile, strat: Strategy, recompute: str | None 
     """
     recompute = recompute or strat.recompute
     tokens = strat.micro_batch * model.seq
-    sp = strat.tp if strat.sequence_parallel else 1
+    sp = strat.mesh.tp if strat.sequence_parallel else 1
     if recompute == "full":
         return act_scale(strat) * tokens * 2 * model.hidden / sp
     repl, sharded, attn = model.act_bytes_per_token(fused_attention(strat))
-    per_token = repl / sp + sharded / strat.tp
+    per_token = repl / sp + sharded / strat.mesh.tp
     if strat.fp8 and strat.recipe.fp8_saves_fp8_inputs:
         # The weight GEMMs' saved inputs (two norm outputs, the attention output, the MLP's
         # down-projection input) kept as 1-byte casts instead of 16-bit tensors.
-        per_token -= 2 * model.hidden / sp + (model.hidden + model.ffn) / strat.tp
+        per_token -= 2 * model.hidden / sp + (model.hidden + model.ffn) / strat.mesh.tp
     if recompute == "none":
-        per_token += attn / strat.tp
+        per_token += attn / strat.mesh.tp
     return act_scale(strat) * tokens * per_token
 
 
@@ -189,12 +189,12 @@ def block_attn_act_bytes(model: ModelProfile, strat: Strategy) -> float:
     """The attention-core part of ``block_act_bytes`` (what selective recompute drops)."""
     tokens = strat.micro_batch * model.seq
     attn = model.act_bytes_per_token(fused_attention(strat))[2]
-    return act_scale(strat) * tokens * attn / strat.tp
+    return act_scale(strat) * tokens * attn / strat.mesh.tp
 
 
 def first_act_bytes(model: ModelProfile, strat: Strategy) -> float:
     """Embedding: the 1-byte dropout mask of its output, s b h (/ tp with SP)."""
-    sp = strat.tp if strat.sequence_parallel else 1
+    sp = strat.mesh.tp if strat.sequence_parallel else 1
     return strat.micro_batch * model.seq * model.hidden / sp
 
 
@@ -204,15 +204,15 @@ def last_act_bytes(model: ModelProfile, strat: Strategy) -> float:
     Korthikanti et al. Sec. 4.3; eager cross-entropy under autocast, 16-bit logits and fp32
     log-probabilities, 6), s b V / tp."""
     tokens = strat.micro_batch * model.seq
-    sp = strat.tp if strat.sequence_parallel else 1
+    sp = strat.mesh.tp if strat.sequence_parallel else 1
     return (act_scale(strat) * tokens * 4 * model.hidden / sp
-            + tokens * strat.recipe.logits_bytes * model.vocab / strat.tp)
+            + tokens * strat.recipe.logits_bytes * model.vocab / strat.mesh.tp)
 
 
 def communicators(strat: Strategy) -> int:
     """Collective communicators a rank holds: one per mesh axis of degree > 1, and the
     default group."""
-    return 1 + sum(d > 1 for d in (strat.dp, strat.tp, strat.pp))
+    return 1 + len(strat.mesh.active())
 
 
 def base_buffer_bytes(model: ModelProfile, hw: HardwareProfile, strat: Strategy) -> float:
@@ -229,7 +229,7 @@ def base_buffer_bytes(model: ModelProfile, hw: HardwareProfile, strat: Strategy)
     """
     lay = state_layout(strat)
     total = (hw.reserve_gib + hw.nccl_gib_per_group * communicators(strat)) * 2**30
-    if strat.dp > 1:
+    if strat.mesh.dp > 1:
         if strat.zero >= 3:
             total += layer_params(model, strat) * (2 * gather_bytes(strat) + lay.grad)
         elif strat.zero > 0:

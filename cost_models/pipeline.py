@@ -35,7 +35,7 @@ def zb_fill_fraction(forward_s: float, recompute_s: float, backward_s: float) ->
 def schedule_weights(strat: Strategy, zb_fill: float = 1 / 3) -> tuple[float, float]:
     """(sum_weight, max_weight) of StageCosts for the strategy's schedule."""
     m = strat.num_microbatches
-    if strat.pp == 1:
+    if strat.mesh.pp == 1:
         return 1.0, m - 1.0  # no pipeline: m micro-batches back to back, whatever f
     if strat.schedule == "interleaved":
         f = 1.0 / chunks(strat)
@@ -55,7 +55,7 @@ def inflight(strat: Strategy) -> tuple[float, ...]:
     p (1 + (p-1)/(p v)) micro-batches, Korthikanti et al.'s factor (their "m" is v).
     Capped at m. Without a pipeline (pp = 1) one micro-batch is live at a time.
     """
-    p, m, v = strat.pp, strat.num_microbatches, chunks(strat)
+    p, m, v = strat.mesh.pp, strat.num_microbatches, chunks(strat)
     if p == 1:
         return (1.0,)
     if strat.schedule == "gpipe":

@@ -4,21 +4,19 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from cost_models.axes import DEFAULT_ORDER, Axis, Degrees, parse_order
 from cost_models.recipe import DpOverlap, ExecutionRecipe, load_recipe
 
 SCHEDULES = ("gpipe", "1f1b", "interleaved", "zero-bubble")
 RECOMPUTE = ("none", "selective", "full")
-AXIS_ORDER = ("pp", "dp", "tp")
-"""Megatron's rank order of the mesh axes, outermost (largest rank stride) first."""
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
 class Strategy:
     """How one training step is split over the devices."""
 
-    dp: int = 1
-    tp: int = 1
-    pp: int = 1
+    mesh: Degrees = Degrees()
+    """Degree of each parallel axis; their product is the number of devices."""
     zero: int = 0
     """ZeRO stage 0-3 over the dp axis (1: optimizer states, 2: + gradients, 3: + parameters)."""
     micro_batch: int = 1
@@ -38,7 +36,7 @@ class Strategy:
     """ZeRO's sharded weights, gradients and optimizer states (fp32 master included) live in
     host memory and the optimizer step runs on the CPU (FSDP2's ``CPUOffloadPolicy``); needs
     ZeRO >= 1."""
-    axis_order: tuple[str, ...] = AXIS_ORDER
+    axis_order: tuple[Axis, ...] = DEFAULT_ORDER
     """The mesh axes from outermost (largest rank stride) to innermost (consecutive ranks,
     which share a node first); ``comm.axis_groups`` derives each axis's tier from it."""
     dtype: str = "bf16"
@@ -51,7 +49,10 @@ class Strategy:
     what overlaps; default ``autopar``, the program autopar's runtime generates."""
 
     def __post_init__(self) -> None:
-        for name in ("dp", "tp", "pp", "micro_batch", "num_microbatches", "virtual_stages"):
+        for axis in Axis:
+            if self.mesh[axis] < 1:
+                raise ValueError(f"{axis} must be >= 1, got {self.mesh[axis]}")
+        for name in ("micro_batch", "num_microbatches", "virtual_stages"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
         if self.zero not in (0, 1, 2, 3):
@@ -60,18 +61,20 @@ class Strategy:
             raise ValueError(f"unknown schedule {self.schedule!r}; use one of {', '.join(SCHEDULES)}")
         if self.recompute not in RECOMPUTE:
             raise ValueError(f"unknown recompute {self.recompute!r}; use one of {', '.join(RECOMPUTE)}")
-        if sorted(self.axis_order) != sorted(AXIS_ORDER):
-            raise ValueError(f"axis_order must be a permutation of {AXIS_ORDER}, got {self.axis_order}")
+        try:  # names ("pp", ...) become members; anything but an order of every axis is refused
+            object.__setattr__(self, "axis_order", parse_order(self.axis_order))
+        except ValueError as exc:
+            raise ValueError(f"axis_order {exc}, got {self.axis_order}") from None
         if self.fp8 and self.dtype == "fp32":
             raise ValueError("fp8 linears train in a 16-bit dtype; use dtype bf16 with fp8")
         if self.offload and self.zero < 1:
             raise ValueError("offload moves ZeRO's shards to the host; it needs zero >= 1")
-        if self.stage_layers and len(self.stage_layers) != self.pp:
-            raise ValueError(f"stage_layers has {len(self.stage_layers)} entries for pp={self.pp}")
+        if self.stage_layers and len(self.stage_layers) != self.mesh.pp:
+            raise ValueError(f"stage_layers has {len(self.stage_layers)} entries for pp={self.mesh.pp}")
         if self.stage_recompute:
-            if len(self.stage_recompute) != self.pp or any(
+            if len(self.stage_recompute) != self.mesh.pp or any(
                     len(c) != len(RECOMPUTE) or min(c) < 0 for c in self.stage_recompute):
-                raise ValueError(f"stage_recompute needs {self.pp} entries of "
+                raise ValueError(f"stage_recompute needs {self.mesh.pp} entries of "
                                  f"{len(RECOMPUTE)} non-negative counts")
             if self.stage_layers and tuple(map(sum, self.stage_recompute)) != self.stage_layers:
                 raise ValueError("stage_recompute counts must add up to stage_layers")
@@ -83,20 +86,20 @@ class Strategy:
             return self.stage_recompute
         if self.stage_layers:
             return self.stage_layers
-        q, r = divmod(layers, self.pp)
+        q, r = divmod(layers, self.mesh.pp)
         if q < 1:
-            raise ValueError(f"cannot split {layers} layers over {self.pp} pipeline stages")
-        return tuple(q + (1 if s < r else 0) for s in range(self.pp))
+            raise ValueError(f"cannot split {layers} layers over {self.mesh.pp} pipeline stages")
+        return tuple(q + (1 if s < r else 0) for s in range(self.mesh.pp))
 
     @property
     def dp_overlap(self) -> bool:
         """Data-parallel collectives overlap with compute (the recipe's rule at this pp)."""
         rule = self.recipe.dp_overlap
-        return rule == DpOverlap.ALWAYS or (rule == DpOverlap.UNPIPELINED and self.pp == 1)
+        return rule == DpOverlap.ALWAYS or (rule == DpOverlap.UNPIPELINED and self.mesh.pp == 1)
 
     @property
     def devices(self) -> int:
-        return self.dp * self.tp * self.pp
+        return self.mesh.size
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)

@@ -6,10 +6,11 @@ import math
 
 import pytest
 
-from cost_models import (ModelProfile, ProfileError, Strategy, estimate, even_stage_layers, load_profile,
+from cost_models import (Axis, Degrees, ModelProfile, ProfileError, Strategy, estimate, even_stage_layers, load_profile,
                          model_flops_per_step, stage_costs)
 from cost_models import comm, compute, memory, pipeline
 estimate_mod = importlib.import_module("cost_models.estimate")  # the package exports the function
+from cost_models.axes import parse_order
 from cost_models.memory import STATE_LAYOUTS, state_bytes
 from cost_models.recipe import load_recipe
 
@@ -51,16 +52,32 @@ def test_alpha_beta_collectives():
 
 
 def test_tier_follows_megatron_rank_order():
-    groups = comm.axis_groups(A100, Strategy(recipe=MC, tp=8, dp=2, pp=2))
-    assert not groups.tp.inter_node and groups.tp.bw_bytes_s == pytest.approx(230e9)
+    groups = comm.axis_groups(A100, Strategy(recipe=MC, mesh=Degrees(tp=8, dp=2, pp=2)))
+    assert not groups[Axis.TP].inter_node and groups[Axis.TP].bw_bytes_s == pytest.approx(230e9)
     # dp ranks are 8 apart: one member per node, one 24 GB/s NIC per ring.
-    assert groups.dp.inter_node and groups.dp.bw_bytes_s == pytest.approx(24e9)
-    assert groups.pp.inter_node
-    groups = comm.axis_groups(A100, Strategy(recipe=MC, tp=2, dp=4, pp=4))
-    assert not groups.tp.inter_node and not groups.dp.inter_node and groups.pp.inter_node
+    assert groups[Axis.DP].inter_node and groups[Axis.DP].bw_bytes_s == pytest.approx(24e9)
+    assert groups[Axis.PP].inter_node
+    groups = comm.axis_groups(A100, Strategy(recipe=MC, mesh=Degrees(tp=2, dp=4, pp=4)))
+    assert not groups[Axis.TP].inter_node and not groups[Axis.DP].inter_node and groups[Axis.PP].inter_node
     # tp = 1, dp = 16: 8 members per node run 8 rings over 8 NICs: 8 x 24 = 192 GB/s.
-    groups = comm.axis_groups(A100, Strategy(recipe=MC, dp=16))
-    assert groups.dp.inter_node and groups.dp.bw_bytes_s == pytest.approx(192e9)
+    groups = comm.axis_groups(A100, Strategy(recipe=MC, mesh=Degrees(dp=16)))
+    assert groups[Axis.DP].inter_node and groups[Axis.DP].bw_bytes_s == pytest.approx(192e9)
+
+
+def test_one_axis_vocabulary():
+    """A ``Degrees`` field per ``Axis`` member (a new axis is one member and its field); the
+    order helpers read only the axes of degree > 1; names become members, anything else fails."""
+    assert [f.name for f in dataclasses.fields(Degrees)] == [a.value for a in Axis]
+    d = Degrees(dp=4, tp=2)
+    assert d.size == 8 and d[Axis.DP] == 4 and d.active() == (Axis.DP, Axis.TP)
+    order = parse_order(["tp", "dp", "pp"])
+    assert order == (Axis.TP, Axis.DP, Axis.PP) and d.active(order) == (Axis.TP, Axis.DP)
+    assert d.strides(order) == {Axis.PP: 1, Axis.DP: 1, Axis.TP: 4}
+    assert d.strides() == {Axis.TP: 1, Axis.DP: 2, Axis.PP: 8}
+    for bad in (["pp", "pp", "tp"], ["pp", "dp"], ["pp", "dp", "tp", "cp"]):
+        with pytest.raises(ValueError, match="once each"):
+            parse_order(bad)
+    assert Strategy(mesh=d, axis_order=("tp", "dp", "pp")).axis_order == order
 
 
 # --- memory -------------------------------------------------------------------------------
@@ -71,7 +88,7 @@ def test_tier_follows_megatron_rank_order():
 ])
 def test_zero_table1_model_states(psi, dp, zero, published_gb):
     """Rajbhandari et al. 2020, Table 1 (GB = 1e9 bytes), 16 bytes/parameter recipe."""
-    got = state_bytes(psi, Strategy(dp=dp, zero=zero, recipe=M21)).total / 1e9
+    got = state_bytes(psi, Strategy(mesh=Degrees(dp=dp), zero=zero, recipe=M21)).total / 1e9
     assert got == pytest.approx(published_gb, rel=0.005)
 
 
@@ -82,15 +99,15 @@ def test_state_layouts_bytes_per_parameter():
     # autopar's FSDP2/autocast program: fp32 master weights + a bf16 copy for compute.
     assert state_bytes(1, Strategy()).total == 18
     # ZeRO-1 on FSDP2 shards the fp32 weights (the master) and keeps the bf16 copy whole.
-    z1 = state_bytes(8, Strategy(dp=8, zero=1))
+    z1 = state_bytes(8, Strategy(mesh=Degrees(dp=8), zero=1))
     assert (z1.params, z1.grads, z1.optimizer) == (4 + 16, 32, 8)
     # ZeRO-3 under a pipeline (torch.distributed.pipelining + FSDP2): gathered weights and
     # unsharded gradients until the last backward; without a pipeline, all sharded.
-    z3 = state_bytes(8, Strategy(dp=8, zero=3))
+    z3 = state_bytes(8, Strategy(mesh=Degrees(dp=8), zero=3))
     assert (z3.params, z3.grads, z3.optimizer) == (4, 4, 8)
-    z3pp = state_bytes(8, Strategy(dp=8, pp=2, zero=3))
+    z3pp = state_bytes(8, Strategy(mesh=Degrees(dp=8, pp=2), zero=3))
     assert (z3pp.params, z3pp.grads, z3pp.optimizer) == (4 + 16, 32, 8)
-    z3mc = state_bytes(8, Strategy(dp=8, pp=2, zero=3, recipe=MC))
+    z3mc = state_bytes(8, Strategy(mesh=Degrees(dp=8, pp=2), zero=3, recipe=MC))
     assert (z3mc.params, z3mc.grads, z3mc.optimizer) == (2, 4, 12)
 
 
@@ -105,24 +122,24 @@ def test_state_layouts_bytes_per_parameter():
 ])
 def test_korthikanti_table2_activations(tp, sp, rc, factor):
     b, s, h, a = 2, 2048, 6144, 64
-    strat = Strategy(recipe=MC, tp=tp, sequence_parallel=sp, recompute=rc, micro_batch=b)
+    strat = Strategy(recipe=MC, mesh=Degrees(tp=tp), sequence_parallel=sp, recompute=rc, micro_batch=b)
     expected = s * b * h * factor(a, s, h, tp)
     assert memory.block_act_bytes(G22B, strat) == pytest.approx(expected, rel=1e-12)
 
 
 def test_korthikanti_figure1_params_and_optimizer_22b():
     """45.56 GiB of parameters + optimizer state per GPU for 22B at TP 8 (18 bytes/param)."""
-    c = stage_costs(G22B, A100, Strategy(recipe=MC, tp=8, micro_batch=4, num_microbatches=1))
+    c = stage_costs(G22B, A100, Strategy(recipe=MC, mesh=Degrees(tp=8), micro_batch=4, num_microbatches=1))
     static = G22B.layers * c.layer_static_bytes + c.first_static_bytes + c.last_static_bytes
     assert static / 2**30 == pytest.approx(45.56, rel=0.02)
 
 
 def test_inflight_micro_batches_per_schedule():
-    assert pipeline.inflight(Strategy(recipe=MC, pp=4, num_microbatches=8)) == (4, 3, 2, 1)
-    assert pipeline.inflight(Strategy(recipe=MC, pp=4, num_microbatches=2)) == (2, 2, 2, 1)
-    assert pipeline.inflight(Strategy(recipe=MC, pp=4, num_microbatches=8, schedule="gpipe")) == (8,) * 4
+    assert pipeline.inflight(Strategy(recipe=MC, mesh=Degrees(pp=4), num_microbatches=8)) == (4, 3, 2, 1)
+    assert pipeline.inflight(Strategy(recipe=MC, mesh=Degrees(pp=4), num_microbatches=2)) == (2, 2, 2, 1)
+    assert pipeline.inflight(Strategy(recipe=MC, mesh=Degrees(pp=4), num_microbatches=8, schedule="gpipe")) == (8,) * 4
     p, v = 4, 2
-    inter = pipeline.inflight(Strategy(recipe=MC, pp=p, num_microbatches=16, schedule="interleaved",
+    inter = pipeline.inflight(Strategy(recipe=MC, mesh=Degrees(pp=p), num_microbatches=16, schedule="interleaved",
                                        virtual_stages=v))
     assert inter[0] == pytest.approx(p * (1 + (p - 1) / (p * v)))  # Korthikanti's factor
     assert pipeline.inflight(Strategy(recipe=MC, num_microbatches=8)) == (1,)
@@ -130,8 +147,8 @@ def test_inflight_micro_batches_per_schedule():
 
 def test_zero3_shards_parameters_and_adds_gather_buffers():
     model = gpt(24, 2048, 16)
-    z0 = stage_costs(model, A100, Strategy(recipe=MC, dp=8, zero=0))
-    z3 = stage_costs(model, A100, Strategy(recipe=MC, dp=8, zero=3))
+    z0 = stage_costs(model, A100, Strategy(recipe=MC, mesh=Degrees(dp=8), zero=0))
+    z3 = stage_costs(model, A100, Strategy(recipe=MC, mesh=Degrees(dp=8), zero=3))
     assert z3.layer_static_bytes == pytest.approx(z0.layer_static_bytes / 8)
     assert z3.buffer_bytes > z0.buffer_bytes
 
@@ -139,7 +156,7 @@ def test_zero3_shards_parameters_and_adds_gather_buffers():
 # --- compute ------------------------------------------------------------------------------
 
 def test_block_time_roofline_and_recompute_order():
-    strat = Strategy(recipe=MC, tp=8, micro_batch=4)
+    strat = Strategy(recipe=MC, mesh=Degrees(tp=8), micro_batch=4)
     none = compute.block_times(G22B, A100, strat)
     weights, core = compute.block_gemm_s(G22B, A100, strat)
     flops = 4 * 2048 * 24 * 6144**2 / 8
@@ -170,8 +187,8 @@ def test_gemm_shape_law_and_roofline():
 
 
 def test_tensor_parallel_overlap_and_sequence_parallel_gathers():
-    g = comm.axis_groups(A0, Strategy(recipe=MC, tp=8)).tp
-    base = Strategy(recipe=M21, tp=8, micro_batch=4)  # 2021: no TP overlap
+    g = comm.axis_groups(A0, Strategy(recipe=MC, mesh=Degrees(tp=8)))[Axis.TP]
+    base = Strategy(recipe=M21, mesh=Degrees(tp=8), micro_batch=4)  # 2021: no TP overlap
     plain = estimate_mod.block_tp_s(G22B, A0, base, g)
     unit = comm.all_reduce_s(4 * 2048 * 6144 * 2, g)
     assert plain.forward_s == pytest.approx(2 * unit) and plain.backward_s == pytest.approx(2 * unit)
@@ -186,15 +203,15 @@ def test_tensor_parallel_overlap_and_sequence_parallel_gathers():
 
 def test_data_parallel_reduction_hides_behind_the_backward_when_overlapped():
     model = gpt(24, 2048, 16)
-    over = stage_costs(model, A0, Strategy(dp=8, num_microbatches=4, recipe=MC))
-    after = stage_costs(model, A0, Strategy(dp=8, pp=1, num_microbatches=4,
+    over = stage_costs(model, A0, Strategy(mesh=Degrees(dp=8), num_microbatches=4, recipe=MC))
+    after = stage_costs(model, A0, Strategy(mesh=Degrees(dp=8, pp=1), num_microbatches=4,
                                               recipe=dataclasses.replace(MC, dp_overlap="never")))
     opt = compute.optimizer_memory_s(memory.layer_params(model, Strategy(recipe=MC)) * 50, A0)
     assert over.layer_dp_time_s == pytest.approx(opt)  # the all-reduce is hidden, Adam is not
     assert after.layer_dp_time_s > over.layer_dp_time_s
     assert after.first_dp_time_s == pytest.approx(over.first_dp_time_s)  # embedding goes last
-    z3 = stage_costs(model, A0, Strategy(dp=8, zero=3, num_microbatches=4, recipe=MC))
-    z3_exposed = stage_costs(model, A0, Strategy(dp=8, zero=3, num_microbatches=4,
+    z3 = stage_costs(model, A0, Strategy(mesh=Degrees(dp=8), zero=3, num_microbatches=4, recipe=MC))
+    z3_exposed = stage_costs(model, A0, Strategy(mesh=Degrees(dp=8), zero=3, num_microbatches=4,
                                                    recipe=dataclasses.replace(MC, dp_overlap="never")))
     assert z3.layer_time_s < z3_exposed.layer_time_s
 
@@ -225,15 +242,15 @@ def test_tree_and_all_to_all_collectives():
 
 def test_interleaved_sends_and_stage0_memory():
     model, p, v, m = gpt(16, 1024, 16), 4, 2, 8
-    inter = Strategy(recipe=MC, pp=p, tp=2, num_microbatches=m, schedule="interleaved", virtual_stages=v)
+    inter = Strategy(recipe=MC, mesh=Degrees(pp=p, tp=2), num_microbatches=m, schedule="interleaved", virtual_stages=v)
     plain = dataclasses.replace(inter, schedule="1f1b", virtual_stages=1)
     ci, cp = stage_costs(model, A100, inter), stage_costs(model, A100, plain)
     assert ci.p2p_time_s == pytest.approx(v * cp.p2p_time_s)  # one exchange per chunk
     assert ci.inflight[0] == pytest.approx(p * (1 + (p - 1) / (p * v)))
     groups = comm.axis_groups(A100, plain)
     vol = 2048 * 1024 * 2
-    assert cp.p2p_time_s == pytest.approx(2 * (comm.p2p_s(vol / 2, groups.pp)
-                                               + comm.all_gather_s(vol, groups.tp)))
+    assert cp.p2p_time_s == pytest.approx(2 * (comm.p2p_s(vol / 2, groups[Axis.PP])
+                                               + comm.all_gather_s(vol, groups[Axis.TP])))
 
 
 # --- pipeline weights and estimate ----------------------------------------------------------
@@ -251,7 +268,7 @@ def _uniform(c):
 ])
 def test_pipeline_bubble_fraction(schedule, v, bubble):
     p, m = 4, 8
-    strat = Strategy(recipe=MC, pp=p, num_microbatches=m, schedule=schedule, virtual_stages=v)
+    strat = Strategy(recipe=MC, mesh=Degrees(pp=p), num_microbatches=m, schedule=schedule, virtual_stages=v)
     c = _uniform(stage_costs(gpt(16, 1024, 16), A100, strat))
     t = c.stage_time_s(0, 4)
     if bubble is None:  # ZB-H1: (p-1)(F + B - W) with B = W: f = (F + R) / (F + R + backward)
@@ -264,7 +281,7 @@ def test_pipeline_bubble_fraction(schedule, v, bubble):
 
 def test_estimate_evaluates_stage_costs_and_its_parts_add_up():
     model = gpt(24, 4096, 32)
-    strat = Strategy(recipe=MC, dp=4, tp=2, pp=4, micro_batch=2, num_microbatches=8, zero=1,
+    strat = Strategy(recipe=MC, mesh=Degrees(dp=4, tp=2, pp=4), micro_batch=2, num_microbatches=8, zero=1,
                      sequence_parallel=True, recompute="selective", stage_layers=(5, 7, 7, 5))
     est = estimate(model, A100, strat, global_batch=64)
     c = stage_costs(model, A100, strat)
@@ -292,7 +309,7 @@ def test_model_flops_are_narayanans():
 
 
 def test_fits_flips_as_memory_shrinks():
-    model, strat = gpt(16, 2048, 16), Strategy(recipe=MC, dp=8, micro_batch=2, num_microbatches=4)
+    model, strat = gpt(16, 2048, 16), Strategy(recipe=MC, mesh=Degrees(dp=8), micro_batch=2, num_microbatches=4)
     roomy = estimate(model, A100, strat, global_batch=64)
     assert roomy.fits
     tight = dataclasses.replace(A100, memory_gib=roomy.memory.peak_bytes / 2**30 * 0.99)
@@ -305,7 +322,7 @@ def test_more_microbatches_shrink_the_bubble():
     model = gpt(32, 4096, 32)
     fractions = []
     for m in (4, 16, 64):
-        est = estimate(model, A100, Strategy(recipe=MC, pp=4, num_microbatches=m), global_batch=m)
+        est = estimate(model, A100, Strategy(recipe=MC, mesh=Degrees(pp=4), num_microbatches=m), global_batch=m)
         fractions.append(est.time.bubble_s / est.step_time_s)
     assert fractions[0] > fractions[1] > fractions[2] > 0
     assert estimate(model, A100, Strategy(recipe=MC, num_microbatches=4), global_batch=4).time.bubble_s == \
@@ -314,7 +331,7 @@ def test_more_microbatches_shrink_the_bubble():
 
 def test_estimate_refuses_an_inconsistent_global_batch():
     with pytest.raises(ValueError, match="num_microbatches"):
-        estimate(G22B, A100, Strategy(recipe=MC, dp=2, num_microbatches=4), global_batch=10)
+        estimate(G22B, A100, Strategy(recipe=MC, mesh=Degrees(dp=2), num_microbatches=4), global_batch=10)
 
 
 def test_even_stage_layers():
@@ -344,7 +361,7 @@ def test_unfused_gradient_accumulation_costs_a_memory_pass_per_micro_batch():
     gradient into the buffer: read 2, read and write the buffer (2 + 2 with 16-bit gradients)."""
     from cost_models.estimate import grad_accum_bytes_per_param
     model = gpt(4, 1024, 16)
-    base = Strategy(tp=2, num_microbatches=4, recipe=M21)
+    base = Strategy(mesh=Degrees(tp=2), num_microbatches=4, recipe=M21)
     fused = dataclasses.replace(base, recipe=dataclasses.replace(M21, grad_accum_fusion=True))
     assert grad_accum_bytes_per_param(STATE_LAYOUTS["zero"], base) == 6
     assert grad_accum_bytes_per_param(STATE_LAYOUTS["megatron"], base) == 10

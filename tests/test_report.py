@@ -94,7 +94,7 @@ def test_simulated_step_of_planned_strategies_is_the_cost_models(schedule, pp):
     models, pp 2-8, every schedule) the residual stayed within 1.2 % (worst: 1F1B, pp = 4,
     blocks 4/5/5/2, the simulation 1.17 % faster)."""
     prof, hw, strat, est = _planned(schedule, pp=pp)
-    assert strat.schedule == schedule and strat.pp == pp
+    assert strat.schedule == schedule and strat.mesh.pp == pp
     tl = _simulated(prof, hw, strat)
     assert tl.step_s == pytest.approx(est.step_time_s, rel=0.015)
     if schedule == "1f1b":
@@ -104,7 +104,7 @@ def test_simulated_step_of_planned_strategies_is_the_cost_models(schedule, pp):
     for (j, k), g in forwards.items():  # every forward starts after the previous stage's (send included)
         if k > 0:
             assert g.start_s >= forwards[(j, k - 1)].end_s
-    assert len(forwards) == strat.num_microbatches * strat.pp * chunks(strat)
+    assert len(forwards) == strat.num_microbatches * strat.mesh.pp * chunks(strat)
 
 
 @pytest.mark.parametrize("schedule", ["1f1b", "zero-bubble", "interleaved"])
@@ -113,7 +113,7 @@ def test_stage_details_add_up_to_the_stage_costs_and_the_estimate(schedule):
     c = stage_costs(prof, hw, strat)
     loads = strat.stage_loads(prof.layers)
     details = stage_details(prof, hw, strat)
-    assert len(details) == strat.pp
+    assert len(details) == strat.mesh.pp
     for s, (d, load) in enumerate(zip(details, loads)):
         t = c.stage_time_s(s, load)
         assert d.forward_s + d.recompute_s + d.backward_s + d.p2p_s == pytest.approx(t, rel=1e-12)
@@ -124,7 +124,7 @@ def test_stage_details_add_up_to_the_stage_costs_and_the_estimate(schedule):
         parts = mem.params_bytes + mem.grads_bytes + mem.optimizer_bytes + mem.activations_bytes + mem.buffers_bytes
         assert parts == pytest.approx(mem.peak_bytes, rel=1e-12) and mem.peak_bytes == est.stage_peak_bytes[s]
         assert 0 <= d.workspace_bytes <= mem.buffers_bytes
-    top = max(range(strat.pp), key=lambda s: est.stage_peak_bytes[s])
+    top = max(range(strat.mesh.pp), key=lambda s: est.stage_peak_bytes[s])
     assert replace(details[top].memory, host_bytes=est.memory.host_bytes) == est.memory
     tp, dp, pp = comm_kinds(prof, hw, strat, est, details)
     assert (tp.exposed_s, dp.exposed_s, pp.exposed_s) == (est.time.tp_comm_s, est.time.dp_comm_s, est.time.pp_comm_s)

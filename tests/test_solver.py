@@ -10,8 +10,8 @@ import pytest
 
 from autopar.errors import UserError
 from autopar.solve import Pins, outer_candidates, search
-from cost_models import ModelProfile, Strategy, estimate, load_profile, stage_costs
-from cost_models.strategy import AXIS_ORDER
+from cost_models import Degrees, ModelProfile, Strategy, estimate, load_profile, stage_costs
+from cost_models.axes import DEFAULT_ORDER
 
 
 def gpt_profile(layers: int, hidden: int, heads: int, vocab: int, seq: int) -> ModelProfile:
@@ -40,7 +40,7 @@ def brute_force(model, hw, gpus, batch, dtype, pins=Pins()):
     blocks over the stages (at least ``min_layers`` each) and every mix of recompute modes on
     every stage, within device and host memory."""
     best = None
-    orders = [pins.axis_order] if pins.axis_order else list(itertools.permutations(AXIS_ORDER))
+    orders = [pins.axis_order] if pins.axis_order else list(itertools.permutations(DEFAULT_ORDER))
     cands = [cand for order in orders for cand in outer_candidates(
         model, hw, gpus, batch, dtype, dataclasses.replace(pins, axis_order=order))]
     seen = set()
@@ -154,7 +154,7 @@ def test_pins_fix_their_dimension_and_stay_optimal():
     model, hw = gpt_profile(8, 1024, 16, 32000, 1024), load_profile("dgx-a100-80g")
     pins = Pins(tp=2, recompute="full")
     sol = search(model, hw, 8, 32, "bf16", pins)
-    assert sol.strategy.tp == 2 and sol.strategy.recompute == "full"
+    assert sol.strategy.mesh.tp == 2 and sol.strategy.recompute == "full"
     assert sol.estimate.step_time_s == pytest.approx(brute_force(model, hw, 8, 32, "bf16", pins), rel=1e-9)
 
 
@@ -231,12 +231,12 @@ def test_axis_orders_prune_exactly_and_dp_inside_the_node_can_win():
     dominates, so dp innermost wins under the cost model."""
     from autopar.solve.space import axis_orders
     hw = load_profile("dgx-a100-80g")
-    assert axis_orders(hw, dp=2, tp=2, pp=2) == [AXIS_ORDER]
-    orders = axis_orders(hw, dp=8, tp=2, pp=1)
+    assert axis_orders(hw, Degrees(dp=2, tp=2, pp=2)) == [DEFAULT_ORDER]
+    orders = axis_orders(hw, Degrees(dp=8, tp=2, pp=1))
     dp_inner = ("pp", "tp", "dp")
-    assert orders[0] == AXIS_ORDER and dp_inner in orders
+    assert orders[0] == DEFAULT_ORDER and dp_inner in orders
     model = gpt_profile(4, 4096, 32, 1024, 128)
-    base = Strategy(dp=8, tp=2, pp=1, zero=0, micro_batch=1, num_microbatches=1)
+    base = Strategy(mesh=Degrees(dp=8, tp=2, pp=1), zero=0, micro_batch=1, num_microbatches=1)
     megatron = estimate(model, hw, base, global_batch=8)
     swapped = estimate(model, hw, dataclasses.replace(base, axis_order=dp_inner), global_batch=8)
     assert swapped.step_time_s < megatron.step_time_s
@@ -246,7 +246,7 @@ def test_axis_orders_prune_exactly_and_dp_inside_the_node_can_win():
     assert sol.strategy.axis_order == dp_inner and sol.optimal
     # Unpinned, the search finds it by itself (the order is searched by default).
     free = search(model, hw, 16, 8, "bf16", Pins(tp=2, pp=1, zero=0))
-    pinned = search(model, hw, 16, 8, "bf16", Pins(tp=2, pp=1, zero=0, axis_order=AXIS_ORDER))
+    pinned = search(model, hw, 16, 8, "bf16", Pins(tp=2, pp=1, zero=0, axis_order=DEFAULT_ORDER))
     assert free.optimal and free.strategy.axis_order == dp_inner
     assert free.estimate.step_time_s == pytest.approx(sol.estimate.step_time_s, rel=1e-12)
     assert free.estimate.step_time_s < pinned.estimate.step_time_s
@@ -258,7 +258,7 @@ def test_axis_orders_prune_exactly_and_dp_inside_the_node_can_win():
 def test_ties_between_axis_orders_keep_megatrons():
     """On one node every order gives the same groups: the plan keeps Megatron's order."""
     model, hw = gpt_profile(8, 1024, 16, 32000, 1024), load_profile("dgx-a100-80g")
-    assert search(model, hw, 8, 32, "bf16").strategy.axis_order == AXIS_ORDER
+    assert search(model, hw, 8, 32, "bf16").strategy.axis_order == DEFAULT_ORDER
 
 
 def test_schedule_group_memory_relaxation_is_below_every_member():
@@ -307,7 +307,7 @@ def candidate_optimum(model, hw, cand, c=None):
     """Least step of one outer candidate over every placement within memory (None if none);
     ``c``: its ``stage_costs`` when the caller has them."""
     c, best = c or stage_costs(model, hw, cand.strategy), None
-    p, L = cand.strategy.pp, model.layers
+    p, L = cand.strategy.mesh.pp, model.layers
     options = [{n: [(c.stage_time_s(s, ld), c.stage_dp_time_s(s, ld))
                      for ld in stage_loads(n, cand.modes)
                      if c.stage_memory_bytes(s, ld) <= hw.memory_bytes

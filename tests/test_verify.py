@@ -58,10 +58,10 @@ def test_check_plans_use_exactly_their_feature():
 def test_refused_features_are_never_searched():
     model, hw = profile_spec(parse_model_spec("llama3-8b")), load_profile("dgx-h100")
     free = search(model, hw, 64, 512, "bf16", Pins()).strategy
-    assert free.tp > 1 or free.pp > 1, "the test needs a plan that uses model parallelism"
+    assert free.mesh.tp > 1 or free.mesh.pp > 1, "the test needs a plan that uses model parallelism"
     for refused in (("tp",), ("pp",), ("tp", "pp", "selective"), ("dp",)):
         s = search(model, hw, 64, 512, "bf16", Pins(refused=refused)).strategy
-        assert not ("tp" in refused and s.tp > 1) and not ("pp" in refused and s.pp > 1)
+        assert not ("tp" in refused and s.mesh.tp > 1) and not ("pp" in refused and s.mesh.pp > 1)
         assert not ("dp" in refused and s.zero > 0)
         assert not ("selective" in refused and any(c[1] for c in s.stage_recompute)), s
 

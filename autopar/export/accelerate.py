@@ -20,8 +20,9 @@ from __future__ import annotations
 from autopar.errors import UserError
 from autopar.export import megatron
 from autopar.export.common import (Adapter, Nodes, Option, Settings, chunks, contiguous, counts, describe_recompute,
-                                   nodes, per_rank, replace_plan, uniform_recompute, with_chunks)
+                                   nodes, per_rank, order_gap, replace_plan, uniform_recompute, with_chunks)
 from autopar.plan import Plan
+from cost_models.axes import Degrees
 
 FRAMEWORK = "Accelerate 1.15 (accelerate launch --config_file)"
 DEFAULT_FILE = "accelerate_config.yaml"
@@ -82,11 +83,7 @@ def _fsdp(a: Adapter) -> None:
 
 
 def _order(a: Adapter, reason: str) -> None:
-    deg = {"pp": a.plan.mesh.pp, "dp": a.plan.mesh.dp, "tp": a.plan.mesh.tp}
-    order = [x for x in a.plan.axis_order if deg[x] > 1]
-    if order != [x for x in ("pp", "dp", "tp") if x in order]:
-        a.gap("axis_order", ",".join(a.plan.axis_order), reason,
-              [Option(nearest="pp > dp > tp", plan=replace_plan(a.plan, axis_order=("pp", "dp", "tp")))])
+    order_gap(a, reason, "pp > dp > tp")
 
 
 def _megatron(a: Adapter) -> None:
@@ -262,18 +259,18 @@ def parse(text: str, layers: int) -> Settings:
         return Settings(gpus=gpus, dtype=dtype, dp=dp, tp=tp, pp=1, cp=cp, zero=(3 if f.get("fsdp_reshard_after_forward") else 2)
                         if dp > 1 else 0, offload=f.get("fsdp_offload_params", False), schedule=None, virtual_stages=1,
                         sequence_parallel=False, stage_layers=(layers,), recompute=((0, 0, layers) if full else (layers, 0, 0),),
-                        axis_order=tuple(x for x, d in (("dp", dp), ("tp", tp)) if d > 1))
+                        axis_order=Degrees(dp=dp, tp=tp).active())
     if kind in ("MULTI_GPU", "NO"):
         return Settings(gpus=gpus, dtype=dtype, dp=gpus, tp=1, pp=1, cp=1, zero=0, offload=False, schedule=None, virtual_stages=1,
                         sequence_parallel=False, stage_layers=(layers,), recompute=((layers, 0, 0),),
-                        axis_order=("dp",) if gpus and gpus > 1 else ())
+                        axis_order=Degrees(dp=gpus or 1).active())
     if kind == "DEEPSPEED":
         d = cfg["deepspeed_config"]
         return Settings(gpus=gpus, dtype=dtype, dp=gpus, tp=1, pp=1, cp=1, zero=d.get("zero_stage"),
                         offload=d.get("offload_optimizer_device", "none") == "cpu",
                         num_microbatches=d.get("gradient_accumulation_steps"), schedule=None, virtual_stages=1,
                         sequence_parallel=False, stage_layers=(layers,), recompute=((layers, 0, 0),),
-                        axis_order=("dp",) if gpus and gpus > 1 else ())
+                        axis_order=Degrees(dp=gpus or 1).active())
     if kind == "MEGATRON_LM":
         g = cfg["megatron_lm_config"]
         tp, pp, cp = g["megatron_lm_tp_degree"], g["megatron_lm_pp_degree"], g.get("megatron_lm_context_parallel_size", 2)
@@ -295,5 +292,5 @@ def parse(text: str, layers: int) -> Settings:
                         num_microbatches=g.get("megatron_lm_num_micro_batches"), schedule="1f1b", virtual_stages=1,
                         sequence_parallel=g.get("megatron_lm_sequence_parallelism", False) and tp > 1,
                         stage_layers=stage_layers, recompute=tuple(rec(n) for n in stage_layers),
-                        axis_order=tuple(x for x, d in (("pp", pp), ("dp", dp), ("tp", tp)) if d > 1))
+                        axis_order=Degrees(pp=pp, dp=dp, tp=tp).active())
     raise UserError(f"Accelerate config has distributed_type {kind!r}, not one autopar writes")

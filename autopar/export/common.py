@@ -17,6 +17,7 @@ from autopar.errors import UserError
 from autopar.plan import Plan
 from autopar.spec import ModelSpec, parse_model_spec, with_seq
 from cost_models import ProfileError, estimate, load_profile
+from cost_models.axes import DEFAULT_ORDER, Axis
 from cost_models.recipe import ExecutionRecipe
 from cost_models.strategy import RECOMPUTE, Strategy
 
@@ -170,10 +171,18 @@ def replace_plan(plan: Plan, **changes: object) -> Plan:
     return dataclasses.replace(plan, estimate=None, **changes)  # type: ignore[arg-type]
 
 
-def axis_order(plan: Plan) -> tuple[str, ...]:
+def axis_order(plan: Plan) -> tuple[Axis, ...]:
     """The plan's mesh order without the axes of degree 1 (their position does not matter)."""
-    deg = {"pp": plan.mesh.pp, "dp": plan.mesh.dp, "tp": plan.mesh.tp}
-    return tuple(a for a in plan.axis_order if deg[a] > 1)
+    return plan.mesh.active(plan.axis_order)
+
+
+def order_gap(a: Adapter, reason: str, nearest: str, orders: tuple[tuple[Axis, ...], ...] = (DEFAULT_ORDER,)) -> None:
+    """A gap unless the plan's mesh order (axes of degree > 1) is one of ``orders`` (each
+    outermost first), a framework's own; the nearest plan takes Megatron's default order."""
+    mine = axis_order(a.plan)
+    if not any(tuple(x for x in full if x in mine) == mine for full in orders):
+        a.gap("axis_order", ",".join(a.plan.axis_order), reason,
+              [Option(nearest=nearest, plan=replace_plan(a.plan, axis_order=DEFAULT_ORDER))])
 
 
 # ---- the cost of a nearest setting ----------------------------------------------------------------
@@ -188,8 +197,8 @@ class Priced:
 
 
 def strategy(plan: Plan, recipe: ExecutionRecipe) -> Strategy:
-    """``Plan.strategy`` with what it leaves out (CPU offload, mesh order) and ``recipe``."""
-    return dataclasses.replace(plan.strategy(), offload=plan.offload, axis_order=plan.axis_order, recipe=recipe)
+    """``Plan.strategy`` priced under ``recipe``."""
+    return dataclasses.replace(plan.strategy(), recipe=recipe)
 
 
 _PRICED = ("model", "cluster", "gpus", "global_batch", "seq_len", "dtype", "mesh", "zero_stage", "micro_batch_size",
@@ -383,7 +392,7 @@ class Settings:
     recompute: tuple[tuple[int, int, int], ...] | None = None
     """Per virtual stage, its blocks per recompute mode (none, selective, full)."""
     dtype: str | None = None
-    axis_order: tuple[str, ...] | None = None
+    axis_order: tuple[Axis, ...] | None = None
     """Mesh axes of degree > 1, outermost first."""
 
     @classmethod

@@ -19,8 +19,9 @@ import json
 
 from autopar.errors import UserError
 from autopar.export.common import (Adapter, Nodes, Option, Settings, contiguous, describe_recompute, per_rank,
-                                   replace_plan, strategy, uniform_recompute)
+                                   order_gap, replace_plan, strategy, uniform_recompute)
 from autopar.plan import Plan
+from cost_models.axes import Degrees
 from cost_models.recipe import ExecutionRecipe
 
 FRAMEWORK = "DeepSpeed 0.19 (deepspeed.runtime.config.DeepSpeedConfig)"
@@ -66,10 +67,7 @@ def adapt(a: Adapter) -> None:
               [Option(nearest="activation checkpointing of every block", plan=uniform_recompute(a.plan, "full")),
                Option(nearest="no activation checkpointing", plan=uniform_recompute(a.plan, "none"))])
     a.refit({"full": "activation checkpointing of every block"})
-    order = [x for x in a.plan.axis_order if {"pp": a.plan.mesh.pp, "dp": a.plan.mesh.dp, "tp": a.plan.mesh.tp}[x] > 1]
-    if order != [x for x in ("pp", "dp", "tp") if x in order]:
-        a.gap("axis_order", ",".join(a.plan.axis_order), "DeepSpeed's topology orders pipe > data > model",
-              [Option(nearest="pipe > data > model", plan=replace_plan(a.plan, axis_order=("pp", "dp", "tp")))])
+    order_gap(a, "DeepSpeed's topology orders pipe > data > model", "pipe > data > model")
 
 
 def config(plan: Plan, recipe: ExecutionRecipe) -> dict:
@@ -142,6 +140,6 @@ def parse(text: str, layers: int) -> Settings:
                     stage_layers=stage_layers,
                     recompute=tuple((0, 0, n) if full else (n, 0, 0) for n in stage_layers),
                     dtype="bf16" if cfg.get("bf16", {}).get("enabled") else "fp16" if cfg.get("fp16", {}).get("enabled")
-                    else "fp32", axis_order=tuple(x for x, d in (("pp", pp), ("dp", dp or 1), ("tp", tp)) if d > 1))
+                    else "fp32", axis_order=Degrees(pp=pp, dp=dp or 1, tp=tp).active())
 
 

@@ -16,15 +16,16 @@ import shlex
 
 from autopar.errors import UserError
 from autopar.export.common import (Adapter, Family, Nodes, Option, Settings, Shape, axis_order, chunks, counts,
-                                   derive_batch, describe_recompute, replace_plan, strategy, twin_options,
+                                   derive_batch, describe_recompute, order_gap, replace_plan, strategy, twin_options,
                                    with_chunks)
 from autopar.plan import Plan
+from cost_models.axes import Axis, Degrees
 from cost_models.recipe import Attention, ExecutionRecipe
 
 FRAMEWORK = "Megatron-LM core_v0.19 (megatron/training/arguments.py)"
 DEFAULT_FILE = "pretrain_autopar.sh"
 SCRIPT = "pretrain_gpt.py"
-_MESH_ORDERS = (("pp", "dp", "tp"), ("dp", "pp", "tp"))
+_MESH_ORDERS = ((Axis.PP, Axis.DP, Axis.TP), (Axis.DP, Axis.PP, Axis.TP))
 """Megatron's rank orders, outermost first: its default and ``--use-tp-pp-dp-mapping``'s."""
 
 
@@ -35,9 +36,8 @@ def adapt(a: Adapter, shape: Shape) -> None:
               "this architecture", twin_options(a.plan, shape, "a Llama-style model of the same shape ({spec})"))
     if a.plan.mesh.pp > 1:
         _schedule(a)
-    if not any(_is_suborder(axis_order(a.plan), o) for o in _MESH_ORDERS):
-        a.gap("axis_order", ",".join(a.plan.axis_order), "Megatron places tp innermost and pp outside or inside dp",
-              [Option(nearest="the default order tp-cp-ep-dp-pp", plan=replace_plan(a.plan, axis_order=("pp", "dp", "tp")))])
+    order_gap(a, "Megatron places tp innermost and pp outside or inside dp", "the default order tp-cp-ep-dp-pp",
+              _MESH_ORDERS)
     if _recompute_flags(a.plan) is None:
         _recompute(a)
     a.refit({"selective": "--recompute-granularity selective", "full": "--recompute-granularity full "
@@ -46,10 +46,6 @@ def adapt(a: Adapter, shape: Shape) -> None:
         recipe = _replace_recipe(a.recipe, tp_comm_overlap=False)
         a.gap("recipe.tp_comm_overlap", True, "--tp-comm-overlap needs --sequence-parallel",
               [Option(nearest="no --tp-comm-overlap", plan=a.plan, recipe=recipe)])
-
-
-def _is_suborder(order: tuple[str, ...], full: tuple[str, ...]) -> bool:
-    return tuple(x for x in full if x in order) == order
 
 
 def _replace_recipe(recipe: ExecutionRecipe, **changes: object) -> ExecutionRecipe:
@@ -190,7 +186,7 @@ def arguments(plan: Plan, shape: Shape, recipe: ExecutionRecipe) -> list[str]:
     if m.cp > 1:
         args += ["--context-parallel-size", str(m.cp)]
     order = axis_order(plan)
-    if "dp" in order and "pp" in order and order.index("dp") < order.index("pp"):
+    if Axis.DP in order and Axis.PP in order and order.index(Axis.DP) < order.index(Axis.PP):
         args.append("--use-tp-pp-dp-mapping")
     args += ["--micro-batch-size", str(plan.micro_batch_size), "--global-batch-size", str(plan.global_batch)]
     args += _recompute_flags(plan) or []
@@ -340,7 +336,5 @@ def _recompute_read(a: argparse.Namespace, n: int) -> tuple[int, int, int]:
     return (n, 0, 0)
 
 
-def _order_read(tp_pp_dp: bool, dp: int, tp: int, pp: int) -> tuple[str, ...]:
-    order = ("dp", "pp", "tp") if tp_pp_dp else ("pp", "dp", "tp")
-    deg = {"dp": dp, "tp": tp, "pp": pp}
-    return tuple(x for x in order if deg[x] > 1)
+def _order_read(tp_pp_dp: bool, dp: int, tp: int, pp: int) -> tuple[Axis, ...]:
+    return Degrees(dp=dp, tp=tp, pp=pp).active(_MESH_ORDERS[1] if tp_pp_dp else _MESH_ORDERS[0])

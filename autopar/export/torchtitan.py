@@ -24,8 +24,9 @@ import ast
 
 from autopar.errors import UserError
 from autopar.export.common import (Adapter, Family, Nodes, Option, Settings, Shape, derive_batch, describe_recompute,
-                                   replace_plan, twin_options, uniform_recompute)
+                                   order_gap, replace_plan, twin_options, uniform_recompute)
 from autopar.plan import Plan
+from cost_models.axes import Degrees
 
 FRAMEWORK = "torchtitan 0.3 (torchtitan.config.ConfigManager, Trainer.Config)"
 DEFAULT_FILE = "autopar_torchtitan.py"
@@ -64,11 +65,7 @@ def adapt(a: Adapter, shape: Shape) -> None:
               [Option(nearest="activation_checkpoint=FullAC.Config()", plan=uniform_recompute(a.plan, "full")),
                Option(nearest="activation_checkpoint=None", plan=uniform_recompute(a.plan, "none"))])
     a.refit({"full": "activation_checkpoint=FullAC.Config()"})
-    deg = {"pp": a.plan.mesh.pp, "dp": a.plan.mesh.dp, "tp": a.plan.mesh.tp}
-    order = [x for x in a.plan.axis_order if deg[x] > 1]
-    if order != [x for x in ("pp", "dp", "tp") if x in order]:
-        a.gap("axis_order", ",".join(a.plan.axis_order), "torchtitan's mesh is pp > dp_replicate > dp_shard > cp > tp",
-              [Option(nearest="pp > dp > tp", plan=replace_plan(a.plan, axis_order=("pp", "dp", "tp")))])
+    order_gap(a, "torchtitan's mesh is pp > dp_replicate > dp_shard > cp > tp", "pp > dp > tp")
 
 
 def _fqns(plan: Plan) -> list[list[str]]:
@@ -223,6 +220,6 @@ def parse(text: str) -> Settings:
                     sequence_parallel=p.get("enable_sequence_parallel", True) and tp > 1, stage_layers=stage_layers,
                     recompute=tuple((0, 0, k) if full else (k, 0, 0) for k in stage_layers) if stage_layers else None,
                     dtype="fp32" if t.get("mixed_precision_param") == "float32" else "bf16",
-                    axis_order=tuple(x for x, d in (("pp", pp), ("dp", dp), ("tp", tp)) if d > 1))
+                    axis_order=Degrees(pp=pp, dp=dp, tp=tp).active())
 
 

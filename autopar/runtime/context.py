@@ -1,9 +1,9 @@
 """The per-rank parallel context: one DeviceMesh for every axis, and this rank's coordinates.
 
 Vocabulary (as torchtitan's): an *axis* is a DeviceMesh dimension, a *dim* a tensor dimension.
-Rank order is the plan's ``axis_order``, outermost first: by default Megatron's, tp innermost
-(consecutive ranks share a node), then dp, then pp — the mesh is ``arange(world).view(pp, dp, tp)``;
-the cost model prices the same order (``cost_models.comm``).
+Rank order is the plan's ``axis_order`` (``cost_models.axes``), outermost first: by default
+Megatron's, tp innermost (consecutive ranks share a node), then dp, then pp — the mesh is
+``arange(world).view(pp, dp, tp)``; the cost model prices the same order (``cost_models.comm``).
 
 Nothing here is global: the context is built once per run and passed to every function that
 needs a process group.
@@ -14,7 +14,6 @@ from __future__ import annotations
 import datetime
 import os
 from dataclasses import dataclass
-from enum import StrEnum
 from typing import TYPE_CHECKING
 
 import torch
@@ -23,6 +22,7 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 from autopar.plan import Plan, runtime_unsupported
 from autopar.spec import parse_model_spec
+from cost_models.axes import Axis
 
 if TYPE_CHECKING:
     from autopar.runtime.usermodule import Traced
@@ -31,23 +31,18 @@ DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 """Training dtypes by the plan's name."""
 
 
-class Axis(StrEnum):
-    """Names of the DeviceMesh axes."""
-
-    PP = "pp"
-    DP = "dp"
-    TP = "tp"
-
-
 @dataclass(frozen=True, kw_only=True, slots=True)
 class ParallelContext:
     """This rank's place in the plan's mesh; ``mesh`` is None for a single process."""
 
     mesh: DeviceMesh | None
     device: torch.device
-    pp_rank: int = 0
-    dp_rank: int = 0
-    tp_rank: int = 0
+
+    def rank(self, axis: Axis) -> int:
+        """This rank's coordinate along ``axis`` (0 where the mesh does not split it)."""
+        if self.mesh is None or axis.value not in (self.mesh.mesh_dim_names or ()):
+            return 0
+        return self.mesh.get_local_rank(axis.value)
 
     def group(self, axis: Axis) -> dist.ProcessGroup | None:
         return None if self.mesh is None else self.mesh.get_group(axis.value)
@@ -106,8 +101,6 @@ def build_context(plan: Plan, device: torch.device, traced: Traced | None = None
                          f"but the job has {world}")
     if world == 1:
         return ParallelContext(mesh=None, device=device)
-    sizes = {Axis.PP.value: m.pp, Axis.DP.value: m.dp, Axis.TP.value: m.tp}
-    mesh = init_device_mesh(device.type, tuple(sizes[a] for a in plan.axis_order), mesh_dim_names=plan.axis_order)
-    return ParallelContext(mesh=mesh, device=device, pp_rank=mesh.get_local_rank(Axis.PP.value),
-                           dp_rank=mesh.get_local_rank(Axis.DP.value),
-                           tp_rank=mesh.get_local_rank(Axis.TP.value))
+    mesh = init_device_mesh(device.type, tuple(m[a] for a in plan.axis_order),
+                            mesh_dim_names=tuple(a.value for a in plan.axis_order))
+    return ParallelContext(mesh=mesh, device=device)

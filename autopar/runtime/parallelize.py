@@ -47,7 +47,8 @@ from torch.nn.parallel import DistributedDataParallel
 from autopar.model import CoreAttention
 from autopar.plan import Plan
 from autopar.layout import Anatomy
-from autopar.runtime.context import DTYPES, Axis, ParallelContext
+from autopar.runtime.context import DTYPES, ParallelContext
+from cost_models.axes import Axis
 
 if TYPE_CHECKING:
     from autopar.runtime.train import TrainConfig

@@ -28,7 +28,8 @@ from torch.distributed.pipelining import (
 from torch.distributed.pipelining.schedules import _PipelineSchedule
 
 from autopar.plan import Plan
-from autopar.runtime.context import Axis, ParallelContext
+from autopar.runtime.context import ParallelContext
+from cost_models.axes import Axis
 
 
 def stage_ids(plan: Plan, pp_rank: int) -> list[int]:

@@ -6,6 +6,8 @@ import torch
 from torch.distributed.tensor import DTensor
 from torch.nn.parallel import DistributedDataParallel
 
+from cost_models.axes import Axis
+
 CHECKPOINT_PART = "_checkpoint_wrapped_module"
 """The name component checkpoint_wrapper inserts; DDP prefixes ``module``; FSDP2 and TP keep
 names unchanged."""
@@ -31,4 +33,4 @@ def full_state(prog) -> dict[str, torch.Tensor] | None:
                 continue  # the last stage's copy of the embedding, equal to it after every step
             full = p.full_tensor() if isinstance(p, DTensor) else p
             out[key] = full.detach().float().cpu().clone()
-    return out if prog.ctx.dp_rank == 0 and prog.ctx.tp_rank == 0 else None
+    return out if prog.ctx.rank(Axis.DP) == 0 and prog.ctx.rank(Axis.TP) == 0 else None

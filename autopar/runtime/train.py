@@ -33,7 +33,7 @@ from autopar.data import Corpus, batch_tokens, open_corpus
 from autopar.model import cross_entropy
 from autopar.plan import Plan
 from autopar.runtime import parallelize
-from autopar.runtime.context import DTYPES, Axis, ParallelContext, check_plan
+from autopar.runtime.context import DTYPES, ParallelContext, check_plan
 from autopar.layout import Anatomy
 from autopar.trace.anatomy import anatomy
 from autopar.runtime.models import build_stage, stage_blocks
@@ -47,6 +47,7 @@ from autopar.runtime.usermodule import (
 )
 from autopar.trace import build_spec_model, trace_module
 from autopar.spec import ModelSpec, parse_model_spec, with_seq
+from cost_models.axes import Axis
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -137,7 +138,7 @@ def build_program(plan: Plan, ctx: ParallelContext, cfg: TrainConfig = TrainConf
     if plan.num_layers != len(anat.blocks) or len(plan.recompute) != len(anat.blocks):
         raise ValueError(f"the plan places {plan.num_layers} layers but {spec.name} has {len(anat.blocks)}; "
                          "make the plan for this model with autopar plan")
-    ids = stage_ids(plan, ctx.pp_rank) if plan.mesh.pp > 1 else [0]
+    ids = stage_ids(plan, ctx.rank(Axis.PP)) if plan.mesh.pp > 1 else [0]
     modules: list[nn.Module] = []
     for sid in ids:
         if source is not None:
@@ -175,15 +176,14 @@ def _tied_group(ctx: ParallelContext, pp: int) -> dist.ProcessGroup | None:
     """Megatron's embedding group: with a tied head on another stage, the first and the last
     stage keep a copy each and sum their gradients. Every rank creates every pair (new_group is
     collective); this rank gets its own pair, or None off the first and last stage."""
-    names = ctx.mesh.mesh_dim_names
-    ranks = ctx.mesh.mesh.permute(*(names.index(a.value) for a in (Axis.PP, Axis.DP, Axis.TP)))  # [pp, dp, tp]
-    mine = None
-    for d in range(ranks.shape[1]):
-        for t in range(ranks.shape[2]):
-            group = dist.new_group([int(ranks[0, d, t]), int(ranks[-1, d, t])])
-            if (d, t) == (ctx.dp_rank, ctx.tp_rank):
-                mine = group
-    return mine if ctx.pp_rank in (0, pp - 1) else None
+    assert ctx.mesh is not None and ctx.mesh.mesh_dim_names is not None, "a tied pair needs a mesh"
+    along_pp = ctx.mesh.mesh.movedim(ctx.mesh.mesh_dim_names.index(Axis.PP.value), 0).reshape(pp, -1)
+    me, mine = dist.get_rank(), None
+    for column in along_pp.T.tolist():  # the pipeline of each coordinate off the pp axis
+        group = dist.new_group([column[0], column[-1]])
+        if me in column:
+            mine = group
+    return mine if ctx.rank(Axis.PP) in (0, pp - 1) else None
 
 
 def _tied_weight(module: nn.Module, anat: Anatomy) -> nn.Parameter | None:
@@ -229,7 +229,8 @@ def _vocab_parallel(plan: Plan):
 
 def _local_rows(plan: Plan, ctx: ParallelContext, t: torch.Tensor) -> torch.Tensor:
     rows = plan.global_batch // plan.mesh.dp
-    return t[ctx.dp_rank * rows:(ctx.dp_rank + 1) * rows].to(ctx.device)
+    dp_rank = ctx.rank(Axis.DP)
+    return t[dp_rank * rows:(dp_rank + 1) * rows].to(ctx.device)
 
 
 def _step_no_pipeline(prog: Program, x: torch.Tensor, y: torch.Tensor) -> float:
@@ -290,7 +291,7 @@ def step_on_batch(prog: Program, tokens: torch.Tensor, targets: torch.Tensor) ->
     if ctx.mesh is None:
         return local / plan.num_microbatches
     # Count each (dp rank, micro-batch) loss once: last stage, tp rank 0.
-    counted = local if ctx.tp_rank == 0 else 0.0
+    counted = local if ctx.rank(Axis.TP) == 0 else 0.0
     total = torch.tensor([counted], dtype=torch.float64, device=ctx.device)
     dist.all_reduce(total)
     return total.item() / (plan.mesh.dp * plan.num_microbatches)

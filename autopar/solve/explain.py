@@ -10,12 +10,12 @@ from autopar.errors import UserError
 from autopar.solve.search import Alternative, search
 from autopar.solve.space import Pins, candidates
 from cost_models import HardwareProfile, ModelProfile, Strategy
-from cost_models.strategy import AXIS_ORDER
+from cost_models.axes import DEFAULT_ORDER, Axis
 
-DIMENSIONS = (("tp", "tp"), ("pp", "pp"), ("zero", "zero"), ("micro_batch", "micro_batch"),
+DIMENSIONS = ((Axis.TP, "tp"), (Axis.PP, "pp"), ("zero", "zero"), ("micro_batch", "micro_batch"),
               ("schedule", "schedule"), ("virtual_stages", "virtual_stages"),
               ("sequence_parallel", "sequence_parallel"), ("recompute", "recompute"))
-"""(Strategy field, Pins field) of each dimension explained."""
+"""(Strategy field or mesh axis, Pins field) of each dimension explained."""
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -49,17 +49,21 @@ def describe(s: Strategy) -> str:
     if s.stage_recompute:
         totals = [sum(c[i] for c in s.stage_recompute) for i in range(3)]
         rc = "/".join(f"{n}{m[0]}" for n, m in zip(totals, ("none", "sel", "full")) if n)
-    return (f"dp={s.dp} tp={s.tp} pp={s.pp} zero={s.zero} mbs={s.micro_batch} "
+    return (f"dp={s.mesh.dp} tp={s.mesh.tp} pp={s.mesh.pp} zero={s.zero} mbs={s.micro_batch} "
             f"m={s.num_microbatches} {s.schedule}{f' v={s.virtual_stages}' if s.virtual_stages > 1 else ''} "
             f"sp={int(s.sequence_parallel)} rc={rc}"
-            f"{' order=' + '>'.join(s.axis_order) if s.axis_order != AXIS_ORDER else ''}")
+            f"{' order=' + '>'.join(s.axis_order) if s.axis_order != DEFAULT_ORDER else ''}")
 
 
-def _value(s: Strategy, field: str):
+def _get(s: Strategy, field: str | Axis):
+    return s.mesh[field] if isinstance(field, Axis) else getattr(s, field)
+
+
+def _value(s: Strategy, field: str | Axis):
     if field == "recompute" and s.stage_recompute and len(
             {i for c in s.stage_recompute for i, n in enumerate(c) if n}) > 1:
         return "mixed"
-    return getattr(s, field)
+    return _get(s, field)
 
 
 def _neighbours(values: list, chosen) -> list:
@@ -81,7 +85,7 @@ def explain(model: ModelProfile, hw: HardwareProfile, gpus: int, global_batch: i
     space = list(candidates(model, hw, gpus, global_batch, dtype, base))
     dims = []
     for field, pin in DIMENSIONS:
-        values = sorted({getattr(s, field) for s in space}, key=lambda v: (str(type(v)), v))
+        values = sorted({_get(s, field) for s in space}, key=lambda v: (str(type(v)), v))
         if field == "recompute":
             values = ["none", "selective", "full"]
         chosen = _value(plan, field)
@@ -94,7 +98,7 @@ def explain(model: ModelProfile, hw: HardwareProfile, gpus: int, global_batch: i
                                      note=describe(sol.strategy)))
             except UserError as exc:
                 out.append(Neighbour(value=str(value), step_time_s=None, note=str(exc)))
-        dims.append(Dimension(name=field, chosen=str(chosen), neighbours=tuple(out)))
+        dims.append(Dimension(name=str(field), chosen=str(chosen), neighbours=tuple(out)))
     from cost_models import estimate
     own = estimate(model, hw, plan, global_batch=global_batch).step_time_s
     return Explanation(step_time_s=own, alternatives=best.alternatives, dimensions=tuple(dims))

@@ -17,7 +17,8 @@ from cost_models import HardwareProfile, ModelProfile, StageCosts, Strategy, est
 from cost_models.bounds import least_memory_costs
 from cost_models.estimate import parts_key
 from cost_models.pipeline import chunks
-from cost_models.strategy import AXIS_ORDER, RECOMPUTE, Estimate
+from cost_models.axes import DEFAULT_ORDER
+from cost_models.strategy import RECOMPUTE, Estimate
 
 TIE = 1e-12
 """Relative difference below which two step times tie (the earlier candidate wins)."""
@@ -161,10 +162,10 @@ def _order_free_base(model: ModelProfile, hw: HardwareProfile, strat: Strategy,
     """``strat``'s costs as 1F1B with each axis in its best group, by ``parts_key`` up to the
     order (``space.order_free_hardware``)."""
     # (candidates come in Megatron's order: no copy of the strategy just to name the key)
-    key = parts_key(strat if strat.axis_order == AXIS_ORDER else replace(strat, axis_order=AXIS_ORDER))
+    key = parts_key(strat if strat.axis_order == DEFAULT_ORDER else replace(strat, axis_order=DEFAULT_ORDER))
     base = cache.get(key)
     if base is None:
-        hw_b, order = order_free_hardware(hw, strat.dp, strat.tp, strat.pp)
+        hw_b, order = order_free_hardware(hw, strat.mesh)
         base = stage_costs(model, hw_b, replace(strat, axis_order=order, schedule="1f1b",
                                                 virtual_stages=1))
         cache[key] = base
@@ -218,14 +219,14 @@ def _ordered(model: ModelProfile, hw: HardwareProfile, gpus: int, global_batch: 
                             f"in --time-limit (at least {ENUMERATION_S:g} s); pin some dimensions (--tp, --pp, "
                             "--vpp, --mbs, --zero) or raise --time-limit")
         st = cand.strategy
-        degrees = (st.dp, st.tp, st.pp)
+        degrees = st.mesh
         if pins.axis_order is None:
             if degrees not in orders_of:
-                orders_of[degrees] = tuple(axis_orders(hw, *degrees)[1:])
+                orders_of[degrees] = tuple(axis_orders(hw, degrees)[1:])
             total += 1 + len(orders_of[degrees])
         else:
             total += 1
-        group = (st.dp, st.tp, st.pp, st.micro_batch, st.zero, st.sequence_parallel, st.offload)
+        group = (st.mesh, st.micro_batch, st.zero, st.sequence_parallel, st.offload)
         if group not in fits:
             fits[group] = _group_fits(model, hw, st, modes, cap)
         if not fits[group]:

@@ -2,7 +2,7 @@
 axis order) the runtime can run, with the recompute modes the inner placement may mix (see
 ``autopar.solve``).
 
-Axis orders (``axis_orders``): of the 6 permutations of (pp, dp, tp), the cost model reads an
+Axis orders (``axis_orders``): of the permutations of the axes, the cost model reads an
 order only through the tier of each axis's group (``comm.axis_groups``), and every cost is
 non-increasing in a group's bandwidths and non-decreasing in its latency. So an order whose
 groups of degree > 1 are each no better than those of an order already kept (Megatron's first)
@@ -21,9 +21,10 @@ from typing import Iterator
 
 from autopar.plan import runtime_unsupported
 from cost_models import HardwareProfile, ModelProfile, Strategy
+from cost_models.axes import DEFAULT_ORDER, Axis, Degrees
 from cost_models.comm import Group, axis_groups
 from cost_models.recipe import ExecutionRecipe, load_recipe
-from cost_models.strategy import AXIS_ORDER, RECOMPUTE
+from cost_models.strategy import RECOMPUTE
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -43,7 +44,7 @@ class Pins:
     """One recompute mode for every block; unpinned, the solver picks a mode per block."""
     offload: bool | None = None
     """CPU offload of ZeRO's shards and the optimizer step."""
-    axis_order: tuple[str, ...] | None = None
+    axis_order: tuple[Axis, ...] | None = None
     """Mesh axes outermost first (``Strategy.axis_order``)."""
     recipe: ExecutionRecipe | None = None
     """The execution recipe every candidate is priced under (an input, never searched);
@@ -115,26 +116,24 @@ def _no_better(a: Group, b: Group) -> bool:
         and a.latency_s >= b.latency_s
 
 
-def axis_orders(hw: HardwareProfile, dp: int, tp: int, pp: int,
-                pins: Pins = Pins()) -> list[tuple[str, ...]]:
+def axis_orders(hw: HardwareProfile, degrees: Degrees,
+                pins: Pins = Pins()) -> list[tuple[Axis, ...]]:
     """The axis orders worth costing for these degrees, Megatron's first: an order is dropped
     when an order kept earlier has every group of degree > 1 at least as fast (see module)."""
     if pins.axis_order is not None:
         return [tuple(pins.axis_order)]
-    kept: list[tuple[tuple[str, ...], dict[str, Group]]] = []
-    perms = [AXIS_ORDER] + [o for o in itertools.permutations(AXIS_ORDER) if o != AXIS_ORDER]
-    degree = {"dp": dp, "tp": tp, "pp": pp}
+    kept: list[tuple[tuple[Axis, ...], dict[Axis, Group]]] = []
+    perms = [DEFAULT_ORDER] + [o for o in itertools.permutations(DEFAULT_ORDER) if o != DEFAULT_ORDER]
     for order in perms:
-        g = axis_groups(hw, Strategy(dp=dp, tp=tp, pp=pp, axis_order=order))
-        groups = {ax: getattr(g, ax) for ax in AXIS_ORDER if degree[ax] > 1}
+        g = axis_groups(hw, Strategy(mesh=degrees, axis_order=order))
+        groups = {ax: g[ax] for ax in degrees.active()}
         if any(all(_no_better(groups[ax], other[ax]) for ax in groups) for _, other in kept):
             continue
         kept.append((order, groups))
     return [order for order, _ in kept]
 
 
-def order_free_hardware(hw: HardwareProfile, dp: int, tp: int,
-                        pp: int) -> tuple[HardwareProfile, tuple[str, ...]]:
+def order_free_hardware(hw: HardwareProfile, degrees: Degrees) -> tuple[HardwareProfile, tuple[Axis, ...]]:
     """(profile, order) under which every axis of degree > 1 gets the best group any order
     gives it on ``hw``, so costs under them bound those of every order from below.
 
@@ -144,15 +143,12 @@ def order_free_hardware(hw: HardwareProfile, dp: int, tp: int,
     n ≤ D innermost and the profile has nodes of S devices, S the product of their degrees,
     so they stay on NVLink; each larger axis (stride ≥ S) crosses nodes with 1 member per
     node, and its bus bandwidth is D times the NIC's, its p2p and latency the NIC's."""
-    degree = {"dp": dp, "tp": tp, "pp": pp}
-    small = [ax for ax in AXIS_ORDER if 1 < degree[ax] <= hw.devices_per_node]
-    order = tuple([ax for ax in AXIS_ORDER if ax not in small] + small)
+    small = [ax for ax in degrees.active() if degrees[ax] <= hw.devices_per_node]
+    order = tuple([ax for ax in DEFAULT_ORDER if ax not in small] + small)
     inter = hw.inter_node
     wide = replace(inter, bw_gbps=hw.devices_per_node * inter.bw_gbps,
                    p2p_bw_gbps=inter.p2p_bw_gbps or inter.bw_gbps)
-    nodes = 1
-    for ax in small:
-        nodes *= degree[ax]
+    nodes = math.prod(degrees[ax] for ax in small)
     return replace(hw, devices_per_node=nodes, inter_node=wide), order
 
 
@@ -175,7 +171,7 @@ def outer_candidates(model: ModelProfile, hw: HardwareProfile, gpus: int, global
             dp = gpus // (tp * pp)
             if (pins.dp is not None and dp != pins.dp) or global_batch % dp:
                 continue
-            orders = [tuple(pins.axis_order or AXIS_ORDER)]
+            orders = [tuple(pins.axis_order or DEFAULT_ORDER)]
             for b in _choices(pins.micro_batch, _divisors(global_batch // dp)):
                 m, rem = divmod(global_batch // dp, b)
                 if rem or (pp > 1 and m < pp):
@@ -201,7 +197,7 @@ def outer_candidates(model: ModelProfile, hw: HardwareProfile, gpus: int, global
                                             virtual_stages=v, offload=True):
                                         continue
                                     strat = Strategy(
-                                        dp=dp, tp=tp, pp=pp, zero=zero, micro_batch=b,
+                                        mesh=Degrees(dp=dp, tp=tp, pp=pp), zero=zero, micro_batch=b,
                                         num_microbatches=m, schedule=sched, virtual_stages=v,
                                         sequence_parallel=sp, recompute=nominal, dtype=dtype,
                                         offload=off, axis_order=order, recipe=recipe)
