@@ -16,7 +16,7 @@ import pytest
 from typer.testing import CliRunner
 
 from autopar.cli import app
-from autopar.plan import Mesh, Plan, load_plan
+from autopar.plan import load_plan
 from autopar.solve import Pins, search
 from autopar.spec import parse_model_spec
 from autopar.trace import profile_spec
