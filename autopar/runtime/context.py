@@ -5,6 +5,12 @@ Rank order is the plan's ``axis_order``, outermost first: by default Megatron's,
 (consecutive ranks share a node), then dp, then pp — the mesh is ``arange(world).view(pp, dp, tp)``;
 the cost model prices the same order (``cost_models.comm``).
 
+Only the axes of size > 1 are mesh dimensions: a size-1 axis would be a process group of one
+rank per axis, and every gloo group runs a transport thread that wakes 100 times a second (its
+``epoll_wait`` timeout), which costs a job of oversubscribed CPU ranks several per cent of its
+step time (``benchmarks/runtime_overhead.py``). With one parallel axis the mesh is the default
+process group, as in a hand-written program.
+
 Nothing here is global: the context is built once per run and passed to every function that
 needs a process group.
 """
@@ -44,17 +50,29 @@ class ParallelContext:
     """This rank's place in the plan's mesh; ``mesh`` is None for a single process."""
 
     mesh: DeviceMesh | None
+    """Over the plan's axes of size > 1 only, in its axis order."""
     device: torch.device
     pp_rank: int = 0
     dp_rank: int = 0
     tp_rank: int = 0
 
     def group(self, axis: Axis) -> dist.ProcessGroup | None:
-        return None if self.mesh is None else self.mesh.get_group(axis.value)
+        return None if self.mesh is None else self.submesh(axis).get_group()
 
     def submesh(self, axis: Axis) -> DeviceMesh:
         assert self.mesh is not None, "a single process has no mesh"
+        if axis.value not in (self.mesh.mesh_dim_names or ()):
+            raise ValueError(f"the {axis.value} axis has size 1 in this plan: it has no mesh dimension")
         return self.mesh[axis.value]
+
+
+def rank_grid(plan: Plan) -> torch.Tensor:
+    """Global ranks by plan coordinates, [pp, dp, tp] (size-1 axes included): the layout of
+    ``plan.axis_order``, outermost first, as the mesh lays the ranks out."""
+    m = plan.mesh
+    sizes = {Axis.PP.value: m.pp, Axis.DP.value: m.dp, Axis.TP.value: m.tp}
+    grid = torch.arange(m.size).view(*(sizes[a] for a in plan.axis_order))
+    return grid.permute(*(plan.axis_order.index(a.value) for a in (Axis.PP, Axis.DP, Axis.TP)))
 
 
 def init_distributed(timeout_s: float = 300.0) -> torch.device:
@@ -107,7 +125,8 @@ def build_context(plan: Plan, device: torch.device, traced: Traced | None = None
     if world == 1:
         return ParallelContext(mesh=None, device=device)
     sizes = {Axis.PP.value: m.pp, Axis.DP.value: m.dp, Axis.TP.value: m.tp}
-    mesh = init_device_mesh(device.type, tuple(sizes[a] for a in plan.axis_order), mesh_dim_names=plan.axis_order)
-    return ParallelContext(mesh=mesh, device=device, pp_rank=mesh.get_local_rank(Axis.PP.value),
-                           dp_rank=mesh.get_local_rank(Axis.DP.value),
-                           tp_rank=mesh.get_local_rank(Axis.TP.value))
+    axes = tuple(a for a in plan.axis_order if sizes[a] > 1)  # no process group per size-1 axis
+    mesh = init_device_mesh(device.type, tuple(sizes[a] for a in axes), mesh_dim_names=axes)
+    coords = {a: mesh.get_local_rank(a) if a in axes else 0 for a in sizes}
+    return ParallelContext(mesh=mesh, device=device, pp_rank=coords[Axis.PP.value], dp_rank=coords[Axis.DP.value],
+                           tp_rank=coords[Axis.TP.value])

@@ -33,7 +33,7 @@ from autopar.data import Corpus, batch_tokens, open_corpus
 from autopar.model import cross_entropy
 from autopar.plan import Plan
 from autopar.runtime import parallelize
-from autopar.runtime.context import DTYPES, Axis, ParallelContext, check_plan
+from autopar.runtime.context import DTYPES, ParallelContext, check_plan, rank_grid
 from autopar.layout import Anatomy
 from autopar.trace.anatomy import anatomy
 from autopar.runtime.models import build_stage, stage_blocks
@@ -156,7 +156,7 @@ def build_program(plan: Plan, ctx: ParallelContext, cfg: TrainConfig = TrainConf
         modules.append(parallelize.apply_data_parallel(model, plan, ctx, anat))
     optimizers = [parallelize.make_optimizer(mod, cfg) for mod in modules]
     schedule = build_schedule(plan, ctx, modules, ids, cross_entropy) if plan.mesh.pp > 1 else None
-    tied = _tied_group(ctx, plan.mesh.pp) if spec.tied and plan.mesh.pp > 1 else None
+    tied = _tied_group(ctx, plan) if spec.tied and plan.mesh.pp > 1 else None
     return Program(plan=plan, ctx=ctx, spec=spec, anatomy=anat, modules=modules, stage_ids=ids,
                    optimizers=optimizers, schedule=schedule, tied_group=tied)
 
@@ -168,19 +168,18 @@ def _traced_layout(spec: ModelSpec) -> Anatomy:
                    whole, spec.vocab)
 
 
-def _tied_group(ctx: ParallelContext, pp: int) -> dist.ProcessGroup | None:
+def _tied_group(ctx: ParallelContext, plan: Plan) -> dist.ProcessGroup | None:
     """Megatron's embedding group: with a tied head on another stage, the first and the last
     stage keep a copy each and sum their gradients. Every rank creates every pair (new_group is
     collective); this rank gets its own pair, or None off the first and last stage."""
-    names = ctx.mesh.mesh_dim_names
-    ranks = ctx.mesh.mesh.permute(*(names.index(a.value) for a in (Axis.PP, Axis.DP, Axis.TP)))  # [pp, dp, tp]
+    ranks = rank_grid(plan)  # [pp, dp, tp]
     mine = None
     for d in range(ranks.shape[1]):
         for t in range(ranks.shape[2]):
             group = dist.new_group([int(ranks[0, d, t]), int(ranks[-1, d, t])])
             if (d, t) == (ctx.dp_rank, ctx.tp_rank):
                 mine = group
-    return mine if ctx.pp_rank in (0, pp - 1) else None
+    return mine if ctx.pp_rank in (0, plan.mesh.pp - 1) else None
 
 
 def _tied_weight(module: nn.Module, anat: Anatomy) -> nn.Parameter | None:
