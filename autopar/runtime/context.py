@@ -6,9 +6,9 @@ Rank order is the plan's ``axis_order``, outermost first: by default Megatron's,
 the cost model prices the same order (``cost_models.comm``).
 
 Only the axes of size > 1 are mesh dimensions: a size-1 axis would be a process group of one
-rank per axis, and every gloo group runs a transport thread that wakes 100 times a second (its
-``epoll_wait`` timeout), which costs a job of oversubscribed CPU ranks several per cent of its
-step time (``benchmarks/runtime_overhead.py``). With one parallel axis the mesh is the default
+rank per axis, and every gloo group runs a transport thread that wakes about 100 times a
+second even when idle (measured: its voluntary context switches), which costs a job of
+oversubscribed CPU ranks several per cent of its step time (``benchmarks/runtime_overhead.py``). With one parallel axis the mesh is the default
 process group, as in a hand-written program.
 
 Nothing here is global: the context is built once per run and passed to every function that
