@@ -6,7 +6,9 @@ Three configurations on 4 gloo CPU ranks (one thread each): DDP, FSDP2 ZeRO-3 an
 1F1B pipeline, each trained on the same model, batch and synthetic tokens by ``autopar run``'s
 runtime and by ``benchmarks/handwritten.py``, each in a torchrun job of its own. Rounds
 alternate the two so machine noise hits both; per configuration the table shows the median step time (first 2 steps of each run
-dropped as warm-up) and the ratio autopar / hand-written (goal ≤ 1.03).
+dropped as warm-up), the ratio autopar / hand-written of those medians (goal ≤ 1.03) and the spread of the
+per-round ratios (each round's autopar median over its hand-written median: lowest, median, highest).
+The 4 ranks share the machine's cores: run it on an idle machine (``uptime`` is printed with the table).
 """
 
 from __future__ import annotations
@@ -57,18 +59,27 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=3)
     args = ap.parse_args()
     kinds = ["ddp", "fsdp", "pipeline"]
-    ours: dict[str, list[float]] = {k: [] for k in kinds}
-    theirs: dict[str, list[float]] = {k: [] for k in kinds}
-    for _ in range(args.rounds):
+    ours: dict[str, list[list[float]]] = {k: [] for k in kinds}
+    theirs: dict[str, list[list[float]]] = {k: [] for k in kinds}
+    load_at_start = os.getloadavg()[0]
+    for r in range(args.rounds):
         for k in kinds:  # one job each, like the hand-written runs: no state left by another plan
-            ours[k] += run_job([RunSpec(plan=plan_for(k), steps=args.steps)], timeout_s=900)[0].step_times_s[WARMUP:]
-            theirs[k] += handwritten(k, args.steps)[WARMUP:]
+            for autopar_turn in (r % 2 == 0, r % 2 == 1):  # autopar first in even rounds, hand-written in odd
+                if autopar_turn:
+                    ours[k].append(run_job([RunSpec(plan=plan_for(k), steps=args.steps)], timeout_s=900)[0]
+                                   .step_times_s[WARMUP:])
+                else:
+                    theirs[k].append(handwritten(k, args.steps)[WARMUP:])
     print(f"model {MODEL}, global batch {BATCH}, {WORLD} gloo ranks, {args.rounds} rounds x "
-          f"{args.steps - WARMUP} timed steps")
-    print(f"{'configuration':<16}{'autopar s':>12}{'hand-written s':>16}{'ratio':>8}")
+          f"{args.steps - WARMUP} timed steps; 1-minute load average {load_at_start:.2f} at the start, "
+          f"{os.getloadavg()[0]:.2f} at the end")
+    print(f"{'configuration':<16}{'autopar s':>12}{'hand-written s':>16}{'ratio':>8}{'per-round ratios':>24}")
     for k in kinds:
-        a, h = statistics.median(ours[k]), statistics.median(theirs[k])
-        print(f"{k:<16}{a:>12.4f}{h:>16.4f}{a / h:>8.3f}")
+        a = statistics.median(t for run in ours[k] for t in run)
+        h = statistics.median(t for run in theirs[k] for t in run)
+        rounds = sorted(statistics.median(x) / statistics.median(y) for x, y in zip(ours[k], theirs[k]))
+        spread = f"{rounds[0]:.3f} {statistics.median(rounds):.3f} {rounds[-1]:.3f}"
+        print(f"{k:<16}{a:>12.4f}{h:>16.4f}{a / h:>8.3f}{spread:>24}")
 
 
 if __name__ == "__main__":

@@ -5,6 +5,12 @@ Rank order is the plan's ``axis_order`` (``cost_models.axes``), outermost first:
 Megatron's, tp innermost (consecutive ranks share a node), then dp, then pp — the mesh is
 ``arange(world).view(pp, dp, tp)``; the cost model prices the same order (``cost_models.comm``).
 
+Only the axes of size > 1 are mesh dimensions: a size-1 axis would be a process group of one
+rank per axis, and every gloo group runs a transport thread that wakes about 100 times a
+second even when idle (measured: its voluntary context switches), which costs a job of
+oversubscribed CPU ranks several per cent of its step time (``benchmarks/runtime_overhead.py``). With one parallel axis the mesh is the default
+process group, as in a hand-written program.
+
 Nothing here is global: the context is built once per run and passed to every function that
 needs a process group.
 """
@@ -36,6 +42,7 @@ class ParallelContext:
     """This rank's place in the plan's mesh; ``mesh`` is None for a single process."""
 
     mesh: DeviceMesh | None
+    """Over the plan's axes of size > 1 only, in its axis order."""
     device: torch.device
 
     def rank(self, axis: Axis) -> int:
@@ -45,10 +52,12 @@ class ParallelContext:
         return self.mesh.get_local_rank(axis.value)
 
     def group(self, axis: Axis) -> dist.ProcessGroup | None:
-        return None if self.mesh is None else self.mesh.get_group(axis.value)
+        return None if self.mesh is None else self.submesh(axis).get_group()
 
     def submesh(self, axis: Axis) -> DeviceMesh:
         assert self.mesh is not None, "a single process has no mesh"
+        if axis.value not in (self.mesh.mesh_dim_names or ()):
+            raise ValueError(f"the {axis.value} axis has size 1 in this plan: it has no mesh dimension")
         return self.mesh[axis.value]
 
 
@@ -101,6 +110,6 @@ def build_context(plan: Plan, device: torch.device, traced: Traced | None = None
                          f"but the job has {world}")
     if world == 1:
         return ParallelContext(mesh=None, device=device)
-    mesh = init_device_mesh(device.type, tuple(m[a] for a in plan.axis_order),
-                            mesh_dim_names=tuple(a.value for a in plan.axis_order))
+    axes = m.active(plan.axis_order)  # no process group per size-1 axis
+    mesh = init_device_mesh(device.type, tuple(m[a] for a in axes), mesh_dim_names=tuple(a.value for a in axes))
     return ParallelContext(mesh=mesh, device=device)

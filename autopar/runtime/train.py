@@ -266,16 +266,27 @@ def train_step(prog: Program, step: int, cfg: TrainConfig, corpus: Corpus | None
                sample: int | None = None) -> float:
     """One optimizer step on the global batch of ``step``: synthetic tokens, or ``corpus``'s
     samples from ``sample`` (default ``step`` x global batch); the global-batch mean loss."""
+    return step_on_batch(prog, *_step_batch(prog, step, cfg, corpus, sample))
+
+
+def _step_batch(prog: Program, step: int, cfg: TrainConfig, corpus: Corpus | None,
+                sample: int | None) -> tuple[torch.Tensor, torch.Tensor]:
     if corpus is None:
-        return step_on_batch(prog, *synthetic_batch(prog.plan, step, cfg.seed, prog.spec.vocab))
+        return synthetic_batch(prog.plan, step, cfg.seed, prog.spec.vocab)
     first = step * prog.plan.global_batch if sample is None else sample
-    return step_on_batch(prog, *corpus_batch(corpus, prog.plan, first, prog.spec.vocab))
+    return corpus_batch(corpus, prog.plan, first, prog.spec.vocab)
 
 
 def step_on_batch(prog: Program, tokens: torch.Tensor, targets: torch.Tensor) -> float:
     """One optimizer step on a global batch (the same [global_batch, seq_len] tokens and
     targets on every rank; each dp rank trains on its rows); returns the global-batch mean
     loss on every rank."""
+    return _reduce_step(prog, _local_step(prog, tokens, targets), 0.0)[0]
+
+
+def _local_step(prog: Program, tokens: torch.Tensor, targets: torch.Tensor) -> float:
+    """``step_on_batch`` up to the optimizer step; returns this rank's share of the sum of the
+    micro-batch losses, each (dp rank, micro-batch) loss counted once: last stage, tp rank 0."""
     plan, ctx = prog.plan, prog.ctx
     if tuple(tokens.shape) != (plan.global_batch, plan.seq_len) or tokens.shape != targets.shape:
         raise ValueError(f"a step takes tokens and targets of shape [{plan.global_batch}, {plan.seq_len}] "
@@ -288,13 +299,22 @@ def step_on_batch(prog: Program, tokens: torch.Tensor, targets: torch.Tensor) ->
         _sync_tied_grads(prog)
     for opt in prog.optimizers:
         opt.step()
+    return local if ctx.rank(Axis.TP) == 0 else 0.0
+
+
+def _reduce_step(prog: Program, counted: float, seconds: float) -> tuple[float, float]:
+    """The global-batch mean loss from every rank's ``counted`` share and the step time (the
+    most ``seconds`` of any rank), in one all-reduce of [loss share, one slot of seconds per
+    rank]: training reports both for the price of the one collective that timing needs."""
+    plan, ctx = prog.plan, prog.ctx
     if ctx.mesh is None:
-        return local / plan.num_microbatches
-    # Count each (dp rank, micro-batch) loss once: last stage, tp rank 0.
-    counted = local if ctx.rank(Axis.TP) == 0 else 0.0
-    total = torch.tensor([counted], dtype=torch.float64, device=ctx.device)
-    dist.all_reduce(total)
-    return total.item() / (plan.mesh.dp * plan.num_microbatches)
+        return counted / plan.num_microbatches, seconds
+    both = torch.zeros(1 + dist.get_world_size(), dtype=torch.float64)
+    both[0], both[1 + dist.get_rank()] = counted, seconds
+    both = both.to(ctx.device)
+    dist.all_reduce(both)
+    loss, slowest = both[0].item(), both[1:].max().item()
+    return loss / (plan.mesh.dp * plan.num_microbatches), slowest
 
 
 def train(plan: Plan, steps: int, ctx: ParallelContext, cfg: TrainConfig = TrainConfig(),
@@ -312,11 +332,10 @@ def train(plan: Plan, steps: int, ctx: ParallelContext, cfg: TrainConfig = Train
         if ctx.mesh is not None:
             dist.barrier()
         start = time.perf_counter()
-        losses.append(train_step(prog, step, cfg, corpus, first + i * plan.global_batch))
-        elapsed = torch.tensor([time.perf_counter() - start], dtype=torch.float64, device=ctx.device)
-        if ctx.mesh is not None:
-            dist.all_reduce(elapsed, op=dist.ReduceOp.MAX)
-        times.append(elapsed.item())
+        counted = _local_step(prog, *_step_batch(prog, step, cfg, corpus, first + i * plan.global_batch))
+        loss, seconds = _reduce_step(prog, counted, time.perf_counter() - start)
+        losses.append(loss)
+        times.append(seconds)
         if on_step is not None:
             on_step(step, losses[-1], times[-1])
     return RunResult(losses=losses, step_times_s=times, start_step=start_step)
