@@ -8,8 +8,8 @@ small messages at scale); all-to-all sends ``(n-1)/n`` of the buffer in ``n-1`` 
 (pairwise exchange). ``nbytes`` is
 always the full (unsharded) buffer size. Times in seconds, sizes in bytes.
 
-Rank order is ``Strategy.axis_order`` (outermost first; Megatron's default: pp, dp, tp, i.e.
-tp innermost on consecutive ranks: ``cost_models.axes``). An axis of degree ``n`` whose ranks are ``k`` apart (``k``
+Rank order is ``Strategy.axis_order`` (outermost first; Megatron's default: pp, dp, cp, tp,
+i.e. tp innermost on consecutive ranks, cp next: ``cost_models.axes``). An axis of degree ``n`` whose ranks are ``k`` apart (``k``
 the product of the degrees of the axes inside it) stays inside one node iff ``n * k`` is at most
 ``devices_per_node``; otherwise it crosses nodes with ``min(n, devices_per_node // k)`` (at
 least 1) members on each node. A group crossing nodes with ``k`` members on
@@ -61,6 +61,18 @@ def axis_groups(hw: HardwareProfile, strat: Strategy) -> dict[Axis, Group]:
     degrees inside it in ``strat.axis_order``."""
     stride = strat.mesh.strides(strat.axis_order)
     return {axis: group(hw, strat.mesh[axis], stride[axis]) for axis in Axis}
+
+
+def replica_group(hw: HardwareProfile, strat: Strategy) -> Group:
+    """The communicator of the ranks holding the same weights, dp x cp (Megatron's "dp-cp"
+    group: gradients reduce and ZeRO shards over it), its ranks as far apart as the inner of
+    the two axes. Exact when dp and cp are adjacent in the order (Megatron's: cp just inside
+    dp); otherwise it is priced as if they were (optimistic)."""
+    stride = strat.mesh.strides(strat.axis_order)
+    if strat.mesh.cp == 1:
+        return group(hw, strat.mesh.dp, stride[Axis.DP])
+    inner = min(stride[a] for a in (Axis.DP, Axis.CP) if strat.mesh[a] > 1)
+    return group(hw, strat.replicas, inner)
 
 
 def exposed_s(comm_s: float, window_s: float, hw: HardwareProfile) -> float:

@@ -72,12 +72,22 @@ def test_one_axis_vocabulary():
     assert d.size == 8 and d[Axis.DP] == 4 and d.active() == (Axis.DP, Axis.TP)
     order = parse_order(["tp", "dp", "pp"])
     assert order == (Axis.TP, Axis.DP, Axis.PP) and d.active(order) == (Axis.TP, Axis.DP)
-    assert d.strides(order) == {Axis.PP: 1, Axis.DP: 1, Axis.TP: 4}
-    assert d.strides() == {Axis.TP: 1, Axis.DP: 2, Axis.PP: 8}
-    for bad in (["pp", "pp", "tp"], ["pp", "dp"], ["pp", "dp", "tp", "cp"]):
+    assert d.strides(order) == {Axis.PP: 1, Axis.DP: 1, Axis.CP: 1, Axis.TP: 4}
+    assert d.strides() == {Axis.TP: 1, Axis.CP: 2, Axis.DP: 2, Axis.PP: 8}
+    for bad in (["pp", "pp", "tp"], ["pp", "dp"], ["pp", "dp", "tp", "ep"], ["pp", "cp", "dp", "tp", "cp"]):
         with pytest.raises(ValueError, match="once each"):
             parse_order(bad)
     assert Strategy(mesh=d, axis_order=("tp", "dp", "pp")).axis_order == order
+    # cp (an optional axis) is listed only when its degree is above 1: an old order gets it in
+    # Megatron's place, and a listed cp of degree 1 is dropped.
+    c = Degrees(dp=2, cp=4, tp=2)
+    assert parse_order(["pp", "dp", "tp"], c) == (Axis.PP, Axis.DP, Axis.CP, Axis.TP) == c.default_order()
+    assert parse_order(["tp", "dp", "pp"], c) == (Axis.TP, Axis.DP, Axis.CP, Axis.PP)
+    assert parse_order(["dp", "pp", "tp"], c) == (Axis.DP, Axis.CP, Axis.PP, Axis.TP)
+    assert parse_order(["pp", "cp", "dp", "tp"], d) == (Axis.PP, Axis.DP, Axis.TP) == d.default_order()
+    assert Strategy(mesh=c).axis_order == (Axis.PP, Axis.DP, Axis.CP, Axis.TP)
+    assert Strategy(mesh=d).axis_order == (Axis.PP, Axis.DP, Axis.TP)
+    assert c.strides(c.default_order()) == {Axis.TP: 1, Axis.CP: 2, Axis.DP: 8, Axis.PP: 16}
 
 
 # --- memory -------------------------------------------------------------------------------
