@@ -213,10 +213,12 @@ class Plan:
                 return f"{self.model} failed the {feature} check on its twin ({failed[feature]}); re-plan without it"
         return None
 
-    def strategy(self) -> Strategy:
-        """The cost model's view of this plan: per pipeline rank, its blocks (over its
-        virtual stages r, r + pp, ...) counted per recompute mode; ``recompute`` is the most
-        common mode (what zero-bubble's fill fraction reads)."""
+    def strategy(self, recipe: ExecutionRecipe | None = None) -> Strategy:
+        """The cost model's view of this plan under ``recipe`` (None: the plan's own): per
+        pipeline rank, its blocks (over its virtual stages r, r + pp, ...) counted per
+        recompute mode; ``recompute`` is the most common mode (what zero-bubble's fill
+        fraction reads). A strategy the recipe cannot run (cp > 1 without context
+        parallelism) is a ``UserError`` naming the fix."""
         pp, starts = self.mesh.pp, [0]
         for n in self.stage_layers:
             starts.append(starts[-1] + n)
@@ -227,13 +229,16 @@ class Plan:
             per_rank.append(tuple(modes.count(m) for m in RECOMPUTE))
         totals = [self.recompute.count(m) for m in RECOMPUTE]
         nominal = RECOMPUTE[max(range(len(RECOMPUTE)), key=lambda i: (totals[i], -i))]
-        return Strategy(mesh=self.mesh.degrees(), zero=self.zero_stage,
-                        micro_batch=self.micro_batch_size, num_microbatches=self.num_microbatches,
-                        schedule=self.schedule, virtual_stages=self.virtual_stages,
-                        sequence_parallel=self.sequence_parallel, recompute=nominal,
-                        stage_layers=tuple(map(sum, per_rank)), stage_recompute=tuple(per_rank),
-                        offload=self.offload, axis_order=self.axis_order,
-                        dtype=self.dtype, recipe=self.execution_recipe())
+        try:
+            return Strategy(mesh=self.mesh.degrees(), zero=self.zero_stage,
+                            micro_batch=self.micro_batch_size, num_microbatches=self.num_microbatches,
+                            schedule=self.schedule, virtual_stages=self.virtual_stages,
+                            sequence_parallel=self.sequence_parallel, recompute=nominal,
+                            stage_layers=tuple(map(sum, per_rank)), stage_recompute=tuple(per_rank),
+                            offload=self.offload, axis_order=self.axis_order,
+                            dtype=self.dtype, recipe=recipe or self.execution_recipe())
+        except ValueError as exc:
+            raise UserError(f"plan {exc}") from None
 
     def execution_recipe(self) -> ExecutionRecipe:
         """The plan's recipe, loaded; an unknown one is a ``UserError`` naming the fix."""

@@ -20,6 +20,7 @@ import dataclasses
 import math
 from dataclasses import dataclass
 from enum import StrEnum
+from functools import lru_cache
 from typing import Iterable
 
 
@@ -54,13 +55,21 @@ def parse_order(names: Iterable[str], degrees: "Degrees | None" = None) -> tuple
     unless it lists each of pp, dp, tp once and an optional axis (cp) at most once (the message
     names them)."""
     names = tuple(names)
+    optional = None if degrees is None else frozenset(a for a in OPTIONAL if degrees[a] > 1)
+    return _parse_order(names, optional)
+
+
+@lru_cache(maxsize=1024)
+def _parse_order(names: tuple[str, ...], optional: frozenset[Axis] | None) -> tuple[Axis, ...]:
+    """``parse_order`` of ``names`` when exactly the optional axes ``optional`` have degree > 1
+    (None: not canonicalised); cached, as every Strategy parses its order."""
     valid = {a.value for a in Axis}
     if len(set(names)) != len(names) or not set(names) <= valid \
             or not {a.value for a in _REQUIRED} <= set(names):
         raise ValueError(f"must list {', '.join(_REQUIRED)} once each (and {', '.join(sorted(OPTIONAL))} "
                          "where its degree is above 1), outermost first")
     order = tuple(Axis(n) for n in names)
-    return canonical_order(order, degrees) if degrees is not None else order
+    return order if optional is None else canonical_order(order, Degrees(**{a.value: 2 for a in optional}))
 
 
 def canonical_order(order: Iterable[Axis], degrees: "Degrees") -> tuple[Axis, ...]:

@@ -22,7 +22,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from cost_models.axes import Axis
+from cost_models.axes import Axis, Degrees
 from cost_models.hardware import HardwareProfile
 from cost_models.strategy import Strategy
 
@@ -59,8 +59,13 @@ def group(hw: HardwareProfile, size: int, inner: int = 1) -> Group:
 def axis_groups(hw: HardwareProfile, strat: Strategy) -> dict[Axis, Group]:
     """The communicator of each axis of ``strat``, its ranks apart by the product of the
     degrees inside it in ``strat.axis_order``."""
-    stride = strat.mesh.strides(strat.axis_order)
-    return {axis: group(hw, strat.mesh[axis], stride[axis]) for axis in Axis}
+    return mesh_groups(hw, strat.mesh, strat.axis_order)
+
+
+def mesh_groups(hw: HardwareProfile, degrees: Degrees, order: tuple[Axis, ...]) -> dict[Axis, Group]:
+    """``axis_groups`` of ``degrees`` in ``order`` (outermost first)."""
+    stride = degrees.strides(order)
+    return {axis: group(hw, degrees[axis], stride[axis]) for axis in Axis}
 
 
 def replica_group(hw: HardwareProfile, strat: Strategy) -> Group:
@@ -68,11 +73,16 @@ def replica_group(hw: HardwareProfile, strat: Strategy) -> Group:
     group: gradients reduce and ZeRO shards over it), its ranks as far apart as the inner of
     the two axes. Exact when dp and cp are adjacent in the order (Megatron's: cp just inside
     dp); otherwise it is priced as if they were (optimistic)."""
-    stride = strat.mesh.strides(strat.axis_order)
-    if strat.mesh.cp == 1:
-        return group(hw, strat.mesh.dp, stride[Axis.DP])
-    inner = min(stride[a] for a in (Axis.DP, Axis.CP) if strat.mesh[a] > 1)
-    return group(hw, strat.replicas, inner)
+    return mesh_replica_group(hw, strat.mesh, strat.axis_order)
+
+
+def mesh_replica_group(hw: HardwareProfile, degrees: Degrees, order: tuple[Axis, ...]) -> Group:
+    """``replica_group`` of ``degrees`` in ``order``."""
+    stride = degrees.strides(order)
+    if degrees.cp == 1:
+        return group(hw, degrees.dp, stride[Axis.DP])
+    inner = min(stride[a] for a in (Axis.DP, Axis.CP) if degrees[a] > 1)
+    return group(hw, degrees.dp * degrees.cp, inner)
 
 
 def exposed_s(comm_s: float, window_s: float, hw: HardwareProfile) -> float:

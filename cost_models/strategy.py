@@ -66,6 +66,9 @@ class Strategy:
             object.__setattr__(self, "axis_order", parse_order(self.axis_order, self.mesh))
         except ValueError as exc:
             raise ValueError(f"axis_order {exc}, got {self.axis_order}") from None
+        if self.mesh.cp > 1 and not self.recipe.has_context_parallel:
+            raise ValueError(f"cp={self.mesh.cp}: the {self.recipe.name} recipe has no context parallelism; "
+                             "price it under one that has (megatron-core, megatron-core-te, torchtitan)")
         if self.fp8 and self.dtype == "fp32":
             raise ValueError("fp8 linears train in a 16-bit dtype; use dtype bf16 with fp8")
         if self.offload and self.zero < 1:

@@ -85,7 +85,7 @@ def test_one_axis_vocabulary():
     assert parse_order(["tp", "dp", "pp"], c) == (Axis.TP, Axis.DP, Axis.CP, Axis.PP)
     assert parse_order(["dp", "pp", "tp"], c) == (Axis.DP, Axis.CP, Axis.PP, Axis.TP)
     assert parse_order(["pp", "cp", "dp", "tp"], d) == (Axis.PP, Axis.DP, Axis.TP) == d.default_order()
-    assert Strategy(mesh=c).axis_order == (Axis.PP, Axis.DP, Axis.CP, Axis.TP)
+    assert Strategy(mesh=c, recipe=MC).axis_order == (Axis.PP, Axis.DP, Axis.CP, Axis.TP)
     assert Strategy(mesh=d).axis_order == (Axis.PP, Axis.DP, Axis.TP)
     assert c.strides(c.default_order()) == {Axis.TP: 1, Axis.CP: 2, Axis.DP: 8, Axis.PP: 16}
 

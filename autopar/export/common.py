@@ -198,7 +198,7 @@ class Priced:
 
 def strategy(plan: Plan, recipe: ExecutionRecipe) -> Strategy:
     """``Plan.strategy`` priced under ``recipe``."""
-    return dataclasses.replace(plan.strategy(), recipe=recipe)
+    return plan.strategy(recipe)
 
 
 _PRICED = ("model", "cluster", "gpus", "global_batch", "seq_len", "dtype", "mesh", "zero_stage", "micro_batch_size",

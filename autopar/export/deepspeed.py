@@ -140,6 +140,6 @@ def parse(text: str, layers: int) -> Settings:
                     stage_layers=stage_layers,
                     recompute=tuple((0, 0, n) if full else (n, 0, 0) for n in stage_layers),
                     dtype="bf16" if cfg.get("bf16", {}).get("enabled") else "fp16" if cfg.get("fp16", {}).get("enabled")
-                    else "fp32", axis_order=Degrees(pp=pp, dp=dp or 1, tp=tp).active())
+                    else "fp32", axis_order=Degrees(pp=pp, dp=dp or 1, cp=cp, tp=tp).active())
 
 
