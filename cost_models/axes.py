@@ -49,12 +49,14 @@ OPTIONAL: frozenset[Axis] = frozenset({Axis.CP})
 _REQUIRED = tuple(a for a in Axis if a not in OPTIONAL)
 
 
-def parse_order(names: Iterable[str], degrees: "Degrees | None" = None) -> tuple[Axis, ...]:
+def parse_order(names: Iterable[str], degrees: Degrees | None = None) -> tuple[Axis, ...]:
     """An axis order from names, outermost first, in canonical form for ``degrees`` when given
     (``canonical_order``: an optional axis it leaves out takes Megatron's place); ``ValueError``
     unless it lists each of pp, dp, tp once and an optional axis (cp) at most once (the message
     names them)."""
     names = tuple(names)
+    if not all(isinstance(n, str) for n in names):
+        raise ValueError(f"must list {', '.join(_REQUIRED)} once each (names), outermost first")
     optional = None if degrees is None else frozenset(a for a in OPTIONAL if degrees[a] > 1)
     return _parse_order(names, optional)
 
@@ -72,7 +74,7 @@ def _parse_order(names: tuple[str, ...], optional: frozenset[Axis] | None) -> tu
     return order if optional is None else canonical_order(order, Degrees(**{a.value: 2 for a in optional}))
 
 
-def canonical_order(order: Iterable[Axis], degrees: "Degrees") -> tuple[Axis, ...]:
+def canonical_order(order: Iterable[Axis], degrees: Degrees) -> tuple[Axis, ...]:
     """``order`` listing the required axes and exactly the optional axes of degree > 1: an
     optional axis of degree 1 is dropped (its place changes no rank), one of degree > 1 that
     ``order`` leaves out goes to Megatron's place: just inside the axis before it in
