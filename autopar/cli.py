@@ -24,7 +24,7 @@ from rich.console import Console
 from rich.table import Table
 from typer.core import TyperGroup
 
-from autopar.cli_checks import check_out, check_pins, check_save, load_plan_file, parse_axis_order
+from autopar.cli_checks import check_cp, check_out, check_pins, check_save, load_plan_file, parse_axis_order
 from autopar.errors import UserError
 from autopar.export.common import Target as ExportTarget
 from autopar.limits import MAX_LOCAL_RANKS, check_count, check_seconds
@@ -184,6 +184,7 @@ def plan(model: str = MODEL, cluster: str = CLUSTER,
     """Search the best plan for a model on a cluster."""
     def body() -> None:
         check_pins(tp=tp, pp=pp, dp=dp, cp=cp, mbs=mbs, vpp=vpp)
+        check_cp(cp, recipe)
         check_seconds("--time-limit", time_limit)
         pins = Pins(dp=dp, tp=tp, pp=pp, cp=cp, zero=zero, micro_batch=mbs,
                     schedule=schedule.value if schedule else None, virtual_stages=vpp,
@@ -287,6 +288,7 @@ def estimate(model: str = MODEL, cluster: str = CLUSTER, gpus: int = GPUS, globa
     """Evaluate one fixed strategy with the cost model the planner uses."""
     def body() -> None:
         check_pins(tp=tp, pp=pp, dp=dp, cp=cp, mbs=mbs, vpp=vpp)
+        check_cp(cp, recipe)
         job = read_job(model, cluster, gpus, global_batch, seq_len, dtype, recipe)
         strat = fixed_strategy(job, tp=tp, pp=pp, dp=dp, zero=zero, micro_batch=mbs,
                                schedule=schedule.value, sequence_parallel=sp,

@@ -19,7 +19,7 @@ import json
 
 from autopar.errors import UserError
 from autopar.export.common import (Adapter, Nodes, Option, Settings, contiguous, describe_recompute, per_rank,
-                                   order_gap, replace_plan, strategy, uniform_recompute)
+                                   dp_overlap, order_gap, replace_plan, uniform_recompute)
 from autopar.plan import Plan
 from cost_models.axes import Degrees
 from cost_models.recipe import ExecutionRecipe
@@ -80,7 +80,7 @@ def config(plan: Plan, recipe: ExecutionRecipe) -> dict:
         cfg[plan.dtype] = {"enabled": True}
     zero: dict = {"stage": plan.zero_stage}
     if plan.zero_stage > 0:
-        zero["overlap_comm"] = strategy(plan, recipe).dp_overlap
+        zero["overlap_comm"] = dp_overlap(plan, recipe)
     if plan.offload:
         zero["offload_optimizer"] = {"device": "cpu", "pin_memory": True}
         if plan.zero_stage == 3:

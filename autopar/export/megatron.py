@@ -16,7 +16,7 @@ import shlex
 
 from autopar.errors import UserError
 from autopar.export.common import (Adapter, Family, Nodes, Option, Settings, Shape, axis_order, chunks, counts,
-                                   derive_batch, describe_recompute, order_gap, replace_plan, strategy, twin_options,
+                                   derive_batch, describe_recompute, dp_overlap, order_gap, replace_plan, twin_options,
                                    with_chunks)
 from autopar.plan import Plan
 from cost_models.axes import Axis, Degrees
@@ -133,7 +133,7 @@ def _zero_flags(plan: Plan, shape: Shape, recipe: ExecutionRecipe) -> list[str]:
 
 
 def _dp_overlap(plan: Plan, recipe: ExecutionRecipe) -> bool:
-    return strategy(plan, recipe).dp_overlap
+    return dp_overlap(plan, recipe)
 
 
 def _fsdp2_allowed(plan: Plan, shape: Shape) -> bool:
