@@ -24,7 +24,7 @@ from rich.console import Console
 from rich.table import Table
 from typer.core import TyperGroup
 
-from autopar.cli_checks import check_out, check_pins, check_save, load_plan_file, parse_axis_order
+from autopar.cli_checks import check_cp, check_out, check_pins, check_save, load_plan_file, parse_axis_order
 from autopar.errors import UserError
 from autopar.export.common import Target as ExportTarget
 from autopar.limits import MAX_LOCAL_RANKS, check_count, check_seconds
@@ -130,7 +130,7 @@ def _print_estimate(est: Estimate) -> None:
 def _print_plan(plan: Plan) -> None:
     table = Table(title=f"plan: {plan.model} on {plan.gpus} x {plan.cluster}", show_header=False)
     m = plan.mesh
-    table.add_row("mesh", f"dp={m.dp} tp={m.tp} pp={m.pp}")
+    table.add_row("mesh", f"dp={m.dp} tp={m.tp} pp={m.pp}" + (f" cp={m.cp}" if m.cp > 1 else ""))
     table.add_row("zero stage", str(plan.zero_stage))
     table.add_row("micro-batch x micro-batches", f"{plan.micro_batch_size} x {plan.num_microbatches}")
     table.add_row("schedule", plan.schedule + (f" (v={plan.virtual_stages})" if plan.virtual_stages > 1 else ""))
@@ -147,11 +147,6 @@ def _print_plan(plan: Plan) -> None:
     console.print(table)
 
 
-def _check_cp(cp: int) -> None:
-    if cp != 1:
-        _fail(f"--cp {cp}: the runtime has no context parallelism yet; use --cp 1 (or omit it)")
-
-
 @app.command()
 def plan(model: str = MODEL, cluster: str = CLUSTER,
          gpus: Optional[int] = typer.Option(None, "--gpus", help="Total number of devices (required "
@@ -166,7 +161,8 @@ def plan(model: str = MODEL, cluster: str = CLUSTER,
          mbs: Optional[int] = typer.Option(None, "--mbs", help="Pin micro-batch size"),
          schedule: Optional[Schedule] = typer.Option(None, "--schedule", help="Pin pipeline schedule"),
          vpp: Optional[int] = typer.Option(None, "--vpp", min=1, help="Pin virtual stages per pipeline rank"),
-         cp: int = typer.Option(1, "--cp", help="Context-parallel degree (1 only for now)"),
+         cp: Optional[int] = typer.Option(None, "--cp", help="Pin context-parallel degree (above 1 only "
+                                          "under a recipe that has it: megatron-core, megatron-core-te, torchtitan)"),
          sp: Optional[bool] = typer.Option(None, "--sp/--no-sp", help="Pin sequence parallelism"),
          recompute: Optional[Recompute] = typer.Option(None, "--recompute", help="Pin recompute mode"),
          offload: Optional[bool] = typer.Option(None, "--offload/--no-offload",
@@ -186,12 +182,11 @@ def plan(model: str = MODEL, cluster: str = CLUSTER,
                                                "--what-if's cost per million tokens (default: the profile's)"),
          recipe: Optional[str] = RECIPE, as_json: bool = JSON) -> None:
     """Search the best plan for a model on a cluster."""
-    _check_cp(cp)
-
     def body() -> None:
-        check_pins(tp=tp, pp=pp, dp=dp, mbs=mbs, vpp=vpp)
+        check_pins(tp=tp, pp=pp, dp=dp, cp=cp, mbs=mbs, vpp=vpp)
+        check_cp(cp, recipe)
         check_seconds("--time-limit", time_limit)
-        pins = Pins(dp=dp, tp=tp, pp=pp, zero=zero, micro_batch=mbs,
+        pins = Pins(dp=dp, tp=tp, pp=pp, cp=cp, zero=zero, micro_batch=mbs,
                     schedule=schedule.value if schedule else None, virtual_stages=vpp,
                     sequence_parallel=sp, recompute=recompute.value if recompute else None,
                     offload=offload, axis_order=parse_axis_order(axis_order))
@@ -283,21 +278,21 @@ def estimate(model: str = MODEL, cluster: str = CLUSTER, gpus: int = GPUS, globa
              mbs: int = typer.Option(1, "--mbs"),
              schedule: Schedule = typer.Option(Schedule.one_f_one_b, "--schedule"),
              vpp: int = typer.Option(1, "--vpp", help="Virtual stages per pipeline rank"),
-             cp: int = typer.Option(1, "--cp", help="Context-parallel degree (1 only for now)"),
+             cp: int = typer.Option(1, "--cp", help="Context-parallel degree (above 1 only under a recipe "
+                                    "that has it: megatron-core, megatron-core-te, torchtitan)"),
              sp: bool = typer.Option(False, "--sp/--no-sp"),
              recompute: Recompute = typer.Option(Recompute.none, "--recompute"),
              fp8: bool = typer.Option(False, "--fp8/--no-fp8", help="Float8 weight GEMMs (priced "
                                       "only: the runtime has no Float8 linears yet)"),
              recipe: Optional[str] = RECIPE, as_json: bool = JSON) -> None:
     """Evaluate one fixed strategy with the cost model the planner uses."""
-    _check_cp(cp)
-
     def body() -> None:
-        check_pins(tp=tp, pp=pp, dp=dp, mbs=mbs, vpp=vpp)
+        check_pins(tp=tp, pp=pp, dp=dp, cp=cp, mbs=mbs, vpp=vpp)
+        check_cp(cp, recipe)
         job = read_job(model, cluster, gpus, global_batch, seq_len, dtype, recipe)
         strat = fixed_strategy(job, tp=tp, pp=pp, dp=dp, zero=zero, micro_batch=mbs,
                                schedule=schedule.value, sequence_parallel=sp,
-                               recompute=recompute.value, virtual_stages=vpp, fp8=fp8)
+                               recompute=recompute.value, virtual_stages=vpp, fp8=fp8, cp=cp)
         est = estimate_strategy(job, strat)
         if as_json:
             typer.echo(json.dumps(_estimate_dict(est), indent=2, sort_keys=True))
@@ -320,6 +315,7 @@ def explain(plan_file: Path = typer.Argument(..., help="A plan JSON from `autopa
         the_plan = load_plan_file(plan_file, trust_code)
         if recipe is not None:
             the_plan = dataclasses.replace(the_plan, recipe=recipe)
+        the_plan.strategy()  # a recipe that cannot run the plan (cp > 1) is refused before tracing
         job = read_job(the_plan.model, the_plan.cluster, the_plan.gpus, the_plan.global_batch,
                        the_plan.seq_len, the_plan.dtype, the_plan.recipe)
         the_plan.check_model(job.spec)  # a user module's shape is known once traced

@@ -9,6 +9,7 @@ from pathlib import Path
 from autopar.errors import UserError
 from autopar.limits import MAX_GLOBAL_BATCH, MAX_GPUS, MAX_LAYERS, check_count
 from cost_models.axes import Axis, parse_order
+from cost_models.recipe import DEFAULT_RECIPE, RecipeError, load_recipe
 
 
 def parse_axis_order(text: str | None) -> tuple[Axis, ...] | None:
@@ -28,6 +29,20 @@ def check_pins(**pins: int | None) -> None:
     for name, value in pins.items():
         if value is not None:
             check_count(f"--{name}", value, limits.get(name, MAX_GPUS))
+
+
+def check_cp(cp: int | None, recipe: str | None) -> None:
+    """``--cp`` above 1 only under a recipe whose program has context parallelism (checked
+    before any tracing; an unreadable recipe is reported where the job is read)."""
+    if cp is None or cp <= 1:
+        return
+    try:
+        rec = load_recipe(recipe or DEFAULT_RECIPE)
+    except RecipeError:
+        return
+    if not rec.has_context_parallel:
+        raise UserError(f"--cp {cp}: the {rec.name} recipe has no context parallelism (autopar's runtime has none "
+                        "yet); plan with --recipe megatron-core (run through `autopar export --to megatron`) or drop --cp")
 
 
 def _writable_dir(directory: Path, option: str, target: Path) -> None:

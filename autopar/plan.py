@@ -40,16 +40,15 @@ MAX_PLAN_BYTES = 64 << 20
 @dataclass(frozen=True, kw_only=True, slots=True)
 class Mesh(Degrees):
     """Degrees of the device-mesh axes; their product (``size``) is the number of devices.
-    Beside every ``Axis``, the context- and expert-parallel degrees that ``autopar export``
-    writes for other frameworks; autopar's cost model and runtime have neither yet, and every
-    plan autopar makes has cp = ep = 1 (``Plan.check_model``)."""
+    Beside every ``Axis``, the expert-parallel degree that ``autopar export`` writes for other
+    frameworks; autopar's cost model and runtime have no expert parallelism yet, and every plan
+    autopar makes has ep = 1 (``Plan.check_model``)."""
 
-    cp: int = 1
     ep: int = 1
 
     @classmethod
     def of(cls, degrees: Degrees) -> Mesh:
-        """The mesh of ``degrees`` (cp = ep = 1)."""
+        """The mesh of ``degrees`` (ep = 1)."""
         return cls(**{axis.value: degrees[axis] for axis in Axis})
 
     def degrees(self) -> Degrees:
@@ -87,7 +86,9 @@ class Plan:
     """Optimizer state and master weights kept in host memory."""
     axis_order: tuple[Axis, ...] = DEFAULT_ORDER
     """Mesh axes from outermost to innermost: ranks that differ only in the last axis are
-    consecutive (share a node first). Megatron's order is pp, dp, tp."""
+    consecutive (share a node first). Megatron's order is pp, dp, (cp,) tp; cp is listed only
+    when mesh.cp > 1 (``cost_models.axes.canonical_order``), so plans without context
+    parallelism read and write as before it existed."""
     recipe: str = "autopar"
     """The execution recipe the estimate priced (``cost_models/recipes`` name or a path)."""
     verified: tuple[tuple[str, str], ...] = ()
@@ -155,11 +156,12 @@ class Plan:
             raise UserError(f"plan recompute modes {', '.join(map(shown, bad))} are not "
                             f"{', '.join(RECOMPUTE)}")
         try:  # names ("pp", ...) become members
-            object.__setattr__(self, "axis_order", parse_order(self.axis_order))
-        except ValueError:
+            object.__setattr__(self, "axis_order", parse_order(self.axis_order, self.mesh))
+        except (ValueError, TypeError):
             given = tuple(str(a) if isinstance(a, str) else a for a in self.axis_order)
             raise UserError(f"plan axis_order {shown(given)} must order the axes "
-                            f"{', '.join(Axis)} once each") from None
+                            f"{', '.join(a for a in Axis if a != Axis.CP)} once each (and cp when "
+                            f"mesh.cp > 1)") from None
         checks = [c for c, _ in self.verified]
         if any(c not in FEATURES for c in checks) or len(set(checks)) != len(checks):
             raise UserError(f"plan verified must name each of the checks {', '.join(FEATURES)} at most "
@@ -168,12 +170,16 @@ class Plan:
     def check_model(self, spec: ModelSpec) -> None:
         """Refuse a plan the model it names cannot take (a hand-edited tp or stage_layers, a
         sequence beyond a learned position table). A user module's shape is known once traced:
-        unknown (0) fields are not checked. A plan with context or expert parallelism (which
-        ``autopar export`` can write for other frameworks) is refused here too: autopar's cost
-        model and runtime have neither yet."""
-        if self.mesh.cp != 1 or self.mesh.ep != 1:
-            raise UserError(f"plan mesh has cp={self.mesh.cp}, ep={self.mesh.ep}: the runtime and the cost "
-                            "model have no context or expert parallelism yet; use cp = ep = 1")
+        unknown (0) fields are not checked. A plan with expert parallelism (which ``autopar
+        export`` can write for other frameworks) is refused here too: autopar's cost model and
+        runtime have none yet. Context parallelism needs the sequence in 2 cp chunks (causal
+        load balancing); autopar's runtime refuses it (``refusal``), its exports run it."""
+        if self.mesh.ep != 1:
+            raise UserError(f"plan mesh has ep={self.mesh.ep}: the runtime and the cost "
+                            "model have no expert parallelism yet; use ep = 1")
+        if self.seq_len % (2 * self.mesh.cp):
+            raise UserError(f"plan mesh.cp={self.mesh.cp} needs seq_len a multiple of 2 x cp = {2 * self.mesh.cp} "
+                            f"(load-balanced causal chunks), got {self.seq_len}")
         if spec.heads and (spec.heads % self.mesh.tp or spec.num_kv_heads % self.mesh.tp):
             raise UserError(f"plan mesh.tp={self.mesh.tp} does not divide the {spec.heads} heads and "
                             f"{spec.num_kv_heads} kv heads of {shown(self.model)}; re-create it with `autopar plan`")
@@ -196,17 +202,23 @@ class Plan:
         return tuple(name for name, on in used.items() if on)
 
     def refusal(self) -> str | None:
-        """Why the runtime must not run this plan: a feature it uses that the twin failed."""
+        """Why the runtime must not run this plan: context parallelism (autopar's runtime has
+        none yet; Megatron runs the plan's export), or a feature it uses that the twin failed."""
+        if self.mesh.cp > 1:
+            return (f"plan has cp={self.mesh.cp}: autopar's runtime has no context parallelism yet; "
+                    "run it with Megatron-LM: `autopar export PLAN --to megatron`")
         failed = {check: reason for check, reason in self.verified if reason}
         for feature in self.features():
             if feature in failed:
                 return f"{self.model} failed the {feature} check on its twin ({failed[feature]}); re-plan without it"
         return None
 
-    def strategy(self) -> Strategy:
-        """The cost model's view of this plan: per pipeline rank, its blocks (over its
-        virtual stages r, r + pp, ...) counted per recompute mode; ``recompute`` is the most
-        common mode (what zero-bubble's fill fraction reads)."""
+    def strategy(self, recipe: ExecutionRecipe | None = None) -> Strategy:
+        """The cost model's view of this plan under ``recipe`` (None: the plan's own): per
+        pipeline rank, its blocks (over its virtual stages r, r + pp, ...) counted per
+        recompute mode; ``recompute`` is the most common mode (what zero-bubble's fill
+        fraction reads). A strategy the recipe cannot run (cp > 1 without context
+        parallelism) is a ``UserError`` naming the fix."""
         pp, starts = self.mesh.pp, [0]
         for n in self.stage_layers:
             starts.append(starts[-1] + n)
@@ -217,13 +229,16 @@ class Plan:
             per_rank.append(tuple(modes.count(m) for m in RECOMPUTE))
         totals = [self.recompute.count(m) for m in RECOMPUTE]
         nominal = RECOMPUTE[max(range(len(RECOMPUTE)), key=lambda i: (totals[i], -i))]
-        return Strategy(mesh=self.mesh.degrees(), zero=self.zero_stage,
-                        micro_batch=self.micro_batch_size, num_microbatches=self.num_microbatches,
-                        schedule=self.schedule, virtual_stages=self.virtual_stages,
-                        sequence_parallel=self.sequence_parallel, recompute=nominal,
-                        stage_layers=tuple(map(sum, per_rank)), stage_recompute=tuple(per_rank),
-                        offload=self.offload, axis_order=self.axis_order,
-                        dtype=self.dtype, recipe=self.execution_recipe())
+        try:
+            return Strategy(mesh=self.mesh.degrees(), zero=self.zero_stage,
+                            micro_batch=self.micro_batch_size, num_microbatches=self.num_microbatches,
+                            schedule=self.schedule, virtual_stages=self.virtual_stages,
+                            sequence_parallel=self.sequence_parallel, recompute=nominal,
+                            stage_layers=tuple(map(sum, per_rank)), stage_recompute=tuple(per_rank),
+                            offload=self.offload, axis_order=self.axis_order,
+                            dtype=self.dtype, recipe=recipe or self.execution_recipe())
+        except ValueError as exc:
+            raise UserError(f"plan {exc}") from None
 
     def execution_recipe(self) -> ExecutionRecipe:
         """The plan's recipe, loaded; an unknown one is a ``UserError`` naming the fix."""
@@ -347,11 +362,19 @@ def load_plan(path: str | Path) -> Plan:
 
 
 def runtime_unsupported(*, dp: int, pp: int, zero: int, schedule: str, virtual_stages: int,
-                        cp: int = 1, ep: int = 1, offload: bool = False) -> str | None:
-    """Why ``autopar.runtime`` cannot run this combination (torch 2.13), or None if it can.
-    Pure data, so the solver can skip what the runtime refuses without importing torch."""
-    if cp != 1 or ep != 1:
-        return f"the runtime has no context or expert parallelism yet (cp={cp}, ep={ep}); use cp = ep = 1"
+                        cp: int = 1, ep: int = 1, offload: bool = False,
+                        recipe: ExecutionRecipe | None = None) -> str | None:
+    """Why the program of ``recipe`` (None: ``autopar``, autopar's own runtime on torch 2.13)
+    cannot run this combination, or None if it can. Pure data, so the solver can skip what
+    the runtime refuses without importing torch. Context parallelism runs only under a recipe
+    that has it (``ExecutionRecipe.context_parallel``: Megatron-Core, torchtitan; plans for
+    them run through ``autopar export``); autopar's own runtime has none yet."""
+    if ep != 1:
+        return f"the runtime has no expert parallelism yet (ep={ep}); use ep = 1"
+    if cp != 1 and not (recipe or load_recipe()).has_context_parallel:
+        name = (recipe or load_recipe()).name
+        return (f"the {name} recipe has no context parallelism (cp={cp}); use cp = 1, or plan for "
+                "Megatron with --recipe megatron-core and run it through `autopar export --to megatron`")
     if virtual_stages > 1 and schedule not in ("interleaved", "zero-bubble"):
         return (f"virtual_stages={virtual_stages} needs the interleaved or zero-bubble schedule, "
                 f"not {schedule}")

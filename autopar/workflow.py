@@ -169,18 +169,24 @@ def make_plan(job: Job, pins: Pins = Pins(), time_limit_s: float = 60.0,
 
 def fixed_strategy(job: Job, *, tp: int, pp: int, dp: int | None, zero: int, micro_batch: int,
                    schedule: str, sequence_parallel: bool, recompute: str,
-                   virtual_stages: int = 1, fp8: bool = False) -> Strategy:
+                   virtual_stages: int = 1, fp8: bool = False, cp: int = 1) -> Strategy:
     """The one strategy ``estimate`` evaluates, checked against the job."""
-    for name, value in (("tp", tp), ("pp", pp), ("mbs", micro_batch), ("vpp", virtual_stages)):
+    for name, value in (("tp", tp), ("pp", pp), ("cp", cp), ("mbs", micro_batch), ("vpp", virtual_stages)):
         if value <= 0:
             raise UserError(f"--{name} must be positive, got {value}")
-    if job.gpus % (tp * pp):
-        raise UserError(f"--gpus {job.gpus} is not divisible by tp x pp = {tp * pp}")
+    if job.gpus % (tp * pp * cp):
+        raise UserError(f"--gpus {job.gpus} is not divisible by tp x pp x cp = {tp * pp * cp}")
     if dp is not None and dp <= 0:
         raise UserError(f"--dp must be positive, got {dp}")
-    dp = dp or job.gpus // (tp * pp)
-    if dp * tp * pp != job.gpus:
-        raise UserError(f"dp x tp x pp = {dp * tp * pp} but --gpus is {job.gpus}")
+    dp = dp or job.gpus // (tp * pp * cp)
+    if dp * tp * pp * cp != job.gpus:
+        raise UserError(f"dp x tp x pp x cp = {dp * tp * pp * cp} but --gpus is {job.gpus}")
+    if cp > 1 and not job.recipe.has_context_parallel:
+        raise UserError(f"--cp {cp}: the {job.recipe.name} recipe has no context parallelism; price it under "
+                        "--recipe megatron-core, megatron-core-te or torchtitan")
+    if job.seq_len % (2 * cp):
+        raise UserError(f"--cp {cp} needs --seq-len a multiple of 2 x cp = {2 * cp} (load-balanced causal "
+                        f"chunks), got {job.seq_len}")
     if fp8 and "fp8" not in job.hw.peak_tflops:
         raise UserError(f"--fp8: profile {job.hw.name} ({job.hw.device}) has no fp8 peak; Float8 "
                         "linears need an H100, H200 or B200 profile")
@@ -198,7 +204,7 @@ def fixed_strategy(job: Job, *, tp: int, pp: int, dp: int | None, zero: int, mic
         raise UserError(f"--vpp {virtual_stages} x --pp {pp} does not divide the model's "
                         f"{job.spec.layers} layers into equal chunks")
     try:
-        return Strategy(mesh=Degrees(dp=dp, tp=tp, pp=pp), zero=zero, micro_batch=micro_batch,
+        return Strategy(mesh=Degrees(dp=dp, cp=cp, tp=tp, pp=pp), zero=zero, micro_batch=micro_batch,
                         num_microbatches=job.global_batch // (dp * micro_batch),
                         schedule=schedule, virtual_stages=virtual_stages,
                         sequence_parallel=sequence_parallel and tp > 1,

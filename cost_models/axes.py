@@ -8,7 +8,10 @@ consecutive (they share a node first). An axis of degree 1 splits nothing, so it
 order does not matter (``Degrees.active``).
 
 A new axis is one ``Axis`` member (in Megatron's place for its default order) and its field in
-``Degrees``; its cost terms and its runtime applier read ``degrees.<axis>``.
+``Degrees``; its cost terms and its runtime applier read ``degrees.<axis>``. An axis added after
+plans were first written is ``OPTIONAL``: an order may leave it out while its degree is 1, and
+the canonical order (``canonical_order``, what a Strategy and a Plan hold) lists it only when
+its degree is above 1, so plans without it stay byte-identical to those written before it.
 """
 
 from __future__ import annotations
@@ -17,6 +20,7 @@ import dataclasses
 import math
 from dataclasses import dataclass
 from enum import StrEnum
+from functools import lru_cache
 from typing import Iterable
 
 
@@ -28,21 +32,60 @@ class Axis(StrEnum):
     """Pipeline stages."""
     DP = "dp"
     """Data-parallel replicas (ZeRO shards over it)."""
+    CP = "cp"
+    """Context-parallel shards of every sequence (ring or all-gather attention; the weights are
+    replicated over it, so gradients reduce and ZeRO shards over dp x cp)."""
     TP = "tp"
     """Tensor-parallel shards of each block (and sequence parallelism beside it)."""
 
 
 DEFAULT_ORDER: tuple[Axis, ...] = tuple(Axis)
-"""Megatron's rank order, outermost first: pp, dp, tp (tp on consecutive ranks)."""
+"""Megatron's rank order, outermost first: pp, dp, cp, tp (tp on consecutive ranks, cp next:
+Megatron-Core's default ``order="tp-cp-ep-dp-pp"``, innermost first)."""
+
+OPTIONAL: frozenset[Axis] = frozenset({Axis.CP})
+"""Axes an order may leave out while their degree is 1 (added after plans listed pp, dp, tp)."""
+
+_REQUIRED = tuple(a for a in Axis if a not in OPTIONAL)
 
 
-def parse_order(names: Iterable[str]) -> tuple[Axis, ...]:
-    """An axis order from names, outermost first; ``ValueError`` unless it lists every axis
-    once (the message names them)."""
+def parse_order(names: Iterable[str], degrees: Degrees | None = None) -> tuple[Axis, ...]:
+    """An axis order from names, outermost first, in canonical form for ``degrees`` when given
+    (``canonical_order``: an optional axis it leaves out takes Megatron's place); ``ValueError``
+    unless it lists each of pp, dp, tp once and an optional axis (cp) at most once (the message
+    names them)."""
     names = tuple(names)
-    if sorted(names) != sorted(a.value for a in Axis):
-        raise ValueError(f"must list {', '.join(Axis)} once each, outermost first")
-    return tuple(Axis(n) for n in names)
+    if not all(isinstance(n, str) for n in names):
+        raise ValueError(f"must list {', '.join(_REQUIRED)} once each (names), outermost first")
+    optional = None if degrees is None else frozenset(a for a in OPTIONAL if degrees[a] > 1)
+    return _parse_order(names, optional)
+
+
+@lru_cache(maxsize=1024)
+def _parse_order(names: tuple[str, ...], optional: frozenset[Axis] | None) -> tuple[Axis, ...]:
+    """``parse_order`` of ``names`` when exactly the optional axes ``optional`` have degree > 1
+    (None: not canonicalised); cached, as every Strategy parses its order."""
+    valid = {a.value for a in Axis}
+    if len(set(names)) != len(names) or not set(names) <= valid \
+            or not {a.value for a in _REQUIRED} <= set(names):
+        raise ValueError(f"must list {', '.join(_REQUIRED)} once each (and {', '.join(sorted(OPTIONAL))} "
+                         "where its degree is above 1), outermost first")
+    order = tuple(Axis(n) for n in names)
+    return order if optional is None else canonical_order(order, Degrees(**{a.value: 2 for a in optional}))
+
+
+def canonical_order(order: Iterable[Axis], degrees: Degrees) -> tuple[Axis, ...]:
+    """``order`` listing the required axes and exactly the optional axes of degree > 1: an
+    optional axis of degree 1 is dropped (its place changes no rank), one of degree > 1 that
+    ``order`` leaves out goes to Megatron's place: just inside the axis before it in
+    ``DEFAULT_ORDER`` (cp just inside dp)."""
+    out = [a for a in order if a not in OPTIONAL or degrees[a] > 1]
+    for axis in DEFAULT_ORDER:
+        if axis in OPTIONAL and degrees[axis] > 1 and axis not in out:
+            i = DEFAULT_ORDER.index(axis)
+            outer = DEFAULT_ORDER[i - 1] if i else None
+            out.insert(out.index(outer) + 1 if outer in out else 0, axis)
+    return tuple(out)
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -52,6 +95,7 @@ class Degrees:
 
     pp: int = 1
     dp: int = 1
+    cp: int = 1
     tp: int = 1
 
     def __getitem__(self, axis: Axis) -> int:
@@ -67,10 +111,15 @@ class Degrees:
         return tuple(a for a in order if self[a] > 1)
 
     def strides(self, order: Iterable[Axis] = DEFAULT_ORDER) -> dict[Axis, int]:
-        """Rank distance between neighbours along each axis of ``order`` (outermost first):
-        the product of the degrees of the axes inside it."""
-        stride, out = 1, {}
+        """Rank distance between neighbours along each axis (``order`` outermost first; an
+        axis it leaves out has degree 1, and stride 1): the product of the degrees of the
+        axes inside it."""
+        stride, out = 1, {axis: 1 for axis in Axis}
         for axis in reversed(tuple(order)):
             out[axis] = stride
             stride *= self[axis]
         return out
+
+    def default_order(self) -> tuple[Axis, ...]:
+        """Megatron's order in canonical form for these degrees (``canonical_order``)."""
+        return canonical_order(DEFAULT_ORDER, self)

@@ -8,8 +8,8 @@ small messages at scale); all-to-all sends ``(n-1)/n`` of the buffer in ``n-1`` 
 (pairwise exchange). ``nbytes`` is
 always the full (unsharded) buffer size. Times in seconds, sizes in bytes.
 
-Rank order is ``Strategy.axis_order`` (outermost first; Megatron's default: pp, dp, tp, i.e.
-tp innermost on consecutive ranks: ``cost_models.axes``). An axis of degree ``n`` whose ranks are ``k`` apart (``k``
+Rank order is ``Strategy.axis_order`` (outermost first; Megatron's default: pp, dp, cp, tp,
+i.e. tp innermost on consecutive ranks, cp next: ``cost_models.axes``). An axis of degree ``n`` whose ranks are ``k`` apart (``k``
 the product of the degrees of the axes inside it) stays inside one node iff ``n * k`` is at most
 ``devices_per_node``; otherwise it crosses nodes with ``min(n, devices_per_node // k)`` (at
 least 1) members on each node. A group crossing nodes with ``k`` members on
@@ -22,7 +22,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from cost_models.axes import Axis
+from cost_models.axes import Axis, Degrees
 from cost_models.hardware import HardwareProfile
 from cost_models.strategy import Strategy
 
@@ -59,8 +59,30 @@ def group(hw: HardwareProfile, size: int, inner: int = 1) -> Group:
 def axis_groups(hw: HardwareProfile, strat: Strategy) -> dict[Axis, Group]:
     """The communicator of each axis of ``strat``, its ranks apart by the product of the
     degrees inside it in ``strat.axis_order``."""
-    stride = strat.mesh.strides(strat.axis_order)
-    return {axis: group(hw, strat.mesh[axis], stride[axis]) for axis in Axis}
+    return mesh_groups(hw, strat.mesh, strat.axis_order)
+
+
+def mesh_groups(hw: HardwareProfile, degrees: Degrees, order: tuple[Axis, ...]) -> dict[Axis, Group]:
+    """``axis_groups`` of ``degrees`` in ``order`` (outermost first)."""
+    stride = degrees.strides(order)
+    return {axis: group(hw, degrees[axis], stride[axis]) for axis in Axis}
+
+
+def replica_group(hw: HardwareProfile, strat: Strategy) -> Group:
+    """The communicator of the ranks holding the same weights, dp x cp (Megatron's "dp-cp"
+    group: gradients reduce and ZeRO shards over it), its ranks as far apart as the inner of
+    the two axes. Exact when dp and cp are adjacent in the order (Megatron's: cp just inside
+    dp); otherwise it is priced as if they were (optimistic)."""
+    return mesh_replica_group(hw, strat.mesh, strat.axis_order)
+
+
+def mesh_replica_group(hw: HardwareProfile, degrees: Degrees, order: tuple[Axis, ...]) -> Group:
+    """``replica_group`` of ``degrees`` in ``order``."""
+    stride = degrees.strides(order)
+    if degrees.cp == 1:
+        return group(hw, degrees.dp, stride[Axis.DP])
+    inner = min(stride[a] for a in (Axis.DP, Axis.CP) if degrees[a] > 1)
+    return group(hw, degrees.dp * degrees.cp, inner)
 
 
 def exposed_s(comm_s: float, window_s: float, hw: HardwareProfile) -> float:

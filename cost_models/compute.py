@@ -26,6 +26,15 @@ FLOPs (FlashAttention-2 recomputes QKᵀ and the probabilities: five GEMMs again
 more than Megatron's fused kernels). A pass of a block can be no faster than the host
 dispatching its kernels: ``kernels_per_block`` (backward twice as many) times the profile's
 ``kernel_dispatch_us``, which is what bounds small micro-batches and wide TP of small models.
+
+Context parallelism of degree c (``Strategy.tokens``) leaves each rank seq/c tokens of every
+sequence: every GEMM, element-wise kernel, the embedding and the head see seq/c tokens, and the
+attention core computes seq/c queries against all seq keys, 1/c of the sequence's attention
+FLOPs. Causal load balancing (Megatron-Core / Transformer Engine, torch's ``context_parallel``:
+the sequence cut into 2c chunks, rank r taking chunks r and 2c-1-r) gives every rank the same
+share of the causal work, so the executed fraction stays ``causal_fraction(seq)`` on each. The
+core is always the fused kernel under CP (``Strategy.fused_attention``). The K,V exchange is
+communication (``cost_models.estimate.block_cp_s``).
 """
 
 from __future__ import annotations
@@ -34,7 +43,6 @@ from dataclasses import dataclass
 
 from cost_models.hardware import HardwareProfile, ProfileError
 from cost_models.model_profile import ModelProfile
-from cost_models.recipe import Attention
 from cost_models.strategy import Strategy
 
 FLASH_TILE = 128
@@ -137,7 +145,7 @@ def block_gemms(model: ModelProfile, strat: Strategy) -> tuple[list[Gemm], list[
     """(weight GEMMs, attention-core GEMMs) of one block's forward on one tp rank."""
     t, h, f = strat.mesh.tp, model.hidden, model.ffn
     d = h / model.heads
-    tokens = strat.micro_batch * model.seq
+    tokens = strat.tokens(model.seq)
     qkv = (model.heads + 2 * model.kv_heads) * d
     # GeLU MLP has one up projection, SwiGLU two (gate and up): read it off the FLOP count.
     rest = model.block_matmul_flops_per_token / 2 - h * qkv - model.heads * d * h - f * h
@@ -145,8 +153,9 @@ def block_gemms(model: ModelProfile, strat: Strategy) -> tuple[list[Gemm], list[
     weights = [Gemm(batch=1, m=tokens, n=qkv / t, k=h), Gemm(batch=1, m=tokens, n=h, k=h / t),
                Gemm(batch=1, m=tokens, n=ups * f / t, k=h), Gemm(batch=1, m=tokens, n=h, k=f / t)]
     heads = strat.micro_batch * model.heads / t
-    core = [Gemm(batch=heads, m=model.seq, n=model.seq, k=d),   # scores = Q Kᵀ
-            Gemm(batch=heads, m=model.seq, n=d, k=model.seq)]   # probabilities @ V
+    q = model.seq / strat.mesh.cp  # each cp rank's queries against every key
+    core = [Gemm(batch=heads, m=q, n=model.seq, k=d),   # scores = Q Kᵀ
+            Gemm(batch=heads, m=q, n=d, k=model.seq)]   # probabilities @ V
     return weights, core
 
 
@@ -176,7 +185,7 @@ def fp8_cast_bytes(model: ModelProfile, strat: Strategy) -> tuple[float, float]:
 
 
 def fused(strat: Strategy) -> bool:
-    return strat.recipe.attention == Attention.FUSED
+    return strat.fused_attention
 
 
 def causal_fraction(seq: int) -> float:
@@ -186,7 +195,7 @@ def causal_fraction(seq: int) -> float:
 
 def block_gemm_s(model: ModelProfile, hw: HardwareProfile, strat: Strategy) -> tuple[float, float]:
     """(weight GEMMs, attention core) forward seconds of one block, one micro-batch."""
-    tokens = strat.micro_batch * model.seq
+    tokens = strat.tokens(model.seq)
     weights, core = block_gemms(model, strat)
     attn_flops = tokens * model.block_attn_flops_per_token / strat.mesh.tp
     if fused(strat):
@@ -202,7 +211,7 @@ def block_elementwise_bytes(model: ModelProfile, strat: Strategy,
                             traffic: tuple[float, float, float]) -> tuple[float, float]:
     """(non-attention, attention-core) element-wise bytes of one block on one tp rank; a fused
     attention kernel moves no s x s bytes."""
-    scale = elem_bytes(strat) / 2 * strat.micro_batch * model.seq * strat.recipe.elementwise_traffic
+    scale = elem_bytes(strat) / 2 * strat.tokens(model.seq) * strat.recipe.elementwise_traffic
     sp = strat.mesh.tp if strat.sequence_parallel else 1
     repl, sharded, attn = model.act_bytes_per_token(fused(strat))
     rest = traffic[0] * repl / sp + traffic[1] * sharded / strat.mesh.tp
@@ -245,7 +254,7 @@ def wgrad_window_s(model: ModelProfile, hw: HardwareProfile, strat: Strategy) ->
 def first_times(model: ModelProfile, hw: HardwareProfile, strat: Strategy) -> PassTimes:
     """Embedding lookup (a gather: memory-bound), its dropout, and the gradient scatter-add:
     forward traffic = embedding output (elem bytes) + mask, per micro-batch."""
-    tokens = strat.micro_batch * model.seq
+    tokens = strat.tokens(model.seq)
     fwd = memory_s(tokens * model.hidden * (elem_bytes(strat) + 1), hw)
     return PassTimes(forward_s=fwd, recompute_s=0.0, backward_s=2 * fwd)
 
@@ -254,7 +263,7 @@ def last_times(model: ModelProfile, hw: HardwareProfile, strat: Strategy) -> Pas
     """Final norm, output projection and cross-entropy: the projection GEMM at its shape's
     efficiency plus the fp32 logits written, read by the softmax and written back as
     probabilities (3 x 4 s b V / tp); backward runs the GEMM twice."""
-    tokens = strat.micro_batch * model.seq
+    tokens = strat.tokens(model.seq)
     flops = tokens * model.head_flops_per_token / strat.mesh.tp
     g = Gemm(batch=1, m=tokens, n=model.vocab / strat.mesh.tp, k=model.hidden)
     gemm = _scaled_s([g], flops, hw, strat)

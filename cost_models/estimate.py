@@ -26,6 +26,7 @@ from typing import Mapping
 
 from cost_models import comm, compute, memory, pipeline
 from cost_models.axes import Axis
+from cost_models.recipe import ContextParallel
 from cost_models.hardware import HardwareProfile
 from cost_models.model_profile import ModelProfile
 from cost_models.stages import StageCosts
@@ -107,7 +108,7 @@ def grad_accum_bytes_per_param(rec: memory.StateLayout, strat: Strategy) -> floa
     if strat.recipe.grad_accum_fusion:
         return 0.0
     per = (memory.compute_copy_bytes(strat) or rec.weight) + 2 * rec.grad
-    return per / strat.mesh.dp if strat.zero >= 2 and not memory.holds_unsharded(strat) else per
+    return per / strat.replicas if strat.zero >= 2 and not memory.holds_unsharded(strat) else per
 
 
 def fsdp_copy_bytes_per_param(strat: Strategy) -> float:
@@ -118,7 +119,7 @@ def fsdp_copy_bytes_per_param(strat: Strategy) -> float:
     gathers twice and reduces once per micro-batch (once per micro-batch and per step under a
     pipeline that holds them, ``memory.holds_unsharded``); ZeRO-2 reduces per micro-batch and
     gathers per step; ZeRO-1 both per step (spread over the micro-batches here)."""
-    if not strat.recipe.fsdp_copies or strat.mesh.dp == 1 or strat.zero == 0:
+    if not strat.recipe.fsdp_copies or strat.replicas == 1 or strat.zero == 0:
         return 0.0
     rec = memory.state_layout(strat)
     gather = 2 * memory.gather_bytes(strat)
@@ -134,7 +135,7 @@ def fsdp_copy_bytes_per_param(strat: Strategy) -> float:
 
 
 def _piece(params: float, passes: compute.PassTimes, tp: compute.PassTimes, act: float,
-           hw: HardwareProfile, strat: Strategy, groups: Mapping[Axis, comm.Group], *,
+           hw: HardwareProfile, strat: Strategy, rep: comm.Group, *,
            reduced_last: bool = False) -> _Piece:
     """Costs of one block (or the embedding/head) holding ``params`` parameters per device.
 
@@ -143,11 +144,12 @@ def _piece(params: float, passes: compute.PassTimes, tp: compute.PassTimes, act:
     backward), exposing only what is longer than that pass. The once-per-step reduction
     (ZeRO 0 all-reduce, ZeRO 1 reduce-scatter) hides behind the last micro-batch's backward
     of the same piece unless ``reduced_last`` (the embedding's gradient is the last to be
-    ready); the all-gather of updated weights (ZeRO 1/2) behind the next forward.
+    ready); the all-gather of updated weights (ZeRO 1/2) behind the next forward. Every
+    data-parallel collective runs over ``rep``, the dp x cp group (``comm.replica_group``).
     """
     rec = memory.state_layout(strat)
     grads, weights = params * rec.grad, params * memory.gather_bytes(strat)
-    rs, ag = comm.reduce_scatter_s(grads, groups[Axis.DP]), comm.all_gather_s(weights, groups[Axis.DP])
+    rs, ag = comm.reduce_scatter_s(grads, rep), comm.all_gather_s(weights, rep)
     fwd, bwd = passes.forward_s, passes.recompute_s + passes.backward_s
     if not strat.dp_overlap:
         fwd = bwd = 0.0
@@ -155,7 +157,7 @@ def _piece(params: float, passes: compute.PassTimes, tp: compute.PassTimes, act:
     hide = lambda comm_s, window_s: comm.exposed_s(comm_s, window_s, hw)  # noqa: E731
     exposed, tail, exposed_fwd = 0.0, 0.0, 0.0
     if strat.zero == 0:
-        tail = hide(comm.best_all_reduce_s(grads, groups[Axis.DP]), bwd_window)
+        tail = hide(comm.best_all_reduce_s(grads, rep), bwd_window)
     elif strat.zero == 1:
         tail = hide(rs, bwd_window) + hide(ag, fwd)
     elif memory.holds_unsharded(strat):
@@ -172,7 +174,7 @@ def _piece(params: float, passes: compute.PassTimes, tp: compute.PassTimes, act:
     else:
         exposed_fwd = hide(ag, fwd)
         exposed = exposed_fwd + hide(ag + rs, bwd)
-    sharded = params / (strat.mesh.dp if strat.zero >= 1 else 1)
+    sharded = params / (strat.replicas if strat.zero >= 1 else 1)
     if strat.offload:
         opt = compute.host_optimizer_s(sharded * optimizer_bytes_per_param(rec), hw)
         up = compute.host_copy_s(sharded * rec.weight, hw)
@@ -202,7 +204,7 @@ def _piece(params: float, passes: compute.PassTimes, tp: compute.PassTimes, act:
 def _tp_unit_s(model: ModelProfile, strat: Strategy, g: comm.Group) -> float:
     """One tensor-parallel exchange of a micro-batch's hidden states (b s h elements): an
     all-reduce, or with SP an all-gather plus a reduce-scatter (the same bus volume)."""
-    vol = strat.micro_batch * model.seq * model.hidden * compute.elem_bytes(strat)
+    vol = strat.tokens(model.seq) * model.hidden * compute.elem_bytes(strat)
     if strat.sequence_parallel:
         return comm.all_gather_s(vol, g) + comm.reduce_scatter_s(vol, g)
     return comm.all_reduce_s(vol, g)
@@ -228,7 +230,7 @@ def block_tp_s(model: ModelProfile, hw: HardwareProfile, strat: Strategy,
     if strat.recipe.tp_overlap:
         window = compute.wgrad_window_s(model, hw, strat)
         if strat.sequence_parallel:
-            vol = strat.micro_batch * model.seq * model.hidden * compute.elem_bytes(strat)
+            vol = strat.tokens(model.seq) * model.hidden * compute.elem_bytes(strat)
             gather = comm.all_gather_s(vol, g)
             bwd = 4 * gather + comm.exposed_s(2 * unit - 2 * gather, window, hw)
         else:
@@ -244,11 +246,51 @@ def block_tp_s(model: ModelProfile, hw: HardwareProfile, strat: Strategy,
                              else 0.0, backward_s=bwd)
 
 
+def block_cp_s(model: ModelProfile, hw: HardwareProfile, strat: Strategy,
+               g: comm.Group) -> compute.PassTimes:
+    """Exposed context-parallel communication of one block per micro-batch, by pass (the
+    estimate counts it in ``tp_comm_s``).
+
+    Each of the c = cp ranks holds a K,V block of seq/c tokens, 2 x kv_heads/tp x d
+    elements per token. Ring attention (``ContextParallel.RING``; Liu et al. 2023,
+    Megatron-Core / Transformer Engine's P2P CP) runs c steps: in each of the c-1 sends, the
+    block moves to the next rank while attention runs on the block received last, so a step
+    exposes max(0, send - attention of one step) (``comm.exposed_s``, with the profile's
+    overlap penalty) plus the step's latency α; the attention of one step is 1/c of the
+    rank's core time. The backward sends K,V and the accumulated dK,dV (twice the bytes)
+    behind 1/c of the core's backward each step. All-gather CP (``ALL_GATHER``; torch's
+    ``context_parallel`` default) gathers the c blocks before the forward's attention and
+    again in the backward, then reduce-scatters dK,dV, none of it overlapped. Recompute of
+    the block (full) or of its attention core (selective) repeats the forward's exchange."""
+    c = strat.mesh.cp
+    if c == 1:
+        return compute.PassTimes(forward_s=0.0, recompute_s=0.0, backward_s=0.0)
+    d = model.hidden / model.heads
+    block = strat.tokens(model.seq) * 2 * model.kv_heads / strat.mesh.tp * d * compute.elem_bytes(strat)
+    if strat.recipe.context_parallel == ContextParallel.RING:
+        _, core_s = compute.block_gemm_s(model, hw, strat)
+        step = lambda nbytes, window_s: (comm.exposed_s(nbytes / g.p2p_bytes_s, window_s, hw)  # noqa: E731
+                                         + g.latency_s)
+        fwd = (c - 1) * step(block, core_s / c)
+        bwd = (c - 1) * step(2 * block, compute.FLASH_BWD_RATIO * core_s / c)
+    else:
+        fwd = comm.all_gather_s(c * block, g)
+        bwd = fwd + comm.reduce_scatter_s(c * block, g)
+    return compute.PassTimes(forward_s=fwd, recompute_s=fwd if strat.recompute != "none" else 0.0,
+                             backward_s=bwd)
+
+
+def _comm_sum(a: compute.PassTimes, b: compute.PassTimes) -> compute.PassTimes:
+    return compute.PassTimes(forward_s=a.forward_s + b.forward_s, recompute_s=a.recompute_s + b.recompute_s,
+                             backward_s=a.backward_s + b.backward_s)
+
+
 def layer_pass_times(model: ModelProfile, hw: HardwareProfile, strat: Strategy) -> compute.PassTimes:
     """One block's forward, recompute and backward per micro-batch with its exposed
     tensor-parallel communication: what Korthikanti et al. Table 4 times per layer."""
     passes = compute.block_times(model, hw, strat)
-    tp = block_tp_s(model, hw, strat, comm.axis_groups(hw, strat)[Axis.TP])
+    groups = comm.axis_groups(hw, strat)
+    tp = _comm_sum(block_tp_s(model, hw, strat, groups[Axis.TP]), block_cp_s(model, hw, strat, groups[Axis.CP]))
     return compute.PassTimes(forward_s=passes.forward_s + tp.forward_s,
                              recompute_s=passes.recompute_s + tp.recompute_s,
                              backward_s=passes.backward_s + tp.backward_s)
@@ -262,7 +304,7 @@ def p2p_s(model: ModelProfile, strat: Strategy, groups: Mapping[Axis, comm.Group
     whole b s h (DeepSpeed's pipeline engine)."""
     if strat.mesh.pp == 1:
         return 0.0
-    vol = strat.micro_batch * model.seq * model.hidden * compute.elem_bytes(strat)
+    vol = strat.tokens(model.seq) * model.hidden * compute.elem_bytes(strat)
     if strat.recipe.pp_scatter_gather:
         one = comm.p2p_s(vol / strat.mesh.tp, groups[Axis.PP]) + comm.all_gather_s(vol, groups[Axis.TP])
     else:
@@ -272,23 +314,25 @@ def p2p_s(model: ModelProfile, strat: Strategy, groups: Mapping[Axis, comm.Group
 
 def _parts(model: ModelProfile, hw: HardwareProfile, strat: Strategy) -> _Parts:
     groups = comm.axis_groups(hw, strat)
+    rep = comm.replica_group(hw, strat)
     unit = _tp_unit_s(model, strat, groups[Axis.TP]) if strat.mesh.tp > 1 else 0.0
     layers, passes = [], []
     for mode in RECOMPUTE:
         s = replace(strat, recompute=mode)
         passes.append(compute.block_times(model, hw, s))
         layers.append(_piece(memory.layer_params(model, s), passes[-1],
-                             block_tp_s(model, hw, s, groups[Axis.TP]),
-                             memory.block_act_bytes(model, s), hw, s, groups))
+                             _comm_sum(block_tp_s(model, hw, s, groups[Axis.TP]),
+                                       block_cp_s(model, hw, s, groups[Axis.CP])),
+                             memory.block_act_bytes(model, s), hw, s, rep))
     # Embedding: 1 forward exchange (vocab-parallel lookup); head: 1 backward (gradient of
     # the projection's input).
     first = _piece(memory.first_params(model, strat), compute.first_times(model, hw, strat),
                    compute.PassTimes(forward_s=unit, recompute_s=0.0, backward_s=0.0),
-                   memory.first_act_bytes(model, strat), hw, strat, groups,
+                   memory.first_act_bytes(model, strat), hw, strat, rep,
                    reduced_last=True)
     last = _piece(memory.last_params(model, strat), compute.last_times(model, hw, strat),
                   compute.PassTimes(forward_s=0.0, recompute_s=0.0, backward_s=unit),
-                  memory.last_act_bytes(model, strat), hw, strat, groups)
+                  memory.last_act_bytes(model, strat), hw, strat, rep)
     if strat.mesh.pp > 1 and model.tied:
         # The tied embedding and its copy on the last stage sum their gradients after the
         # flush (Megatron's embedding all-reduce), exposed on both stages.

@@ -23,7 +23,10 @@ gradients under ZeRO 1 (ZeRO 2: one block's before its reduce-scatter, in the bu
 Activations follow Korthikanti et al. Table 2 from the ModelProfile's three per-token fields in
 the recipe's attention accounting (unfused: scores, softmax and dropout kept; fused: a float32
 log-sum-exp per head), 16-bit activations and 1-byte masks, doubled for fp32 training.
-Sizes in bytes.
+Context parallelism of degree c divides every activation by c (each rank keeps seq/c tokens
+of every sequence, ``Strategy.tokens``; ring attention re-sends the K,V blocks in backward
+instead of keeping them), and ZeRO shards over dp x cp (``Strategy.replicas``: the weights are
+replicated over cp, Megatron's "dp-cp" group). Sizes in bytes.
 """
 
 from __future__ import annotations
@@ -32,7 +35,6 @@ from dataclasses import dataclass
 
 from cost_models.hardware import HardwareProfile
 from cost_models.model_profile import ModelProfile
-from cost_models.recipe import Attention
 from cost_models.strategy import Strategy
 
 DDP_BUCKET_BYTES = 25e6
@@ -86,7 +88,7 @@ def holds_unsharded(strat: Strategy) -> bool:
     """ZeRO-2/3 under a pipeline keep the stage's weights gathered and gradients unsharded
     until the last backward (``ExecutionRecipe.pp_unsharded_accumulation``)."""
     return strat.recipe.pp_unsharded_accumulation and strat.mesh.pp > 1 and strat.zero >= 2 \
-        and strat.mesh.dp > 1
+        and strat.replicas > 1
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -103,15 +105,15 @@ class StateBytes:
 
 
 def state_bytes(params: float, strat: Strategy) -> StateBytes:
-    """Model states of ``params`` parameters (already divided by tp) on one of ``strat.mesh.dp``
-    ranks, in device memory (with ``offload``, what stays on the device).
+    """Model states of ``params`` parameters (already divided by tp) on one of the
+    ``strat.replicas`` (dp x cp) ranks, in device memory (with ``offload``, what stays on the device).
 
     The weights are sharded by ZeRO-3, or by ZeRO >= 1 where they are the fp32 master; a
     layout computing on 16-bit copies holds them unsharded under ZeRO 0-2 (and ZeRO-3 when the
     pipeline keeps them gathered), the gradients are sharded by ZeRO >= 2 unless the pipeline
     accumulates them unsharded, the optimizer states by ZeRO >= 1.
     """
-    lay, zero, dp = state_layout(strat), strat.zero, strat.mesh.dp
+    lay, zero, dp = state_layout(strat), strat.zero, strat.replicas
     copy = compute_copy_bytes(strat)
     hold = holds_unsharded(strat)
     copy_held = copy if (zero < 3 or hold) else 0.0
@@ -129,11 +131,11 @@ def state_bytes(params: float, strat: Strategy) -> StateBytes:
 
 def host_state_bytes(params: float, strat: Strategy) -> float:
     """Bytes of host memory the offloaded shards of ``params`` parameters take on one of
-    ``strat.mesh.dp`` ranks: weight, gradient and optimizer shards (0 without ``offload``)."""
+    ``strat.replicas`` (dp x cp) ranks: weight, gradient and optimizer shards (0 without ``offload``)."""
     if not strat.offload:
         return 0.0
     lay = state_layout(strat)
-    return params * (lay.weight + lay.grad + lay.optimizer) / strat.mesh.dp
+    return params * (lay.weight + lay.grad + lay.optimizer) / strat.replicas
 
 
 def layer_params(model: ModelProfile, strat: Strategy) -> float:
@@ -159,7 +161,7 @@ def act_scale(strat: Strategy) -> float:
 
 
 def fused_attention(strat: Strategy) -> bool:
-    return strat.recipe.attention == Attention.FUSED
+    return strat.fused_attention
 
 
 def block_act_bytes(model: ModelProfile, strat: Strategy, recompute: str | None = None) -> float:
@@ -170,7 +172,7 @@ def block_act_bytes(model: ModelProfile, strat: Strategy, recompute: str | None 
     full: the block input only, 2 s b h (/ tp with SP).
     """
     recompute = recompute or strat.recompute
-    tokens = strat.micro_batch * model.seq
+    tokens = strat.tokens(model.seq)
     sp = strat.mesh.tp if strat.sequence_parallel else 1
     if recompute == "full":
         return act_scale(strat) * tokens * 2 * model.hidden / sp
@@ -187,7 +189,7 @@ def block_act_bytes(model: ModelProfile, strat: Strategy, recompute: str | None 
 
 def block_attn_act_bytes(model: ModelProfile, strat: Strategy) -> float:
     """The attention-core part of ``block_act_bytes`` (what selective recompute drops)."""
-    tokens = strat.micro_batch * model.seq
+    tokens = strat.tokens(model.seq)
     attn = model.act_bytes_per_token(fused_attention(strat))[2]
     return act_scale(strat) * tokens * attn / strat.mesh.tp
 
@@ -195,7 +197,7 @@ def block_attn_act_bytes(model: ModelProfile, strat: Strategy) -> float:
 def first_act_bytes(model: ModelProfile, strat: Strategy) -> float:
     """Embedding: the 1-byte dropout mask of its output, s b h (/ tp with SP)."""
     sp = strat.mesh.tp if strat.sequence_parallel else 1
-    return strat.micro_batch * model.seq * model.hidden / sp
+    return strat.tokens(model.seq) * model.hidden / sp
 
 
 def last_act_bytes(model: ModelProfile, strat: Strategy) -> float:
@@ -203,7 +205,7 @@ def last_act_bytes(model: ModelProfile, strat: Strategy) -> float:
     the loss keeps per logit (``ExecutionRecipe.logits_bytes``: Megatron's fp32 logits, 4,
     Korthikanti et al. Sec. 4.3; eager cross-entropy under autocast, 16-bit logits and fp32
     log-probabilities, 6), s b V / tp."""
-    tokens = strat.micro_batch * model.seq
+    tokens = strat.tokens(model.seq)
     sp = strat.mesh.tp if strat.sequence_parallel else 1
     return (act_scale(strat) * tokens * 4 * model.hidden / sp
             + tokens * strat.recipe.logits_bytes * model.vocab / strat.mesh.tp)
@@ -229,7 +231,7 @@ def base_buffer_bytes(model: ModelProfile, hw: HardwareProfile, strat: Strategy)
     """
     lay = state_layout(strat)
     total = (hw.reserve_gib + hw.nccl_gib_per_group * communicators(strat)) * 2**30
-    if strat.mesh.dp > 1:
+    if strat.replicas > 1:
         if strat.zero >= 3:
             total += layer_params(model, strat) * (2 * gather_bytes(strat) + lay.grad)
         elif strat.zero > 0:

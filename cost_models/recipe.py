@@ -53,6 +53,23 @@ class DpOverlap(str, Enum):
     """Every data-parallel collective on the critical path."""
 
 
+class ContextParallel(str, Enum):
+    """How the program exchanges keys and values between the context-parallel ranks (cp > 1);
+    every rank holds 2 of the 2 cp load-balanced chunks of each sequence (``compute``)."""
+
+    NONE = "none"
+    """The program has no context parallelism (autopar's own runtime, DeepSpeed's recipes:
+    Ulysses is another scheme, not priced)."""
+    RING = "ring"
+    """Ring attention: cp - 1 point-to-point steps per layer pass, each sending the local K,V
+    block to the next rank while attention runs on the block received (Megatron-Core /
+    Transformer Engine ``--cp-comm-type p2p``, the default; Liu et al. 2023)."""
+    ALL_GATHER = "all_gather"
+    """K and V all-gathered over the cp group before attention, their gradients
+    reduce-scattered after it, not overlapped (torch's ``context_parallel`` default
+    ``_RotateMethod.ALL_GATHER``, torchtitan's ``context_parallel_rotate_method``)."""
+
+
 @dataclass(frozen=True, kw_only=True, slots=True)
 class ExecutionRecipe:
     """How a framework runs a strategy: the switches the cost model prices (see module)."""
@@ -113,11 +130,20 @@ class ExecutionRecipe:
     """Element-wise device-memory traffic relative to Megatron-LM's fused kernels (fused
     LayerNorm, bias-GeLU, bias-dropout-add, scale-mask-softmax): above 1 for eager unfused
     norms and activations."""
+    context_parallel: ContextParallel = ContextParallel.NONE
+    """How context parallelism runs in this program, or that it has none (``ContextParallel``;
+    with cp > 1 the attention core is always the fused kernel: Megatron's CP runs only through
+    Transformer Engine's flash attention, torch's through SDPA)."""
     kernels_per_block: int = 0
     """Kernels one transformer block's forward launches (backward about twice as many); with
     the profile's ``kernel_dispatch_us``, a pass can be no faster than its host dispatch."""
     notes: dict[str, str] = field(default_factory=dict, compare=False, hash=False)
     """Where each switch comes from (framework source, documentation)."""
+
+    @property
+    def has_context_parallel(self) -> bool:
+        """Whether the program can split sequences over a cp axis."""
+        return self.context_parallel != ContextParallel.NONE
 
     def __post_init__(self) -> None:
         if self.elementwise_traffic <= 0:
@@ -157,7 +183,7 @@ def recipe_from_dict(data: object, where: str) -> ExecutionRecipe:
     hints = get_type_hints(ExecutionRecipe)
     for key, value in data.items():
         kind = hints[key]
-        if kind in (Attention, DpOverlap):
+        if kind in (Attention, DpOverlap, ContextParallel):
             if value not in [e.value for e in kind]:
                 raise RecipeError(f"recipe {where} is malformed: {key} must be one of "
                                   f"{', '.join(e.value for e in kind)}, got {_shown(value)}")
@@ -181,6 +207,7 @@ def recipe_from_dict(data: object, where: str) -> ExecutionRecipe:
         kw = dict(data)
         kw["attention"] = Attention(kw.get("attention"))
         kw["dp_overlap"] = DpOverlap(kw.get("dp_overlap"))
+        kw["context_parallel"] = ContextParallel(kw.get("context_parallel", ContextParallel.NONE.value))
         kw = {k: float(v) if hints[k] is float else v for k, v in kw.items()}
         recipe = ExecutionRecipe(**kw)
     except (TypeError, ValueError) as exc:

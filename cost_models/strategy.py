@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from cost_models.axes import DEFAULT_ORDER, Axis, Degrees, parse_order
-from cost_models.recipe import DpOverlap, ExecutionRecipe, load_recipe
+from cost_models.recipe import Attention, DpOverlap, ExecutionRecipe, load_recipe
 
 SCHEDULES = ("gpipe", "1f1b", "interleaved", "zero-bubble")
 RECOMPUTE = ("none", "selective", "full")
@@ -38,7 +38,8 @@ class Strategy:
     ZeRO >= 1."""
     axis_order: tuple[Axis, ...] = DEFAULT_ORDER
     """The mesh axes from outermost (largest rank stride) to innermost (consecutive ranks,
-    which share a node first); ``comm.axis_groups`` derives each axis's tier from it."""
+    which share a node first); ``comm.axis_groups`` derives each axis's tier from it. Held in
+    canonical form (``axes.canonical_order``: cp listed only when cp > 1)."""
     dtype: str = "bf16"
     fp8: bool = False
     """The blocks' weight GEMMs run in Float8 (torchao Float8Linear, Transformer Engine):
@@ -61,10 +62,13 @@ class Strategy:
             raise ValueError(f"unknown schedule {self.schedule!r}; use one of {', '.join(SCHEDULES)}")
         if self.recompute not in RECOMPUTE:
             raise ValueError(f"unknown recompute {self.recompute!r}; use one of {', '.join(RECOMPUTE)}")
-        try:  # names ("pp", ...) become members; anything but an order of every axis is refused
-            object.__setattr__(self, "axis_order", parse_order(self.axis_order))
+        try:  # names ("pp", ...) become members, in canonical form (cp listed iff cp > 1)
+            object.__setattr__(self, "axis_order", parse_order(self.axis_order, self.mesh))
         except ValueError as exc:
             raise ValueError(f"axis_order {exc}, got {self.axis_order}") from None
+        if self.mesh.cp > 1 and not self.recipe.has_context_parallel:
+            raise ValueError(f"cp={self.mesh.cp}: the {self.recipe.name} recipe has no context parallelism; "
+                             "price it under one that has (megatron-core, megatron-core-te, torchtitan)")
         if self.fp8 and self.dtype == "fp32":
             raise ValueError("fp8 linears train in a 16-bit dtype; use dtype bf16 with fp8")
         if self.offload and self.zero < 1:
@@ -101,6 +105,23 @@ class Strategy:
     def devices(self) -> int:
         return self.mesh.size
 
+    @property
+    def replicas(self) -> int:
+        """Ranks holding the same weights, dp x cp (Megatron's "dp-cp" group): the weights are
+        replicated over cp, so gradients reduce and ZeRO shards over all of them."""
+        return self.mesh.dp * self.mesh.cp
+
+    def tokens(self, seq: int) -> float:
+        """Tokens of one micro-batch on one rank: each cp rank holds seq / cp of every sequence."""
+        return self.micro_batch * seq / self.mesh.cp
+
+    @property
+    def fused_attention(self) -> bool:
+        """The attention core runs as one fused kernel: the recipe's, and always under context
+        parallelism (Megatron-Core's CP runs only in Transformer Engine's fused attention,
+        torch's in SDPA's flash kernel)."""
+        return self.recipe.attention == Attention.FUSED or self.mesh.cp > 1
+
 
 @dataclass(frozen=True, kw_only=True, slots=True)
 class MemoryBreakdown:
@@ -122,6 +143,8 @@ class TimeBreakdown:
 
     compute_s: float
     tp_comm_s: float
+    """Exposed tensor-parallel and context-parallel (K,V exchange) communication: one
+    field for both keeps the estimate JSON as it was before context parallelism."""
     dp_comm_s: float
     pp_comm_s: float
     bubble_s: float

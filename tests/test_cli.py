@@ -181,8 +181,9 @@ def test_plan_pins_vpp_refuses_cp_and_explain_lists_alternatives(tmp_path):
     assert data["plan"]["virtual_stages"] == 2 and data["plan"]["schedule"] == "interleaved"
     assert len(data["plan"]["stage_layers"]) == 2 * data["plan"]["mesh"]["pp"]
     assert data["estimate"]["fits"] and data["search"]["optimal"]
-    bad = runner.invoke(app, args + ["--cp", "2"])
-    assert bad.exit_code == 2 and "--cp 1" in bad.output
+    bad = runner.invoke(app, args + ["--cp", "2"])  # the autopar recipe (its runtime) has no CP
+    assert bad.exit_code == 2 and "no context parallelism" in bad.output and "--recipe megatron-core" in bad.output
+    assert len(bad.output.strip().splitlines()) == 1
     res = runner.invoke(app, ["explain", str(out), "--top-k", "3", "--json"])
     assert res.exit_code == 0, res.output
     info = json.loads(res.output)
@@ -231,3 +232,28 @@ def test_run_streams_each_step_as_it_ends(tmp_path):
     result = run_plan(load_plan(out), 3, on_step=lambda step, loss, s: seen.append((step, loss)))
     assert [s for s, _ in seen] == [0, 1, 2]
     assert all(abs(loss - want) < 1e-6 for (_, loss), want in zip(seen, result.losses))
+
+
+def test_cp_pin_plans_and_estimates_under_megatron_and_run_refuses_it(tmp_path):
+    """``--cp`` pins context parallelism under a recipe that has it: the plan records it (cp in
+    the mesh and the axis order), ``estimate --cp`` prices it, and ``autopar run`` refuses the
+    plan in one line naming the export; without the pin a short sequence never gets cp > 1."""
+    model = "gpt:layers=8,hidden=1024,heads=16,vocab=32000,seq=1024"
+    job = ["--model", model, "--cluster", "dgx-a100-80g", "--gpus", "16", "--global-batch", "64",
+           "--recipe", "megatron-core"]
+    out = tmp_path / "plan.json"
+    res = runner.invoke(app, ["plan", *job, "--cp", "2", "--json", "--out", str(out)])
+    assert res.exit_code == 0, res.output
+    plan = json.loads(res.output)["plan"]
+    assert plan["mesh"]["cp"] == 2 and "cp" in plan["axis_order"]
+    assert plan["mesh"]["dp"] * plan["mesh"]["tp"] * plan["mesh"]["pp"] * 2 == 16
+    free = json.loads(runner.invoke(app, ["plan", *job, "--json"]).output)["plan"]
+    assert free["mesh"]["cp"] == 1 and free["axis_order"] == ["pp", "dp", "tp"]
+    est = runner.invoke(app, ["estimate", *job, "--tp", "2", "--cp", "2", "--json"])
+    assert est.exit_code == 0, est.output
+    one = runner.invoke(app, ["estimate", *job, "--tp", "2", "--cp", "1", "--json"])
+    assert json.loads(est.output)["memory"]["activations_bytes"] < json.loads(one.output)["memory"]["activations_bytes"]
+    bad = runner.invoke(app, ["estimate", *job, "--cp", "3"])
+    assert bad.exit_code == 2 and len(bad.output.strip().splitlines()) == 1
+    ran = runner.invoke(app, ["run", str(out)])
+    assert ran.exit_code == 2 and "autopar export" in ran.output and len(ran.output.strip().splitlines()) == 1

@@ -72,12 +72,22 @@ def test_one_axis_vocabulary():
     assert d.size == 8 and d[Axis.DP] == 4 and d.active() == (Axis.DP, Axis.TP)
     order = parse_order(["tp", "dp", "pp"])
     assert order == (Axis.TP, Axis.DP, Axis.PP) and d.active(order) == (Axis.TP, Axis.DP)
-    assert d.strides(order) == {Axis.PP: 1, Axis.DP: 1, Axis.TP: 4}
-    assert d.strides() == {Axis.TP: 1, Axis.DP: 2, Axis.PP: 8}
-    for bad in (["pp", "pp", "tp"], ["pp", "dp"], ["pp", "dp", "tp", "cp"]):
+    assert d.strides(order) == {Axis.PP: 1, Axis.DP: 1, Axis.CP: 1, Axis.TP: 4}
+    assert d.strides() == {Axis.TP: 1, Axis.CP: 2, Axis.DP: 2, Axis.PP: 8}
+    for bad in (["pp", "pp", "tp"], ["pp", "dp"], ["pp", "dp", "tp", "ep"], ["pp", "cp", "dp", "tp", "cp"]):
         with pytest.raises(ValueError, match="once each"):
             parse_order(bad)
     assert Strategy(mesh=d, axis_order=("tp", "dp", "pp")).axis_order == order
+    # cp (an optional axis) is listed only when its degree is above 1: an old order gets it in
+    # Megatron's place, and a listed cp of degree 1 is dropped.
+    c = Degrees(dp=2, cp=4, tp=2)
+    assert parse_order(["pp", "dp", "tp"], c) == (Axis.PP, Axis.DP, Axis.CP, Axis.TP) == c.default_order()
+    assert parse_order(["tp", "dp", "pp"], c) == (Axis.TP, Axis.DP, Axis.CP, Axis.PP)
+    assert parse_order(["dp", "pp", "tp"], c) == (Axis.DP, Axis.CP, Axis.PP, Axis.TP)
+    assert parse_order(["pp", "cp", "dp", "tp"], d) == (Axis.PP, Axis.DP, Axis.TP) == d.default_order()
+    assert Strategy(mesh=c, recipe=MC).axis_order == (Axis.PP, Axis.DP, Axis.CP, Axis.TP)
+    assert Strategy(mesh=d).axis_order == (Axis.PP, Axis.DP, Axis.TP)
+    assert c.strides(c.default_order()) == {Axis.TP: 1, Axis.CP: 2, Axis.DP: 8, Axis.PP: 16}
 
 
 # --- memory -------------------------------------------------------------------------------
@@ -400,3 +410,51 @@ def test_every_profile_field_round_trips_through_the_loader(name):
     from cost_models.hardware import profile_from_dict
     hw = dataclasses.replace(load_profile(name), price_per_gpu_hour=2.5, host_memory_gib=1.0)
     assert profile_from_dict(dataclasses.asdict(hw)) == hw
+
+
+# --- context parallelism ------------------------------------------------------------------
+
+TE = load_recipe("megatron-core-te")
+H100 = load_profile("dgx-h100")
+
+
+def test_cp_divides_activations_and_attention_flops_and_keeps_cp_1():
+    """Each cp rank holds seq/cp tokens of every sequence: activations, the block's GEMMs and
+    the (load-balanced causal) attention core all shrink by cp; cp = 1 adds nothing."""
+    model = gpt(layers=8, hidden=4096, heads=32, seq=32768)
+    one = Strategy(recipe=TE, mesh=Degrees(tp=2, dp=4))
+    for cp in (2, 4, 8):
+        s = Strategy(recipe=TE, mesh=Degrees(tp=2, dp=4, cp=cp))
+        assert memory.block_act_bytes(model, s) == pytest.approx(memory.block_act_bytes(model, one) / cp)
+        assert memory.last_act_bytes(model, s) == pytest.approx(memory.last_act_bytes(model, one) / cp)
+        core, core1 = compute.block_gemm_s(model, H100, s)[1], compute.block_gemm_s(model, H100, one)[1]
+        assert core == pytest.approx(core1 / cp)
+        # ZeRO shards over dp x cp (the weights are replicated over cp).
+        z = dataclasses.replace(s, zero=1)
+        assert memory.state_bytes(1e9, z).optimizer == pytest.approx(12e9 / (4 * cp))
+    assert estimate_mod.block_cp_s(model, H100, one, comm.axis_groups(H100, one)[Axis.CP]).total_s == 0.0
+    # cp = 1 named in the order is the same strategy (the order is canonical): the same price.
+    listed = Strategy(recipe=TE, mesh=Degrees(tp=2, dp=4), axis_order=("pp", "dp", "cp", "tp"))
+    assert listed == one and estimate(model, H100, listed, global_batch=4) == estimate(model, H100, one, global_batch=4)
+
+
+@pytest.mark.parametrize("recipe", ["megatron-core-te", "torchtitan"])
+def test_cp_exchange_is_positive_and_grows_with_cp(recipe):
+    """The K,V exchange (ring: cp - 1 sends per pass, partly hidden; all-gather: exposed)
+    costs something for every cp > 1 and more as cp grows, in each pass."""
+    model = gpt(layers=8, hidden=4096, heads=32, seq=32768)
+    rec = load_recipe(recipe)
+    last = None
+    for cp in (2, 4, 8, 16):
+        s = Strategy(recipe=rec, mesh=Degrees(cp=cp, tp=8, dp=2), recompute="full")
+        t = estimate_mod.block_cp_s(model, H100, s, comm.axis_groups(H100, s)[Axis.CP])
+        assert t.forward_s > 0 and t.backward_s > t.forward_s and t.recompute_s == t.forward_s
+        if last is not None:
+            assert t.total_s > last
+        last = t.total_s
+
+
+def test_cp_needs_a_recipe_that_has_it():
+    with pytest.raises(ValueError, match="no context parallelism"):
+        Strategy(mesh=Degrees(cp=2))
+    assert not load_recipe("autopar").has_context_parallel and MC.has_context_parallel

@@ -11,7 +11,9 @@ import pytest
 from autopar.errors import UserError
 from autopar.solve import Pins, outer_candidates, search
 from cost_models import Degrees, ModelProfile, Strategy, estimate, load_profile, stage_costs
-from cost_models.axes import DEFAULT_ORDER
+from autopar.solve.space import cp_degrees
+from cost_models.axes import DEFAULT_ORDER, Axis
+from cost_models.recipe import load_recipe
 
 
 def gpt_profile(layers: int, hidden: int, heads: int, vocab: int, seq: int) -> ModelProfile:
@@ -36,15 +38,21 @@ def stage_loads(n: int, modes: tuple[int, ...]):
 
 def brute_force(model, hw, gpus, batch, dtype, pins=Pins()):
     """Minimum step time over the whole space by enumeration: every outer candidate under every
-    one of the 6 axis orders (none pruned), with and without offload, every split of the
-    blocks over the stages (at least ``min_layers`` each) and every mix of recompute modes on
-    every stage, within device and host memory."""
+    axis order (the 6 of pp, dp, tp, or the 24 with cp where the space has cp > 1; none
+    pruned), with and without offload, every split of the blocks over the stages (at least
+    ``min_layers`` each) and every mix of recompute modes on every stage, within device and
+    host memory."""
     best = None
-    orders = [pins.axis_order] if pins.axis_order else list(itertools.permutations(DEFAULT_ORDER))
+    with_cp = cp_degrees(model, gpus, pins.recipe or load_recipe(), pins) != [1]
+    axes = DEFAULT_ORDER if with_cp else tuple(a for a in DEFAULT_ORDER if a != Axis.CP)
+    orders = [pins.axis_order] if pins.axis_order else list(itertools.permutations(axes))
     cands = [cand for order in orders for cand in outer_candidates(
         model, hw, gpus, batch, dtype, dataclasses.replace(pins, axis_order=order))]
-    seen = set()
+    seen, strategies = set(), set()
     for cand in cands:
+        if cand.strategy in strategies:
+            continue  # an order that differs only in where a degree-1 axis sits
+        strategies.add(cand.strategy)
         c = stage_costs(model, hw, cand.strategy)
         if (c, cand.modes, cand.min_layers) in seen:
             continue  # an order giving the same groups: the same costs, enumerated already
@@ -231,10 +239,11 @@ def test_axis_orders_prune_exactly_and_dp_inside_the_node_can_win():
     dominates, so dp innermost wins under the cost model."""
     from autopar.solve.space import axis_orders
     hw = load_profile("dgx-a100-80g")
-    assert axis_orders(hw, Degrees(dp=2, tp=2, pp=2)) == [DEFAULT_ORDER]
+    megatrons = Degrees().default_order()  # pp, dp, tp: cp is listed only when cp > 1
+    assert axis_orders(hw, Degrees(dp=2, tp=2, pp=2)) == [megatrons]
     orders = axis_orders(hw, Degrees(dp=8, tp=2, pp=1))
     dp_inner = ("pp", "tp", "dp")
-    assert orders[0] == DEFAULT_ORDER and dp_inner in orders
+    assert orders[0] == megatrons and dp_inner in orders
     model = gpt_profile(4, 4096, 32, 1024, 128)
     base = Strategy(mesh=Degrees(dp=8, tp=2, pp=1), zero=0, micro_batch=1, num_microbatches=1)
     megatron = estimate(model, hw, base, global_batch=8)
@@ -258,7 +267,7 @@ def test_axis_orders_prune_exactly_and_dp_inside_the_node_can_win():
 def test_ties_between_axis_orders_keep_megatrons():
     """On one node every order gives the same groups: the plan keeps Megatron's order."""
     model, hw = gpt_profile(8, 1024, 16, 32000, 1024), load_profile("dgx-a100-80g")
-    assert search(model, hw, 8, 32, "bf16").strategy.axis_order == DEFAULT_ORDER
+    assert search(model, hw, 8, 32, "bf16").strategy.axis_order == Degrees().default_order()
 
 
 def test_schedule_group_memory_relaxation_is_below_every_member():
@@ -354,3 +363,46 @@ def test_single_mode_least_step_is_the_candidates_optimum():
             assert got == pytest.approx(expected, rel=1e-9)
             checked += 1
     assert checked > 200
+
+
+def test_long_sequences_get_cp_under_megatron_and_never_under_autopar():
+    """Context parallelism is searched only where the recipe's program has it: a 32K-token job
+    plans cp > 1 under Megatron-Core (and the plan's axis order lists cp inside dp), never
+    under autopar's own recipe, and not at all below ``CP_MIN_SEQ``."""
+    model = gpt_profile(layers=8, hidden=2048, heads=16, vocab=32000, seq=32768)
+    hw = load_profile("dgx-h100")
+    mc = load_recipe("megatron-core-te")
+    sol = search(model, hw, 16, 4, "bf16", Pins(recipe=mc))
+    assert sol.optimal and sol.strategy.mesh.cp > 1 and sol.estimate.fits
+    order = sol.strategy.axis_order
+    assert Axis.CP in order and model.seq % (2 * sol.strategy.mesh.cp) == 0
+    assert all(c.strategy.mesh.cp == 1 for c in outer_candidates(model, hw, 16, 4, "bf16"))
+    short = dataclasses.replace(model, seq=2048)
+    assert all(c.strategy.mesh.cp == 1 for c in outer_candidates(short, hw, 16, 4, "bf16", Pins(recipe=mc)))
+    with pytest.raises(UserError, match="no context parallelism"):
+        search(model, hw, 16, 4, "bf16", Pins(cp=2))
+
+
+def test_optimal_against_exhaustive_enumeration_with_cp():
+    """The brute force covers the cp axis: every order of the four axes, every cp degree of
+    the space, under a recipe with context parallelism."""
+    rng = random.Random(16)
+    mc = load_recipe("megatron-core-te")
+    checked = 0
+    for _ in range(6):
+        heads = rng.choice([4, 8])
+        model = gpt_profile(layers=rng.randint(2, 4), hidden=heads * 64, heads=heads, vocab=1024,
+                            seq=rng.choice([8192, 16384]))
+        gpus = rng.choice([4, 8])
+        base = load_profile(rng.choice(["dgx-a100-80g", "dgx-h100"]))
+        state_gib = model.params * 18 / 2**30
+        hw = dataclasses.replace(base, memory_gib=state_gib * rng.uniform(0.2, 2.0) + 0.5, reserve_gib=0.0,
+                                 devices_per_node=rng.choice([2, 4]), host_memory_gib=0.0)
+        batch = rng.choice([1, 2])
+        expected = brute_force(model, hw, gpus, batch, "bf16", Pins(recipe=mc))
+        if expected is None:
+            continue
+        sol = search(model, hw, gpus, batch, "bf16", Pins(recipe=mc))
+        assert sol.optimal and sol.estimate.step_time_s == pytest.approx(expected, rel=1e-9)
+        checked += 1
+    assert checked >= 3

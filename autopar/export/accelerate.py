@@ -259,7 +259,7 @@ def parse(text: str, layers: int) -> Settings:
         return Settings(gpus=gpus, dtype=dtype, dp=dp, tp=tp, pp=1, cp=cp, zero=(3 if f.get("fsdp_reshard_after_forward") else 2)
                         if dp > 1 else 0, offload=f.get("fsdp_offload_params", False), schedule=None, virtual_stages=1,
                         sequence_parallel=False, stage_layers=(layers,), recompute=((0, 0, layers) if full else (layers, 0, 0),),
-                        axis_order=Degrees(dp=dp, tp=tp).active())
+                        axis_order=Degrees(dp=dp, cp=cp, tp=tp).active())
     if kind in ("MULTI_GPU", "NO"):
         return Settings(gpus=gpus, dtype=dtype, dp=gpus, tp=1, pp=1, cp=1, zero=0, offload=False, schedule=None, virtual_stages=1,
                         sequence_parallel=False, stage_layers=(layers,), recompute=((layers, 0, 0),),
@@ -292,5 +292,5 @@ def parse(text: str, layers: int) -> Settings:
                         num_microbatches=g.get("megatron_lm_num_micro_batches"), schedule="1f1b", virtual_stages=1,
                         sequence_parallel=g.get("megatron_lm_sequence_parallelism", False) and tp > 1,
                         stage_layers=stage_layers, recompute=tuple(rec(n) for n in stage_layers),
-                        axis_order=Degrees(pp=pp, dp=dp, tp=tp).active())
+                        axis_order=Degrees(pp=pp, dp=dp, cp=cp, tp=tp).active())
     raise UserError(f"Accelerate config has distributed_type {kind!r}, not one autopar writes")

@@ -18,7 +18,7 @@ from autopar.plan import Plan
 from autopar.spec import ModelSpec, parse_model_spec, with_seq
 from cost_models import ProfileError, estimate, load_profile
 from cost_models.axes import DEFAULT_ORDER, Axis
-from cost_models.recipe import ExecutionRecipe
+from cost_models.recipe import DpOverlap, ExecutionRecipe
 from cost_models.strategy import RECOMPUTE, Strategy
 
 
@@ -198,7 +198,14 @@ class Priced:
 
 def strategy(plan: Plan, recipe: ExecutionRecipe) -> Strategy:
     """``Plan.strategy`` priced under ``recipe``."""
-    return dataclasses.replace(plan.strategy(), recipe=recipe)
+    return plan.strategy(recipe)
+
+
+def dp_overlap(plan: Plan, recipe: ExecutionRecipe) -> bool:
+    """``Strategy.dp_overlap`` of ``plan`` under ``recipe``, read off the recipe's rule (no
+    strategy built: the recipe need not price every degree of the plan, e.g. its cp)."""
+    return recipe.dp_overlap == DpOverlap.ALWAYS or (recipe.dp_overlap == DpOverlap.UNPIPELINED
+                                                     and plan.mesh.pp == 1)
 
 
 _PRICED = ("model", "cluster", "gpus", "global_batch", "seq_len", "dtype", "mesh", "zero_stage", "micro_batch_size",

@@ -19,7 +19,7 @@ import json
 
 from autopar.errors import UserError
 from autopar.export.common import (Adapter, Nodes, Option, Settings, contiguous, describe_recompute, per_rank,
-                                   order_gap, replace_plan, strategy, uniform_recompute)
+                                   dp_overlap, order_gap, replace_plan, uniform_recompute)
 from autopar.plan import Plan
 from cost_models.axes import Degrees
 from cost_models.recipe import ExecutionRecipe
@@ -80,7 +80,7 @@ def config(plan: Plan, recipe: ExecutionRecipe) -> dict:
         cfg[plan.dtype] = {"enabled": True}
     zero: dict = {"stage": plan.zero_stage}
     if plan.zero_stage > 0:
-        zero["overlap_comm"] = strategy(plan, recipe).dp_overlap
+        zero["overlap_comm"] = dp_overlap(plan, recipe)
     if plan.offload:
         zero["offload_optimizer"] = {"device": "cpu", "pin_memory": True}
         if plan.zero_stage == 3:
@@ -140,6 +140,6 @@ def parse(text: str, layers: int) -> Settings:
                     stage_layers=stage_layers,
                     recompute=tuple((0, 0, n) if full else (n, 0, 0) for n in stage_layers),
                     dtype="bf16" if cfg.get("bf16", {}).get("enabled") else "fp16" if cfg.get("fp16", {}).get("enabled")
-                    else "fp32", axis_order=Degrees(pp=pp, dp=dp or 1, tp=tp).active())
+                    else "fp32", axis_order=Degrees(pp=pp, dp=dp or 1, cp=cp, tp=tp).active())
 
 

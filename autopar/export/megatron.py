@@ -16,7 +16,7 @@ import shlex
 
 from autopar.errors import UserError
 from autopar.export.common import (Adapter, Family, Nodes, Option, Settings, Shape, axis_order, chunks, counts,
-                                   derive_batch, describe_recompute, order_gap, replace_plan, strategy, twin_options,
+                                   derive_batch, describe_recompute, dp_overlap, order_gap, replace_plan, twin_options,
                                    with_chunks)
 from autopar.plan import Plan
 from cost_models.axes import Axis, Degrees
@@ -25,7 +25,7 @@ from cost_models.recipe import Attention, ExecutionRecipe
 FRAMEWORK = "Megatron-LM core_v0.19 (megatron/training/arguments.py)"
 DEFAULT_FILE = "pretrain_autopar.sh"
 SCRIPT = "pretrain_gpt.py"
-_MESH_ORDERS = ((Axis.PP, Axis.DP, Axis.TP), (Axis.DP, Axis.PP, Axis.TP))
+_MESH_ORDERS = ((Axis.PP, Axis.DP, Axis.CP, Axis.TP), (Axis.DP, Axis.PP, Axis.CP, Axis.TP))
 """Megatron's rank orders, outermost first: its default and ``--use-tp-pp-dp-mapping``'s."""
 
 
@@ -133,7 +133,7 @@ def _zero_flags(plan: Plan, shape: Shape, recipe: ExecutionRecipe) -> list[str]:
 
 
 def _dp_overlap(plan: Plan, recipe: ExecutionRecipe) -> bool:
-    return strategy(plan, recipe).dp_overlap
+    return dp_overlap(plan, recipe)
 
 
 def _fsdp2_allowed(plan: Plan, shape: Shape) -> bool:
@@ -315,7 +315,7 @@ def parse(text: str) -> Settings:
                     sequence_parallel=a.sequence_parallel and tp > 1, stage_layers=stage_layers,
                     recompute=tuple(_recompute_read(a, n) for n in stage_layers),
                     dtype="bf16" if a.bf16 else "fp16" if a.fp16 else "fp32",
-                    axis_order=_order_read(a.use_tp_pp_dp_mapping, dp, tp, pp))
+                    axis_order=_order_read(a.use_tp_pp_dp_mapping, dp, tp, pp, cp))
 
 
 def _layout_blocks(stage: str) -> int:
@@ -336,5 +336,5 @@ def _recompute_read(a: argparse.Namespace, n: int) -> tuple[int, int, int]:
     return (n, 0, 0)
 
 
-def _order_read(tp_pp_dp: bool, dp: int, tp: int, pp: int) -> tuple[Axis, ...]:
-    return Degrees(dp=dp, tp=tp, pp=pp).active(_MESH_ORDERS[1] if tp_pp_dp else _MESH_ORDERS[0])
+def _order_read(tp_pp_dp: bool, dp: int, tp: int, pp: int, cp: int = 1) -> tuple[Axis, ...]:
+    return Degrees(dp=dp, cp=cp, tp=tp, pp=pp).active(_MESH_ORDERS[1] if tp_pp_dp else _MESH_ORDERS[0])

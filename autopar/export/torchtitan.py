@@ -220,6 +220,6 @@ def parse(text: str) -> Settings:
                     sequence_parallel=p.get("enable_sequence_parallel", True) and tp > 1, stage_layers=stage_layers,
                     recompute=tuple((0, 0, k) if full else (k, 0, 0) for k in stage_layers) if stage_layers else None,
                     dtype="fp32" if t.get("mixed_precision_param") == "float32" else "bf16",
-                    axis_order=Degrees(pp=pp, dp=dp, tp=tp).active())
+                    axis_order=Degrees(pp=pp, dp=dp, cp=cp, tp=tp).active())
 
 

@@ -77,7 +77,7 @@ def render(data: ReportData, figures: dict[str, Path]) -> str:
     sched = p.schedule + (f" (v={p.virtual_stages})" if p.virtual_stages > 1 else "")
     rc = ", ".join(f"{mode} x{p.recompute.count(mode)}" for mode in ("none", "selective", "full")
                    if mode in p.recompute)
-    facts = [["mesh", f"dp={m.dp} tp={m.tp} pp={m.pp} (axis order {' > '.join(p.axis_order)}, outermost first)"],
+    facts = [["mesh", f"dp={m.dp} tp={m.tp} pp={m.pp}{f' cp={m.cp}' if m.cp > 1 else ''} (axis order {' > '.join(p.axis_order)}, outermost first)"],
              ["ZeRO stage", str(p.zero_stage)], ["micro-batch x micro-batches", f"{p.micro_batch_size} x {p.num_microbatches}"],
              ["schedule", sched], ["sequence parallel", str(p.sequence_parallel)], ["recompute", rc],
              ["CPU offload", str(p.offload)], ["dtype / recipe", f"{p.dtype} / {p.recipe}"],

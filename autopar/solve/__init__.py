@@ -5,12 +5,14 @@ order of a lower bound, and for each visited candidate an exact CP-SAT model of 
 placement and per-block recompute (``core.solve_placement``).
 
 Outer space (``space``): tp | gpus with tp dividing the devices per node (a tp group never
-straddles nodes) and the attention and kv heads; pp | gpus/tp with pp ≤ layers;
-dp = gpus/(tp·pp) dividing the global batch B; micro-batch b | B/dp, m = B/(dp·b) micro-batches
+straddles nodes) and the attention and kv heads; cp | gpus/tp (context parallelism: only
+under a recipe that has it, for seq ≥ 8192 with seq % 2cp = 0 and ≥ 4096 tokens per rank,
+``space.cp_degrees``); pp | gpus/(tp·cp) with pp ≤ layers; dp = gpus/(tp·cp·pp) dividing the
+global batch B; micro-batch b | B/dp, m = B/(dp·b) micro-batches
 (m ≥ pp when pp > 1); ZeRO 0-3 (0 when dp = 1); schedule 1F1B, GPipe, interleaved with
 v = 2 … L/pp chunks (m a multiple of pp) and zero-bubble (pp > 1); sequence parallelism
 (tp > 1); CPU offload (ZeRO ≥ 1); the rank order of the mesh axes (``Strategy.axis_order``, a
-permutation of pp, dp, tp, outermost first), every order not dominated group by group by one
+permutation of pp, dp, tp, and cp when cp > 1, outermost first), every order not dominated group by group by one
 kept before it (``space.axis_orders``: exact; Megatron's first, and the only one on one node).
 Combinations ``autopar.plan.runtime_unsupported`` refuses are skipped. Any dimension
 may be pinned (``Pins``). Recompute is chosen per block by the inner model, except under

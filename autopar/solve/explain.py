@@ -10,9 +10,9 @@ from autopar.errors import UserError
 from autopar.solve.search import Alternative, search
 from autopar.solve.space import Pins, candidates
 from cost_models import HardwareProfile, ModelProfile, Strategy
-from cost_models.axes import DEFAULT_ORDER, Axis
+from cost_models.axes import Axis
 
-DIMENSIONS = ((Axis.TP, "tp"), (Axis.PP, "pp"), ("zero", "zero"), ("micro_batch", "micro_batch"),
+DIMENSIONS = ((Axis.TP, "tp"), (Axis.PP, "pp"), (Axis.CP, "cp"), ("zero", "zero"), ("micro_batch", "micro_batch"),
               ("schedule", "schedule"), ("virtual_stages", "virtual_stages"),
               ("sequence_parallel", "sequence_parallel"), ("recompute", "recompute"))
 """(Strategy field or mesh axis, Pins field) of each dimension explained."""
@@ -49,10 +49,10 @@ def describe(s: Strategy) -> str:
     if s.stage_recompute:
         totals = [sum(c[i] for c in s.stage_recompute) for i in range(3)]
         rc = "/".join(f"{n}{m[0]}" for n, m in zip(totals, ("none", "sel", "full")) if n)
-    return (f"dp={s.mesh.dp} tp={s.mesh.tp} pp={s.mesh.pp} zero={s.zero} mbs={s.micro_batch} "
+    return (f"dp={s.mesh.dp} tp={s.mesh.tp} pp={s.mesh.pp}{f' cp={s.mesh.cp}' if s.mesh.cp > 1 else ''} zero={s.zero} mbs={s.micro_batch} "
             f"m={s.num_microbatches} {s.schedule}{f' v={s.virtual_stages}' if s.virtual_stages > 1 else ''} "
             f"sp={int(s.sequence_parallel)} rc={rc}"
-            f"{' order=' + '>'.join(s.axis_order) if s.axis_order != DEFAULT_ORDER else ''}")
+            f"{' order=' + '>'.join(s.axis_order) if s.axis_order != s.mesh.default_order() else ''}")
 
 
 def _get(s: Strategy, field: str | Axis):

@@ -6,8 +6,9 @@ import dataclasses
 
 from autopar.solve.space import Pins
 from cost_models import HardwareProfile, ModelProfile
+from cost_models.recipe import load_recipe
 
-_FLAGS = {"dp": "--dp", "tp": "--tp", "pp": "--pp", "zero": "--zero", "micro_batch": "--mbs",
+_FLAGS = {"dp": "--dp", "tp": "--tp", "pp": "--pp", "cp": "--cp", "zero": "--zero", "micro_batch": "--mbs",
           "schedule": "--schedule", "virtual_stages": "--vpp", "sequence_parallel": "--sp",
           "recompute": "--recompute"}
 
@@ -21,6 +22,13 @@ def no_candidate_reason(model: ModelProfile, hw: HardwareProfile, gpus: int,
         if used.get(check):
             return (f"{model.name} failed autopar verify's {check} check (see `autopar verify --model ...`); "
                     f"plan without pinning it")
+    if pins.cp and pins.cp > 1:
+        recipe = pins.recipe or load_recipe()
+        if not recipe.has_context_parallel:
+            return (f"--cp {pins.cp}: the {recipe.name} recipe has no context parallelism; plan with "
+                    "--recipe megatron-core (run through `autopar export --to megatron`) or drop --cp")
+        if model.seq % (2 * pins.cp):
+            return f"--cp {pins.cp} needs --seq-len a multiple of 2 x cp = {2 * pins.cp}, got {model.seq}"
     if pins.tp and (model.heads % pins.tp or model.kv_heads % pins.tp):
         return f"--tp {pins.tp} does not divide the {model.heads} heads / {model.kv_heads} kv heads"
     if pins.tp and hw.devices_per_node % pins.tp:
@@ -30,7 +38,7 @@ def no_candidate_reason(model: ModelProfile, hw: HardwareProfile, gpus: int,
         return f"--vpp {pins.virtual_stages} needs --schedule interleaved"
     if pins != pins.base():
         return (f"no strategy with the pinned options splits {gpus} devices, {model.layers} layers "
-                f"and global batch {global_batch}; check that dp x tp x pp = --gpus, that dp x mbs "
+                f"and global batch {global_batch}; check that dp x tp x pp x cp = --gpus, that dp x mbs "
                 f"divides the batch, and that pipelined schedules have pp > 1 (interleaved: "
                 f"micro-batches a multiple of pp, pp x vpp <= layers)")
     return (f"no way to split global batch {global_batch} over {gpus} devices; use a global "

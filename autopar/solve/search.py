@@ -162,7 +162,8 @@ def _order_free_base(model: ModelProfile, hw: HardwareProfile, strat: Strategy,
     """``strat``'s costs as 1F1B with each axis in its best group, by ``parts_key`` up to the
     order (``space.order_free_hardware``)."""
     # (candidates come in Megatron's order: no copy of the strategy just to name the key)
-    key = parts_key(strat if strat.axis_order == DEFAULT_ORDER else replace(strat, axis_order=DEFAULT_ORDER))
+    key = parts_key(strat if strat.axis_order == strat.mesh.default_order()
+                    else replace(strat, axis_order=DEFAULT_ORDER))
     base = cache.get(key)
     if base is None:
         hw_b, order = order_free_hardware(hw, strat.mesh)

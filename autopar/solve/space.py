@@ -1,4 +1,4 @@
-"""The outer strategy space: every (dp, tp, pp, micro-batch, ZeRO, schedule, v, SP, offload,
+"""The outer strategy space: every (dp, tp, pp, cp, micro-batch, ZeRO, schedule, v, SP, offload,
 axis order) the runtime can run, with the recompute modes the inner placement may mix (see
 ``autopar.solve``).
 
@@ -10,7 +10,13 @@ is dropped: exact, and on one node every order collapses to Megatron's. ``outer_
 yields each candidate in Megatron's order (or the pinned one); the search adds the other kept
 orders of a candidate lazily, behind ``order_free_hardware``'s bound (``search``).
 Offload (CPU, ``Strategy.offload``) is tried with ZeRO >= 1 and dp > 1 where the profile gives
-host figures; it is never faster, so the bound ordering prunes it unless memory binds."""
+host figures; it is never faster, so the bound ordering prunes it unless memory binds.
+
+Context parallelism (``cp_degrees``) is searched only under a recipe whose program has it
+(``ExecutionRecipe.context_parallel``: never under ``autopar``, whose runtime has none), and
+only where it can pay: sequences of at least ``CP_MIN_SEQ`` tokens, cut into 2 cp
+load-balanced chunks (seq % 2cp == 0) of at least ``CP_MIN_CHUNK`` tokens per rank. A pinned
+``--cp`` is taken as given (recipe and divisibility still checked)."""
 
 from __future__ import annotations
 
@@ -22,9 +28,26 @@ from typing import Iterator
 from autopar.plan import runtime_unsupported
 from cost_models import HardwareProfile, ModelProfile, Strategy
 from cost_models.axes import DEFAULT_ORDER, Axis, Degrees
-from cost_models.comm import Group, axis_groups
+from cost_models.comm import Group, mesh_groups, mesh_replica_group
 from cost_models.recipe import ExecutionRecipe, load_recipe
 from cost_models.strategy import RECOMPUTE
+
+
+CP_MIN_SEQ = 8192
+"""Shortest sequence for which the search tries cp > 1. CP buys activation memory and splits
+the attention's quadratic term; below 8K tokens the quadratic term is a small share of a
+block's FLOPs (s / 6h of it: 1/3 at h = 4096) and one micro-batch's activations fit under
+TP + SP and recompute, while CP cuts every rank's GEMMs to seq/cp rows and adds K,V
+exchanges. Published CP recipes start here (NVIDIA's Llama-3.1 8B/70B: CP 2 at seq 8192;
+Llama-3 405B's long-context stage: CP 16 at 131072)."""
+CP_MIN_CHUNK = 4096
+"""Fewest tokens per cp rank (a restriction of the space, not a proof). A ring step overlaps
+the send of a K,V block (∝ s/c tokens) with attention on one block pair (∝ (s/c)²): FLOPs per
+byte sent ≈ (s/c) x heads/kv_heads, which must exceed peak FLOP/s over link bandwidth (H100:
+~400 TFLOP/s of attention over ~45 GB/s of NIC per GPU, ~10⁴) to hide it: s/c above ~1-3K
+tokens across nodes at GQA's 8-16 query heads per kv head, more without GQA; below it CP's
+exchanges and its shorter GEMMs cost more than the memory it frees. The published CP runs
+sit at or above 4096 (NVIDIA's Llama-3.1: 8192 / CP 2; Llama-3 405B: 131072 / CP 16 = 8192)."""
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -34,6 +57,8 @@ class Pins:
     dp: int | None = None
     tp: int | None = None
     pp: int | None = None
+    cp: int | None = None
+    """Context-parallel degree (``cp_degrees``)."""
     zero: int | None = None
     micro_batch: int | None = None
     schedule: str | None = None
@@ -122,11 +147,14 @@ def axis_orders(hw: HardwareProfile, degrees: Degrees,
     when an order kept earlier has every group of degree > 1 at least as fast (see module)."""
     if pins.axis_order is not None:
         return [tuple(pins.axis_order)]
-    kept: list[tuple[tuple[Axis, ...], dict[Axis, Group]]] = []
-    perms = [DEFAULT_ORDER] + [o for o in itertools.permutations(DEFAULT_ORDER) if o != DEFAULT_ORDER]
+    kept: list[tuple[tuple[Axis, ...], dict]] = []
+    default = degrees.default_order()
+    perms = [default] + [o for o in itertools.permutations(default) if o != default]
     for order in perms:
-        g = axis_groups(hw, Strategy(mesh=degrees, axis_order=order))
-        groups = {ax: g[ax] for ax in degrees.active()}
+        g = mesh_groups(hw, degrees, order)
+        groups: dict = {ax: g[ax] for ax in degrees.active()}
+        if degrees.cp > 1:  # the dp x cp gradient group reads both axes' places
+            groups["dp-cp"] = mesh_replica_group(hw, degrees, order)
         if any(all(_no_better(groups[ax], other[ax]) for ax in groups) for _, other in kept):
             continue
         kept.append((order, groups))
@@ -152,6 +180,21 @@ def order_free_hardware(hw: HardwareProfile, degrees: Degrees) -> tuple[Hardware
     return replace(hw, devices_per_node=nodes, inter_node=wide), order
 
 
+def cp_degrees(model: ModelProfile, devices: int, recipe: ExecutionRecipe, pins: Pins = Pins()) -> list[int]:
+    """Context-parallel degrees to try on ``devices`` (the devices left after tp): 1, and
+    where the recipe has context parallelism and the sequence is long (``CP_MIN_SEQ``), each
+    divisor c of ``devices`` with seq % 2c == 0 and seq / c >= ``CP_MIN_CHUNK``; a pinned
+    degree alone, if the recipe and the sequence allow it."""
+    seq = model.seq
+    if pins.cp is not None:
+        ok = pins.cp == 1 or (recipe.has_context_parallel and seq % (2 * pins.cp) == 0
+                              and devices % pins.cp == 0)
+        return [pins.cp] if ok else []
+    if not recipe.has_context_parallel or seq < CP_MIN_SEQ:
+        return [1]
+    return [c for c in _divisors(devices) if c == 1 or (seq % (2 * c) == 0 and seq // c >= CP_MIN_CHUNK)]
+
+
 def _offloads(pins: Pins, hw: HardwareProfile) -> list[bool]:
     return _choices(pins.offload, [False, True] if hw.supports_offload else [False])
 
@@ -165,10 +208,11 @@ def outer_candidates(model: ModelProfile, hw: HardwareProfile, gpus: int, global
         if hw.devices_per_node % tp or model.heads % tp or model.kv_heads % tp or gpus % tp \
                 or (tp > 1 and "tp" in refused):
             continue
-        for pp in _choices(pins.pp, _divisors(gpus // tp)):
-            if pp > model.layers or (gpus // tp) % pp or (pp > 1 and "pp" in refused):
+        for cp, pp in ((c, p) for c in cp_degrees(model, gpus // tp, recipe, pins)
+                       for p in _choices(pins.pp, _divisors(gpus // (tp * c)))):
+            if pp > model.layers or (gpus // (tp * cp)) % pp or (pp > 1 and "pp" in refused):
                 continue
-            dp = gpus // (tp * pp)
+            dp = gpus // (tp * cp * pp)
             if (pins.dp is not None and dp != pins.dp) or global_batch % dp:
                 continue
             orders = [tuple(pins.axis_order or DEFAULT_ORDER)]
@@ -176,12 +220,12 @@ def outer_candidates(model: ModelProfile, hw: HardwareProfile, gpus: int, global
                 m, rem = divmod(global_batch // dp, b)
                 if rem or (pp > 1 and m < pp):
                     continue
-                for zero in _choices(pins.zero, [0, 1, 2, 3] if dp > 1 else [0]):
+                for zero in _choices(pins.zero, [0, 1, 2, 3] if dp * cp > 1 else [0]):
                     if zero and "dp" in refused:
                         continue
                     for sched, v in _schedules(pins, pp, m, model.layers):
-                        if runtime_unsupported(dp=dp, pp=pp, zero=zero, schedule=sched,
-                                               virtual_stages=v):
+                        if runtime_unsupported(dp=dp * cp, pp=pp, zero=zero, schedule=sched,
+                                               virtual_stages=v, cp=cp, recipe=recipe):
                             continue
                         for sp in _choices(pins.sequence_parallel, [False, True] if tp > 1 else [False]):
                             if sp and (tp == 1 or "sp" in refused):
@@ -193,11 +237,11 @@ def outer_candidates(model: ModelProfile, hw: HardwareProfile, gpus: int, global
                                         continue
                                 for order, off in itertools.product(orders, _offloads(pins, hw)):
                                     if off and runtime_unsupported(
-                                            dp=dp, pp=pp, zero=zero, schedule=sched,
-                                            virtual_stages=v, offload=True):
+                                            dp=dp * cp, pp=pp, zero=zero, schedule=sched,
+                                            virtual_stages=v, offload=True, cp=cp, recipe=recipe):
                                         continue
                                     strat = Strategy(
-                                        mesh=Degrees(dp=dp, tp=tp, pp=pp), zero=zero, micro_batch=b,
+                                        mesh=Degrees(dp=dp, cp=cp, tp=tp, pp=pp), zero=zero, micro_batch=b,
                                         num_microbatches=m, schedule=sched, virtual_stages=v,
                                         sequence_parallel=sp, recompute=nominal, dtype=dtype,
                                         offload=off, axis_order=order, recipe=recipe)
