@@ -446,6 +446,19 @@ SAVE = typer.Option(None, "--save", help="Write checkpoints (DCP) into this dire
 SAVE_EVERY = typer.Option(0, "--save-every", help="Save every K steps too (0: after the last step only)")
 RESUME = typer.Option(None, "--resume", help="Start from a checkpoint, or a --save directory's latest, saved by "
                       "any plan of this model")
+def _local_plan(plan_file: Path, trust_code: bool, command: str) -> Plan:
+    """The plan ``autopar run``/``calibrate`` may start on this machine: every rank local
+    (torchrun --standalone), every feature it uses proven on the model's twin."""
+    the_plan = load_plan_file(plan_file, trust_code)
+    if the_plan.gpus > MAX_LOCAL_RANKS:
+        raise UserError(f"autopar {command} starts every rank on this machine (torchrun --standalone); a plan of "
+                        f"{the_plan.gpus} devices needs at most {MAX_LOCAL_RANKS}: plan for fewer --gpus")
+    refusal = launch_refusal(the_plan)
+    if refusal:
+        raise UserError(refusal)
+    return the_plan
+
+
 DATA = typer.Option(None, "--data", help="Train on this token file (nanoGPT's flat uint16 .bin, uint32 if "
                     "named *.u32; `autopar tokenize` writes one) instead of synthetic tokens")
 
@@ -462,13 +475,7 @@ def run(plan_file: Path = typer.Argument(..., help="A plan JSON from `autopar pl
         if max_restarts < 0:
             raise UserError(f"--max-restarts must be at least 0, got {max_restarts}")
         check_save(save, resume, trust_code=trust_code, save_every=save_every)
-        the_plan = load_plan_file(plan_file, trust_code)
-        if the_plan.gpus > MAX_LOCAL_RANKS:
-            raise UserError(f"autopar run starts every rank on this machine (torchrun --standalone); a plan of "
-                            f"{the_plan.gpus} devices needs at most {MAX_LOCAL_RANKS}: plan for fewer --gpus")
-        refusal = launch_refusal(the_plan)
-        if refusal:
-            raise UserError(refusal)
+        the_plan = _local_plan(plan_file, trust_code, "run")
         from functools import partial
 
         from autopar.runtime import TrainConfig
@@ -513,15 +520,9 @@ def calibrate(plan_file: Path = typer.Argument(..., help="A plan JSON from `auto
     """Run a plan profiled, compare each phase with the estimate and refit the profile to it."""
     def body() -> None:
         from autopar.calibrate import calibrate_plan, write_profile
-        the_plan = load_plan_file(plan_file, trust_code)
+        the_plan = _local_plan(plan_file, trust_code, "calibrate")
         target = out or Path(f"{Path(the_plan.cluster).stem}.calibrated.json")
         check_out(target)
-        if the_plan.gpus > MAX_LOCAL_RANKS:
-            raise UserError(f"autopar calibrate runs every rank on this machine; a plan of {the_plan.gpus} devices "
-                            f"needs at most {MAX_LOCAL_RANKS}: plan for fewer --gpus")
-        refusal = launch_refusal(the_plan)
-        if refusal:
-            raise UserError(refusal)
         cal = calibrate_plan(the_plan, steps, warmup, f"`autopar calibrate {plan_file.name} --steps {steps}`")
         write_profile(cal.profile, target)
         if as_json:
