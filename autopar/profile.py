@@ -7,7 +7,9 @@ sees while the others run. Each rank times (medians of repeats):
 - GEMMs: a large square one (the peak), and transformer-shaped ones (b·s tokens through
   h -> 3h, h -> 4h, 4h -> h): their rate over the peak is the matmul efficiency;
 - an element-wise add over 32 MiB arrays (memory bandwidth);
-- the host time of one eager op autograd records (the per-kernel dispatch floor);
+- the host time of a tiny built-in block's forward and backward, per kernel the cost model
+  counts for it (``kernels_per_block``: the per-kernel dispatch floor; on CPU ranks it adds to
+  every pass, ``host_overlaps_device`` false);
 - all-reduce, reduce-scatter and all-gather over the whole group at message sizes from 4 B to
   16 MiB, and point-to-point send/recv between pairs.
 
@@ -39,6 +41,7 @@ from typing import TYPE_CHECKING, Callable
 import numpy as np
 
 from autopar.errors import UserError
+from cost_models.recipe import load_recipe
 
 if TYPE_CHECKING:
     from autopar.plan import Plan
@@ -49,6 +52,10 @@ REFERENCE = {"cpu": ("gpt:layers=4,hidden=256,heads=4,vocab=1024,seq=128,tied=0"
 """The reference transformer per device type and its micro-batch per rank (one micro-batch)."""
 REFERENCE_STEPS = 10
 """Steps of the reference run: 2 warm-up, 5 timed, 3 profiled (``autopar.calibrate``)."""
+DISPATCH_BLOCK = "llama:layers=1,hidden=8,heads=2,kv_heads=2,ffn=16,vocab=8,seq=4"
+"""The block whose forward and backward time the host: a pass of the cost model's
+``kernels_per_block`` kernels (``DISPATCH_RECIPE``'s count, backward twice the forward's)."""
+DISPATCH_RECIPE = "autopar"
 SIZES = tuple(4 ** k for k in range(1, 13))
 """Collective message sizes, bytes: 4 B to 16 MiB."""
 SHAPES = ((512, 128, 384), (512, 128, 512), (512, 512, 128), (2048, 512, 2048), (2048, 2048, 512))
@@ -65,6 +72,17 @@ def _median_time(fn: Callable[[], object], repeats: int, sync: Callable[[], None
         sync()
         times.append(time.perf_counter() - t)
     return statistics.median(times)
+
+
+def _block_host_s(device, sync: Callable[[], None]) -> float:
+    """Forward and backward of one tiny built-in Llama block (``DISPATCH_BLOCK``): host time
+    only, its kernels move a few hundred bytes; s."""
+    import torch
+    from autopar.model import Block
+    from autopar.spec import parse_model_spec
+    block = Block(parse_model_spec(DISPATCH_BLOCK)).to(device)
+    x = torch.randn(1, 4, 8, device=device, requires_grad=True)
+    return _median_time(lambda: block(x).sum().backward(), 50, sync)
 
 
 def _measure(rank: int, world: int, device, dtype, say: Callable[[str], None]) -> dict:
@@ -89,8 +107,7 @@ def _measure(rank: int, world: int, device, dtype, say: Callable[[str], None]) -
     out["bw"] = 3 * x.numel() * 4 / _median_time(lambda: torch.add(x, y, out=x), 10, sync)
     say("dispatch")
     dist.barrier()
-    leaf = torch.zeros(64, requires_grad=True, device=device)
-    out["dispatch"] = _median_time(lambda: [leaf * 2.0 for _ in range(200)], 20, sync) / 200
+    out["dispatch"] = _block_host_s(device, sync) / (3 * load_recipe(DISPATCH_RECIPE).kernels_per_block)
     say("collectives")
     rows = []
     for nbytes in SIZES:
@@ -193,6 +210,7 @@ def build_profile(results: list[dict], world: int, threads: int, device: str, dt
         "memory_efficiency": 1.0,
         "reserve_gib": 0.0,
         "kernel_dispatch_us": round(med("dispatch") * 1e6, 2),
+        "host_overlaps_device": device == "cuda",
         "launcher": "nccl" if device == "cuda" else "gloo",
         "notes": {
             "source": f"measured by `{command}`: {world} ranks running at once, {threads} thread(s) each",
@@ -204,7 +222,9 @@ def build_profile(results: list[dict], world: int, threads: int, device: str, dt
                            "non-negative least squares on relative error; p2p_bw_gbps: slope of send/recv "
                            "time over bytes. inter_node: one machine measured, the same tier"),
             "memory_gib": "device memory (GPU) or host memory divided by the ranks (CPU)",
-            "kernel_dispatch_us": "median host time of one eager op autograd records (x * 2 on 64 floats)",
+            "kernel_dispatch_us": (f"median host time of a forward and backward of {DISPATCH_BLOCK!r}'s block "
+                                   f"over 3 x the {DISPATCH_RECIPE} recipe's kernels_per_block"),
+            "host_overlaps_device": "CUDA kernels run behind the host; CPU operators on the thread dispatching them",
         },
     }
 

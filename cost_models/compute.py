@@ -26,6 +26,8 @@ FLOPs (FlashAttention-2 recomputes QKᵀ and the probabilities: five GEMMs again
 more than Megatron's fused kernels). A pass of a block can be no faster than the host
 dispatching its kernels: ``kernels_per_block`` (backward twice as many) times the profile's
 ``kernel_dispatch_us``, which is what bounds small micro-batches and wide TP of small models.
+On a device that runs its operators on the dispatching thread (CPU ranks,
+``host_overlaps_device`` false) the host time adds to the pass instead.
 
 Context parallelism of degree c (``Strategy.tokens``) leaves each rank seq/c tokens of every
 sequence: every GEMM, element-wise kernel, the embedding and the head see seq/c tokens, and the
@@ -224,6 +226,12 @@ def dispatch_s(hw: HardwareProfile, strat: Strategy) -> float:
     return strat.recipe.kernels_per_block * hw.kernel_dispatch_us * 1e-6
 
 
+def _with_host(host_s: float, device_s: float, hw: HardwareProfile) -> float:
+    """A pass of ``device_s`` of kernels dispatched in ``host_s``: the larger where the device
+    runs behind the host (``host_overlaps_device``), their sum where it runs on the host, s."""
+    return max(host_s, device_s) if hw.host_overlaps_device else host_s + device_s
+
+
 def block_times(model: ModelProfile, hw: HardwareProfile, strat: Strategy) -> PassTimes:
     """One block, one micro-batch, on one tp rank (communication not included)."""
     weights_s, core_s = block_gemm_s(model, hw, strat)
@@ -232,8 +240,8 @@ def block_times(model: ModelProfile, hw: HardwareProfile, strat: Strategy) -> Pa
     core_bwd = FLASH_BWD_RATIO * core_s if fused(strat) else 2 * core_s
     cast_fwd, cast_bwd = fp8_cast_bytes(model, strat)
     host = dispatch_s(hw, strat)
-    fwd = max(host, weights_s + core_s + memory_s(fwd_rest + fwd_core + cast_fwd, hw))
-    bwd = max(2 * host, 2 * weights_s + core_bwd + memory_s(bwd_rest + bwd_core + cast_bwd, hw))
+    fwd = _with_host(host, weights_s + core_s + memory_s(fwd_rest + fwd_core + cast_fwd, hw), hw)
+    bwd = _with_host(2 * host, 2 * weights_s + core_bwd + memory_s(bwd_rest + bwd_core + cast_bwd, hw), hw)
     if strat.recompute == "full":
         rc = fwd
     elif strat.recompute == "selective":

@@ -79,6 +79,10 @@ class HardwareProfile:
     kernel_dispatch_us: float = 0.0
     """Host time to dispatch one kernel from eager PyTorch (Python, dispatcher, launch), µs:
     a pass of k kernels takes at least k times this (0: never host-bound)."""
+    host_overlaps_device: bool = True
+    """Whether the device runs kernels while the host dispatches the next ones (CUDA streams): a
+    pass then takes the larger of its host and device times. False (CPU ranks): each operator
+    runs on the thread that dispatched it, so a pass takes their sum."""
     host_memory_gib: float = 0.0
     """Host (CPU) memory available per device for offloaded training state, GiB: the node's
     memory divided by ``devices_per_node``, less what the OS and the process need; 0: no
@@ -257,6 +261,10 @@ def profile_from_dict(data: Any) -> HardwareProfile:
         elif key == "launcher":
             if value not in LAUNCHERS:
                 raise ProfileError(f"profile {where}: launcher must be one of {', '.join(LAUNCHERS)}, got {_shown(value)}")
+            out[key] = value
+        elif key == "host_overlaps_device":
+            if not isinstance(value, bool):
+                raise ProfileError(f"profile {where}: host_overlaps_device must be true or false, got {_shown(value)}")
             out[key] = value
         elif key == "devices_per_node":
             if isinstance(value, bool) or not isinstance(value, int) or not 1 <= value <= _NODE:

@@ -458,3 +458,18 @@ def test_cp_needs_a_recipe_that_has_it():
     with pytest.raises(ValueError, match="no context parallelism"):
         Strategy(mesh=Degrees(cp=2))
     assert not load_recipe("autopar").has_context_parallel and MC.has_context_parallel
+
+
+def test_host_time_adds_to_a_pass_where_operators_run_on_the_host():
+    """CUDA kernels run behind the host: a pass takes the larger of host and device time. CPU
+    operators run on the dispatching thread: the sum (``host_overlaps_device``)."""
+    model, strat = gpt(2, 256, 4, vocab=512, seq=128), Strategy(recipe=load_recipe("autopar"), mesh=Degrees(dp=1),
+                                                          dtype="fp32")
+    cpu = dataclasses.replace(load_profile("cpu-local"), kernel_dispatch_us=20.0)
+    host = compute.dispatch_s(cpu, strat)
+    none = compute.block_times(model, dataclasses.replace(cpu, kernel_dispatch_us=0.0), strat)
+    sync = compute.block_times(model, dataclasses.replace(cpu, host_overlaps_device=False), strat)
+    async_ = compute.block_times(model, dataclasses.replace(cpu, host_overlaps_device=True), strat)
+    assert sync.forward_s == pytest.approx(none.forward_s + host)
+    assert sync.backward_s == pytest.approx(none.backward_s + 2 * host)
+    assert async_.forward_s == pytest.approx(max(none.forward_s, host))
