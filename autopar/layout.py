@@ -6,7 +6,10 @@ A decoder-only LM is: parameterised modules before the first block (the vocabula
 learned positions), a stack of identical blocks, a final norm and the output head. Inside a
 block, the tracer labels every weight GEMM ``column`` (reads the replicated input, writes a
 sharded output) or ``row`` (reads the sharded activation, all-reduces its output) — Megatron's
-split — and the modules whose parameters are all 1-D are the norms.
+split — and the modules whose parameters are all 1-D are the norms. A mixture-of-experts block
+also has a router (a GEMM whose outputs are the experts: kept replicated) and a module holding
+every expert's weights stacked in their leading dim (HF transformers 5's ``*Experts``), which
+expert parallelism shards by experts (``autopar.runtime.experts``).
 """
 
 from __future__ import annotations
@@ -44,3 +47,8 @@ class Anatomy:
     post_norms: tuple[str, ...] = ()
     """Those of ``norms`` applied to a row-parallel GEMM's output before the residual add
     (Gemma-2's sandwich norms), not feeding a sub-layer."""
+    experts: tuple[str, ...] = ()
+    """Modules of a block holding stacked expert weights ([experts, ...] parameters), relative
+    to it; empty for a dense model."""
+    routers: tuple[str, ...] = ()
+    """The MoE routers (gates) of a block, relative to it: replicated, never split."""
