@@ -48,6 +48,7 @@ from autopar.model import CoreAttention
 from autopar.plan import Plan
 from autopar.layout import Anatomy
 from autopar.runtime.context import DTYPES, ParallelContext
+from autopar.runtime.experts import ExpertMesh, is_expert_sharded
 from cost_models.axes import Axis
 
 if TYPE_CHECKING:
@@ -222,16 +223,20 @@ def _recompute_attention_core(block: nn.Module, anat: Anatomy) -> None:
     attention.config._attn_implementation = SELECTIVE_ATTENTION
 
 
-def uses_ddp(plan: Plan) -> bool:
-    """ZeRO-0 over whole, unsharded models runs on DDP; everything else on FSDP2."""
-    return plan.mesh.dp > 1 and plan.mesh.tp == 1 and plan.mesh.pp == 1 and plan.zero_stage == 0
+def uses_ddp(plan: Plan, experts: ExpertMesh | None = None) -> bool:
+    """ZeRO-0 over whole, unsharded models runs on DDP; everything else on FSDP2 (expert
+    parallelism too: its weights are DTensors, which DDP does not take)."""
+    return plan.mesh.dp > 1 and plan.mesh.tp == 1 and plan.mesh.pp == 1 and plan.zero_stage == 0 and experts is None
 
 
-def apply_data_parallel(model: nn.Module, plan: Plan, ctx: ParallelContext, anat: Anatomy) -> nn.Module:
-    """Wrap ``model`` for the plan's ZeRO stage over the dp axis; returns the module to run."""
+def apply_data_parallel(model: nn.Module, plan: Plan, ctx: ParallelContext, anat: Anatomy,
+                        experts: ExpertMesh | None = None) -> nn.Module:
+    """Wrap ``model`` for the plan's ZeRO stage over the dp axis; returns the module to run.
+    With expert parallelism (``experts``) each experts module is wrapped alike on the edp mesh
+    first, its gradients divided by dp (torchtitan's layout; ``runtime.experts``)."""
     if plan.mesh.dp == 1:
         return model
-    if uses_ddp(plan):
+    if uses_ddp(plan, experts):
         # Gradients as views of DDP's buckets: no second copy of them (the cost model keeps none).
         return DistributedDataParallel(model, process_group=ctx.group(Axis.DP), gradient_as_bucket_view=True,
                                        device_ids=[ctx.device.index] if ctx.device.type == "cuda" else None)
@@ -247,6 +252,13 @@ def apply_data_parallel(model: nn.Module, plan: Plan, ctx: ParallelContext, anat
                   offload_policy=CPUOffloadPolicy(pin_memory=ctx.device.type == "cuda") if plan.offload
                   else OffloadPolicy())
     for block in model.get_submodule(anat.container).children():
+        for module in block.modules() if experts is not None else ():
+            if is_expert_sharded(module, experts):
+                wrap(module, **{**kw, "mesh": experts.edp})
+                module.set_gradient_divide_factor(float(experts.dp))
+                # gloo has no PREMUL_SUM: sum, then divide. Not over one rank: torch 2.13 divides
+                # the gradient there and then again after its (skipped) collective (measured: 1/dp²).
+                module.set_force_sum_reduction_for_comms(experts.edp.size() > 1)
         wrap(block, **kw)
     wrap(model, **kw)
     return model
