@@ -26,13 +26,13 @@ wrapper — each with stock torch.distributed:
 from __future__ import annotations
 
 import copy
-from typing import TYPE_CHECKING, Callable
+from typing import TYPE_CHECKING, Callable, cast
 
 import torch
 from torch import nn
 from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import CheckpointImpl, checkpoint_wrapper
 from torch.utils.checkpoint import checkpoint
-from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
+from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionPolicy, OffloadPolicy, fully_shard
 from torch.distributed._composable.replicate_with_fsdp import replicate
 from torch.distributed.tensor import DTensor, Replicate, Shard
 from torch.distributed.tensor.parallel import (
@@ -252,16 +252,23 @@ def apply_data_parallel(model: nn.Module, plan: Plan, ctx: ParallelContext, anat
                   offload_policy=CPUOffloadPolicy(pin_memory=ctx.device.type == "cuda") if plan.offload
                   else OffloadPolicy())
     for block in model.get_submodule(anat.container).children():
-        for module in block.modules() if experts is not None else ():
-            if is_expert_sharded(module, experts):
-                wrap(module, **{**kw, "mesh": experts.edp})
-                module.set_gradient_divide_factor(float(experts.dp))
-                # gloo has no PREMUL_SUM: sum, then divide. Not over one rank: torch 2.13 divides
-                # the gradient there and then again after its (skipped) collective (measured: 1/dp²).
-                module.set_force_sum_reduction_for_comms(experts.edp.size() > 1)
+        if experts is not None:
+            _wrap_experts(block, experts, wrap, kw)
         wrap(block, **kw)
     wrap(model, **kw)
     return model
+
+
+def _wrap_experts(block: nn.Module, experts: ExpertMesh, wrap: Callable[..., object], kw: dict) -> None:
+    """``wrap`` (FSDP2's ``fully_shard`` or ``replicate``, with ``kw``) each expert-sharded
+    module of ``block`` over the edp mesh, its gradients divided by dp (torchtitan's layout)."""
+    for module in block.modules():
+        if is_expert_sharded(module, experts):
+            fsdp = cast(FSDPModule, wrap(module, **{**kw, "mesh": experts.edp}))
+            fsdp.set_gradient_divide_factor(float(experts.dp))
+            # gloo has no PREMUL_SUM: sum, then divide. Not over one rank: torch 2.13 divides the
+            # gradient there, then again after its skipped collective (measured: 1/dp² of it).
+            fsdp.set_force_sum_reduction_for_comms(experts.edp.size() > 1)
 
 
 def sync_every_microbatch(plan: Plan) -> bool:
