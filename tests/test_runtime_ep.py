@@ -81,15 +81,27 @@ def _dumped(tmp: Path, name: str) -> dict[str, torch.Tensor]:
     return state
 
 
-def _run(runs: dict[str, tuple[Plan, int]], tmp: Path) -> dict[str, tuple[list[float], dict[str, torch.Tensor]]]:
-    specs = [RunSpec(plan=p, steps=STEPS, dump=True, expert_parallel=ep) for p, ep in runs.values()]
+def _run(runs: dict[str, tuple[Plan, int]], tmp: Path,
+         save: str = "") -> dict[str, tuple[list[float], dict[str, torch.Tensor]]]:
+    """Every run in one torchrun job; the run named ``save`` saves a checkpoint in ``tmp/ckpt``."""
+    specs = [RunSpec(plan=p, steps=STEPS, dump=True, expert_parallel=ep, save=tmp / "ckpt" if name == save else None)
+             for name, (p, ep) in runs.items()]
     results = run_job(specs, workdir=tmp, cfg=CFG, timeout_s=900)
     return {name: (r.losses, _dumped(tmp, f"run{i}.final")) for i, (name, r) in enumerate(zip(runs, results))}
 
 
+SAVED = "dp2 ep2 zero0"
+"""The world-2 run that also saves a checkpoint (after its last step)."""
+
+
 @pytest.fixture(scope="module")
-def runs_2(tmp_path_factory):
-    return _run(RUNS_2, tmp_path_factory.mktemp("ep2"))
+def ep2_dir(tmp_path_factory):
+    return tmp_path_factory.mktemp("ep2")
+
+
+@pytest.fixture(scope="module")
+def runs_2(ep2_dir):
+    return _run(RUNS_2, ep2_dir, save=SAVED)
 
 
 @pytest.fixture(scope="module")
@@ -121,6 +133,61 @@ def test_parity_world_2(name, runs_2, reference):
 @pytest.mark.parametrize("name", list(RUNS_4))
 def test_parity_world_4(name, runs_4, reference):
     _assert_parity(name, runs_4[name], reference)
+
+
+@pytest.mark.slow
+def test_expert_parallel_checkpoint_loads_on_one_process(runs_2, ep2_dir):
+    """DCP saves the ep-sharded experts (DTensors) by their single-process names and shapes:
+    one process loads the EP 2 run's checkpoint into the whole model, bit for bit."""
+    from autopar.checkpoint_dir import resolve
+    from autopar.runtime import checkpoint
+    prog = build_program(make_plan(mbs=8, m=1), ParallelContext(mesh=None, device=torch.device("cpu")), CFG)
+    where = checkpoint.load(prog, resolve(ep2_dir / "ckpt", trust_code=False))
+    assert where.step == STEPS
+    loaded, saved = full_state(prog), runs_2[SAVED][1]
+    assert loaded.keys() == saved.keys()
+    for key, value in saved.items():
+        assert torch.equal(loaded[key], value), key
+
+
+def test_anatomy_of_moe_blocks():
+    """The tracer's labels become the layout: attention GEMMs column/row (tensor parallelism
+    shards them), the router replicated, the stacked experts one module (expert parallelism
+    shards it); a dense model has neither."""
+    from autopar.runtime.train import _traced_layout
+    from autopar.spec import parse_model_spec
+    moe = _traced_layout(parse_model_spec(MOE))
+    assert moe.experts == ("mlp.experts",) and moe.routers == ("mlp.gate",)
+    assert set(moe.column) == {"self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"}
+    assert moe.row == ("self_attn.o_proj",)
+    dense = _traced_layout(parse_model_spec("llama:layers=2,hidden=64,heads=4,kv_heads=2,ffn=96,vocab=128,seq=16"))
+    assert dense.experts == () and dense.routers == () and len(dense.column) == 5
+
+
+def test_experts_contract_is_checked():
+    """Only a module of stacked experts with transformers' experts forward is sharded; anything
+    else is named, not guessed at."""
+    from torch import nn
+    from autopar.runtime.experts import experts_unsupported
+
+    class Stacked(nn.Module):
+        def __init__(self, count: int, leading: int) -> None:
+            super().__init__()
+            self.num_experts = count
+            self.w = nn.Parameter(torch.zeros(leading, 4, 4))
+
+        def forward(self, hidden_states, top_k_index, top_k_weights):
+            return hidden_states
+
+    class Other(Stacked):
+        def forward(self, x):
+            return x
+
+    assert experts_unsupported(Stacked(4, 4), 2) is None
+    assert "does not divide the 4 experts" in experts_unsupported(Stacked(4, 4), 3)
+    assert "not stacked by its 4 experts" in experts_unsupported(Stacked(4, 5), 2)
+    assert "transformers' experts arguments" in experts_unsupported(Other(4, 4), 2)
+    assert "no stacked expert weights" in experts_unsupported(nn.Linear(4, 4), 2)
 
 
 def test_reference_moves_every_expert(reference):
