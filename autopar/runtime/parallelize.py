@@ -1,7 +1,7 @@
 """Rewrite one rank's module for the plan: tensor/sequence parallelism, recompute, data parallelism.
 
-Applied in torchtitan's order — TP, then activation checkpointing, then the data-parallel
-wrapper — each with stock torch.distributed:
+Applied in torchtitan's order — TP, (expert parallelism: ``runtime.experts``,) then activation
+checkpointing, then the data-parallel wrapper — each with stock torch.distributed:
 
 - TP/SP: ``parallelize_module`` with ``ColwiseParallel``/``RowwiseParallel`` on the GEMMs the
   tracer labelled column/row (``trace.anatomy``: Megatron's split, so each sub-layer needs one
@@ -18,7 +18,9 @@ wrapper — each with stock torch.distributed:
   once per step (gradients whole until the last micro-batch, then reduce-scattered; optimizer
   states and master weights sharded), 2 = the same reducing every micro-batch, 3 =
   ``reshard_after_forward=True``. Under pipelining the schedule itself defers the reduction to
-  the last micro-batch, so ZeRO 1 and 2 coincide there. (``ZeroRedundancyOptimizer`` is not
+  the last micro-batch, so ZeRO 1 and 2 coincide there. With expert parallelism the experts
+  modules are wrapped first on the edp mesh (their gradients divided by dp), and ZeRO 0 runs on
+  FSDP2's ``replicate`` (DDP takes no DTensor parameters). (``ZeroRedundancyOptimizer`` is not
   used for ZeRO-1: its state is keyed by position and unsharded per rank, so
   ``torch.distributed.checkpoint`` cannot save it or reshard it onto another plan.)
 """

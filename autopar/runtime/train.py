@@ -3,8 +3,8 @@
 ``build_program`` is the codegen: spec → model on ``meta``, traced once for its anatomy →
 this rank's pipeline stages (pruned, materialised, every parameter seeded by its name so any
 layout holds the single-process values; ``runtime.models``, or ``runtime.usermodule`` for a
-user's own module, whose shape also comes from the trace) → TP/SP → recompute → DP →
-pipeline schedule. ``train`` runs optimizer steps and returns one global-batch loss per step.
+user's own module, whose shape also comes from the trace) → TP/SP → EP (``runtime.experts``,
+MoE layers only) → recompute → DP → pipeline schedule. ``train`` runs optimizer steps and returns one global-batch loss per step.
 
 The global batch is the same for every plan of a model: synthetic tokens of the step
 (``synthetic_batch``), or samples of a token file (``TrainConfig.data``; ``autopar.data`` says
