@@ -184,4 +184,4 @@ def _dispatch(module: nn.Module, compute: Callable[..., torch.Tensor], group: di
     inverse = torch.empty_like(order)
     inverse[order] = torch.arange(order.numel(), device=order.device)
     weighted = back[inverse] * top_k_weights.reshape(-1, 1)
-    return weighted.view(tokens, k, -1).sum(dim=1).to(hidden_states.dtype)
+    return weighted.view(tokens, k, hidden_states.shape[-1]).sum(dim=1).to(hidden_states.dtype)
