@@ -6,7 +6,10 @@ A decoder-only LM is: parameterised modules before the first block (the vocabula
 learned positions), a stack of identical blocks, a final norm and the output head. Inside a
 block, the tracer labels every weight GEMM ``column`` (reads the replicated input, writes a
 sharded output) or ``row`` (reads the sharded activation, all-reduces its output) — Megatron's
-split — and the modules whose parameters are all 1-D are the norms.
+split — and the modules whose parameters are all 1-D are the norms. A mixture-of-experts block
+also has a router (a GEMM whose outputs are the experts: kept replicated) and a module holding
+every expert's weights stacked in their leading dim (HF transformers 5's ``*Experts``), which
+expert parallelism shards by experts (``autopar.runtime.experts``).
 """
 
 from __future__ import annotations
@@ -44,3 +47,34 @@ class Anatomy:
     post_norms: tuple[str, ...] = ()
     """Those of ``norms`` applied to a row-parallel GEMM's output before the residual add
     (Gemma-2's sandwich norms), not feeding a sub-layer."""
+    experts: tuple[str, ...] = ()
+    """Modules of a block holding stacked expert weights ([experts, ...] parameters), relative
+    to it; empty for a dense model."""
+    routers: tuple[str, ...] = ()
+    """The MoE routers (gates) of a block, relative to it: replicated, never split."""
+
+
+def expert_parallel_unsupported(*, ep: int, dp: int, pp: int, sequence_parallel: bool, moe: bool,
+                                experts: int = 0, user_module: bool = False) -> str | None:
+    """Why autopar's runtime cannot run a model (``moe``: it has MoE blocks, of ``experts``
+    experts each, 0 if not known yet) with expert-parallel degree ``ep``, or None. Pure data
+    (the planner may call it). What is refused has no parity proof yet: expert parallelism
+    regroups the dp ranks (ep divides dp) and shards whole experts (ep divides their number);
+    MoE layers run on whole sequences, so not under sequence parallelism; and expert parallelism
+    is proved without pipelining and on HF/``moe:`` models only (``tests/test_runtime_ep.py``)."""
+    if moe and sequence_parallel:
+        return ("sequence parallelism does not shard mixture-of-experts layers in autopar's runtime yet; "
+                "use --no-sp")
+    if ep == 1:
+        return None
+    if not moe:
+        return f"ep={ep} shards the experts of mixture-of-experts layers, and this model has none; use ep = 1"
+    if ep < 1 or dp % ep:
+        return f"ep={ep} must divide dp={dp} (the expert layers regroup the dp ranks into ep x dp/ep)"
+    if experts and experts % ep:
+        return f"ep={ep} must divide the {experts} experts of each layer"
+    if pp > 1:
+        return f"expert parallelism (ep={ep}) is not proved under pipelining (pp={pp}) yet; use pp = 1 or ep = 1"
+    if user_module:
+        return f"expert parallelism (ep={ep}) runs HF transformers and moe: models, not a module of your own; use ep = 1"
+    return None

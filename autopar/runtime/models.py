@@ -213,7 +213,7 @@ def build_stage(spec: ModelSpec, anat: Anatomy, plan: Plan, stage: int, device: 
         model.tie_weights()
         model.reset_parameters(seed)
         return model
-    if spec.arch != "hf":
+    if spec.arch != "hf" and not spec.experts:  # ``moe:`` specs are HF Mixtral models (``autopar.hf``)
         raise ValueError(f"build_stage builds the built-in gpt/llama models and HF causal LMs, not {spec.arch!r} "
                          "models (user modules: runtime.usermodule.build_user_stage)")
     model = build_hf(spec, torch.float32)

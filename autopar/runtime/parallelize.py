@@ -1,7 +1,7 @@
 """Rewrite one rank's module for the plan: tensor/sequence parallelism, recompute, data parallelism.
 
-Applied in torchtitan's order — TP, then activation checkpointing, then the data-parallel
-wrapper — each with stock torch.distributed:
+Applied in torchtitan's order — TP, (expert parallelism: ``runtime.experts``,) then activation
+checkpointing, then the data-parallel wrapper — each with stock torch.distributed:
 
 - TP/SP: ``parallelize_module`` with ``ColwiseParallel``/``RowwiseParallel`` on the GEMMs the
   tracer labelled column/row (``trace.anatomy``: Megatron's split, so each sub-layer needs one
@@ -18,7 +18,9 @@ wrapper — each with stock torch.distributed:
   once per step (gradients whole until the last micro-batch, then reduce-scattered; optimizer
   states and master weights sharded), 2 = the same reducing every micro-batch, 3 =
   ``reshard_after_forward=True``. Under pipelining the schedule itself defers the reduction to
-  the last micro-batch, so ZeRO 1 and 2 coincide there. (``ZeroRedundancyOptimizer`` is not
+  the last micro-batch, so ZeRO 1 and 2 coincide there. With expert parallelism the experts
+  modules are wrapped first on the edp mesh (their gradients divided by dp), and ZeRO 0 runs on
+  FSDP2's ``replicate`` (DDP takes no DTensor parameters). (``ZeroRedundancyOptimizer`` is not
   used for ZeRO-1: its state is keyed by position and unsharded per rank, so
   ``torch.distributed.checkpoint`` cannot save it or reshard it onto another plan.)
 """
@@ -26,13 +28,13 @@ wrapper — each with stock torch.distributed:
 from __future__ import annotations
 
 import copy
-from typing import TYPE_CHECKING, Callable
+from typing import TYPE_CHECKING, Callable, cast
 
 import torch
 from torch import nn
 from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import CheckpointImpl, checkpoint_wrapper
 from torch.utils.checkpoint import checkpoint
-from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
+from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionPolicy, OffloadPolicy, fully_shard
 from torch.distributed._composable.replicate_with_fsdp import replicate
 from torch.distributed.tensor import DTensor, Replicate, Shard
 from torch.distributed.tensor.parallel import (
@@ -48,6 +50,7 @@ from autopar.model import CoreAttention
 from autopar.plan import Plan
 from autopar.layout import Anatomy
 from autopar.runtime.context import DTYPES, ParallelContext
+from autopar.runtime.experts import ExpertMesh, is_expert_sharded
 from cost_models.axes import Axis
 
 if TYPE_CHECKING:
@@ -222,16 +225,20 @@ def _recompute_attention_core(block: nn.Module, anat: Anatomy) -> None:
     attention.config._attn_implementation = SELECTIVE_ATTENTION
 
 
-def uses_ddp(plan: Plan) -> bool:
-    """ZeRO-0 over whole, unsharded models runs on DDP; everything else on FSDP2."""
-    return plan.mesh.dp > 1 and plan.mesh.tp == 1 and plan.mesh.pp == 1 and plan.zero_stage == 0
+def uses_ddp(plan: Plan, experts: ExpertMesh | None = None) -> bool:
+    """ZeRO-0 over whole, unsharded models runs on DDP; everything else on FSDP2 (expert
+    parallelism too: its weights are DTensors, which DDP does not take)."""
+    return plan.mesh.dp > 1 and plan.mesh.tp == 1 and plan.mesh.pp == 1 and plan.zero_stage == 0 and experts is None
 
 
-def apply_data_parallel(model: nn.Module, plan: Plan, ctx: ParallelContext, anat: Anatomy) -> nn.Module:
-    """Wrap ``model`` for the plan's ZeRO stage over the dp axis; returns the module to run."""
+def apply_data_parallel(model: nn.Module, plan: Plan, ctx: ParallelContext, anat: Anatomy,
+                        experts: ExpertMesh | None = None) -> nn.Module:
+    """Wrap ``model`` for the plan's ZeRO stage over the dp axis; returns the module to run.
+    With expert parallelism (``experts``) each experts module is wrapped alike on the edp mesh
+    first, its gradients divided by dp (torchtitan's layout; ``runtime.experts``)."""
     if plan.mesh.dp == 1:
         return model
-    if uses_ddp(plan):
+    if uses_ddp(plan, experts):
         # Gradients as views of DDP's buckets: no second copy of them (the cost model keeps none).
         return DistributedDataParallel(model, process_group=ctx.group(Axis.DP), gradient_as_bucket_view=True,
                                        device_ids=[ctx.device.index] if ctx.device.type == "cuda" else None)
@@ -247,9 +254,23 @@ def apply_data_parallel(model: nn.Module, plan: Plan, ctx: ParallelContext, anat
                   offload_policy=CPUOffloadPolicy(pin_memory=ctx.device.type == "cuda") if plan.offload
                   else OffloadPolicy())
     for block in model.get_submodule(anat.container).children():
+        if experts is not None:
+            _wrap_experts(block, experts, wrap, kw)
         wrap(block, **kw)
     wrap(model, **kw)
     return model
+
+
+def _wrap_experts(block: nn.Module, experts: ExpertMesh, wrap: Callable[..., object], kw: dict) -> None:
+    """``wrap`` (FSDP2's ``fully_shard`` or ``replicate``, with ``kw``) each expert-sharded
+    module of ``block`` over the edp mesh, its gradients divided by dp (torchtitan's layout)."""
+    for module in block.modules():
+        if is_expert_sharded(module, experts):
+            fsdp = cast(FSDPModule, wrap(module, **{**kw, "mesh": experts.edp}))
+            fsdp.set_gradient_divide_factor(float(experts.dp))
+            # gloo has no PREMUL_SUM: sum, then divide. Not over one rank: torch 2.13 divides the
+            # gradient there, then again after its skipped collective (measured: 1/dp² of it).
+            fsdp.set_force_sum_reduction_for_comms(experts.edp.size() > 1)
 
 
 def sync_every_microbatch(plan: Plan) -> bool:

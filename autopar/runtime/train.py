@@ -3,8 +3,8 @@
 ``build_program`` is the codegen: spec → model on ``meta``, traced once for its anatomy →
 this rank's pipeline stages (pruned, materialised, every parameter seeded by its name so any
 layout holds the single-process values; ``runtime.models``, or ``runtime.usermodule`` for a
-user's own module, whose shape also comes from the trace) → TP/SP → recompute → DP →
-pipeline schedule. ``train`` runs optimizer steps and returns one global-batch loss per step.
+user's own module, whose shape also comes from the trace) → TP/SP → EP (``runtime.experts``,
+MoE layers only) → recompute → DP → pipeline schedule. ``train`` runs optimizer steps and returns one global-batch loss per step.
 
 The global batch is the same for every plan of a model: synthetic tokens of the step
 (``synthetic_batch``), or samples of a token file (``TrainConfig.data``; ``autopar.data`` says
@@ -32,9 +32,9 @@ from torch.distributed.tensor.parallel import loss_parallel
 from autopar.data import Corpus, batch_tokens, open_corpus
 from autopar.model import cross_entropy
 from autopar.plan import Plan
-from autopar.runtime import parallelize
+from autopar.runtime import experts, parallelize
 from autopar.runtime.context import DTYPES, ParallelContext, check_plan
-from autopar.layout import Anatomy
+from autopar.layout import Anatomy, expert_parallel_unsupported
 from autopar.trace.anatomy import anatomy
 from autopar.runtime.models import build_stage, stage_blocks
 from autopar.runtime.pipeline import build_schedule, stage_ids
@@ -121,9 +121,10 @@ def corpus_batch(corpus: Corpus, plan: Plan, sample: int, vocab: int) -> tuple[t
 
 
 def build_program(plan: Plan, ctx: ParallelContext, cfg: TrainConfig = TrainConfig(),
-                  source: UserModule | None = None) -> Program:
+                  source: UserModule | None = None, ep: int = 1) -> Program:
     """Codegen: the plan's per-rank program on ``ctx``. ``source``: a user module object
-    (``autopar.parallelize``) in place of the plan's ``model``."""
+    (``autopar.parallelize``) in place of the plan's ``model``. ``ep``: the expert-parallel
+    degree (``runtime.experts``; it regroups the dp ranks, so it divides dp)."""
     spec = parse_model_spec(plan.model) if source is None else source.base_spec()
     if source is None and spec.arch == "module":
         source = UserModule(spec)
@@ -138,6 +139,12 @@ def build_program(plan: Plan, ctx: ParallelContext, cfg: TrainConfig = TrainConf
     if plan.num_layers != len(anat.blocks) or len(plan.recompute) != len(anat.blocks):
         raise ValueError(f"the plan places {plan.num_layers} layers but {spec.name} has {len(anat.blocks)}; "
                          "make the plan for this model with autopar plan")
+    reason = expert_parallel_unsupported(ep=ep, dp=plan.mesh.dp, pp=plan.mesh.pp,
+                                         sequence_parallel=plan.sequence_parallel, moe=bool(anat.experts),
+                                         user_module=source is not None)
+    if reason:
+        raise ValueError(reason)
+    groups = experts.expert_mesh(ctx, ep)
     ids = stage_ids(plan, ctx.rank(Axis.PP)) if plan.mesh.pp > 1 else [0]
     modules: list[nn.Module] = []
     for sid in ids:
@@ -152,12 +159,14 @@ def build_program(plan: Plan, ctx: ParallelContext, cfg: TrainConfig = TrainConf
                                               whole_sequences_between_stages=not spec.builtin)
             if source is not None:
                 localize_inputs(model, anat, plan.mesh.tp)
+        if groups is not None:
+            experts.apply_expert_parallel(model, anat, groups)
         recompute = plan.recompute
         if source is not None:  # selective: the blocks' SDPA calls (check_plan refused other attention)
             recompute_attention_calls(model, recompute, anat)
             recompute = tuple("none" if r == "selective" else r for r in recompute)
         parallelize.apply_recompute(model, recompute, anat)
-        modules.append(parallelize.apply_data_parallel(model, plan, ctx, anat))
+        modules.append(parallelize.apply_data_parallel(model, plan, ctx, anat, groups))
     optimizers = [parallelize.make_optimizer(mod, cfg) for mod in modules]
     schedule = build_schedule(plan, ctx, modules, ids, cross_entropy) if plan.mesh.pp > 1 else None
     tied = _tied_group(ctx, plan.mesh.pp) if spec.tied and plan.mesh.pp > 1 else None

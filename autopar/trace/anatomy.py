@@ -9,6 +9,12 @@ from autopar.layout import Anatomy
 from autopar.trace.graph import ModelGraph
 
 
+_SPLITS = ("column", "row", "expert-column", "expert-row", "router")
+"""Labels of a block's GEMMs the runtime takes: Megatron's column/row split of the dense ones
+(tensor parallelism), the stacked expert weights (expert parallelism shards them by experts,
+``runtime.experts``) and the router (replicated)."""
+
+
 def _parent(name: str) -> str:
     return name.rpartition(".")[0]
 
@@ -25,12 +31,12 @@ def anatomy(graph: ModelGraph, model: nn.Module, vocab: int) -> Anatomy:
     block = graph.blocks[0]
     first = block.names[0]
     splits = {lin.split for lin in block.linears}
-    if splits - {"column", "row"}:
-        raise ValueError(f"the runtime cannot split {', '.join(sorted(splits - {'column', 'row'}))} weights "
-                         "(mixture of experts) yet")
-    rel = {lin.split: [] for lin in block.linears}
+    if splits - set(_SPLITS):
+        raise ValueError(f"the runtime cannot split {', '.join(sorted(splits - set(_SPLITS)))} weights inside a block")
+    rel: dict[str, list[str]] = {split: [] for split in _SPLITS}
     for lin in block.linears:
-        rel[lin.split].append(_parent(lin.name).removeprefix(first + "."))
+        rel[lin.split].append(_parent(lin.name).removeprefix(first + "."))  # the module owning the weight
+    experts = tuple(dict.fromkeys(rel["expert-column"] + rel["expert-row"]))
     block_mod = model.get_submodule(first)
     norms = tuple(n for n, m in block_mod.named_modules() if n and _is_norm(m))
     top = [n for n in graph.nodes if n.params and n.module]
@@ -53,4 +59,5 @@ def anatomy(graph: ModelGraph, model: nn.Module, vocab: int) -> Anatomy:
                    post_norms=tuple(n for n in norms if f"{first}.{n}" in block.fed_by_row),
                    packed=tuple((_parent(lin.name).removeprefix(first + "."),
                                  lin.sections or (lin.out_features // lin.packed,) * lin.packed)
-                                for lin in block.linears if lin.packed > 1))
+                                for lin in block.linears if lin.packed > 1),
+                   experts=experts, routers=tuple(dict.fromkeys(rel["router"])))
