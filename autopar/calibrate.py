@@ -16,11 +16,11 @@ by bisection on the estimate itself, so the cost model's own formulas decide wha
 1. ``matmul_efficiency``: scaled by the GEMM rate the ranks reached (profiler FLOPs over
    GEMM time, median over ranks) over the rate the profile predicts at the plan's shapes;
 2. ``optimizer_memory_efficiency``: so that the predicted optimizer step equals measured;
-3. what is left of the step: where the device runs behind the host (GPUs) it is element-wise
-   traffic, ``memory_efficiency``; where operators run on the host thread that dispatches
-   them (CPU ranks, ``host_overlaps_device`` false) it is host time between and inside small
-   operators, ``kernel_dispatch_us`` (element-wise bandwidth is then measured alone, by
-   ``autopar profile``'s streaming benchmark): so that the predicted step equals measured.
+3. ``memory_efficiency`` (element-wise throughput): so that the predicted step equals
+   measured. On CPU ranks element-wise operators are not memory-bound (GELU's tanh, softmax and
+   normalisation run at a fraction of a streaming add's rate), so this fit is what prices them;
+   the host time per kernel is measured alone by ``autopar profile`` (a tiny block's pass) and
+   is not refitted: one run cannot tell it from element-wise time.
 
 The links' α and β are not refitted: they come from ``autopar profile``'s collective
 benchmarks, which time them alone, while a training step's time outside operators mixes
@@ -49,8 +49,6 @@ from cost_models.strategy import Estimate
 
 LOW = 1e-3
 """Least efficiency a fit may set."""
-MAX_DISPATCH_US = 1e4
-"""Most host time per kernel a fit may set, µs."""
 PROFILED = 3
 """Steps run under the profiler, after the timed ones (the profiler slows small operators)."""
 
@@ -169,29 +167,9 @@ def refit(plan: Plan, model: ModelProfile, hw: HardwareProfile, run: Measured) -
                 lambda e: replace(base, optimizer_memory_efficiency=e), lambda x: x.time.optimizer_s,
                 run.optimizer_s, "optimizer step")
     base = hw
-    if hw.host_overlaps_device:
-        hw = fitted("memory_efficiency", hw.memory_efficiency, lambda e: replace(base, memory_efficiency=e),
-                    lambda x: x.step_time_s, run.step_s, "step")
-        return hw, tuple(fits)
-    old = hw.kernel_dispatch_us
-    us, note = _solve_rising(lambda d: est(replace(base, kernel_dispatch_us=d)).step_time_s, run.step_s, old)
-    fits.append(Fit(name="kernel_dispatch_us", old=old, new=us, why=f"step measured {run.step_s * 1e3:.4g} ms{note}"))
-    return replace(base, kernel_dispatch_us=us), tuple(fits)
-
-
-def _solve_rising(value: Callable[[float], float], target: float, old: float) -> tuple[float, str]:
-    """The host time per kernel d in [0, ``MAX_DISPATCH_US``] µs with ``value(d) = target``
-    (``value`` rises with d), by bisection, and a note: where even d = 0 predicts more, d = 0;
-    where even the most predicts less, ``old`` is kept."""
-    if value(0.0) >= target:
-        return 0.0, "" if value(0.0) == target else " (predicted slower even with no host time: set to 0)"
-    if value(MAX_DISPATCH_US) <= target:
-        return old, f" (predicted faster even at {MAX_DISPATCH_US:g} us: kept)"
-    lo, hi = 0.0, MAX_DISPATCH_US
-    for _ in range(60):
-        mid = (lo + hi) / 2
-        lo, hi = (mid, hi) if value(mid) < target else (lo, mid)
-    return (lo + hi) / 2, ""
+    hw = fitted("memory_efficiency", hw.memory_efficiency, lambda e: replace(base, memory_efficiency=e),
+                lambda x: x.step_time_s, run.step_s, "step")
+    return hw, tuple(fits)
 
 
 def phases(before: Estimate, run: Measured, after: Estimate) -> tuple[Phase, ...]:

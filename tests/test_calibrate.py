@@ -26,26 +26,25 @@ def _plan(dp: int = 2, pp: int = 1) -> Plan:
                 schedule="1f1b", stage_layers=(2 // pp,) * pp, recompute=("none",) * 2)
 
 
-@pytest.mark.parametrize("dp,pp,overlaps", [(2, 1, True), (1, 2, True), (2, 1, False), (1, 2, False)])
-def test_refit_recovers_the_constants_that_made_the_phases(dp, pp, overlaps):
-    """Phases priced with known constants, fed back as a measurement, give those constants
-    back (GEMM exactly, the others to the bisection's precision). What is left of the step is
-    element-wise bandwidth where the device runs behind the host, host time per kernel where
-    operators run on the host (CPU ranks)."""
+@pytest.mark.parametrize("dp,pp", [(2, 1), (1, 2)])
+def test_refit_recovers_the_constants_that_made_the_phases(dp, pp):
+    """Phases priced with known efficiencies, fed back as a measurement, give those
+    efficiencies back (GEMM exactly, the others to the bisection's precision)."""
     plan = _plan(dp, pp)
     model = profile_spec(parse_model_spec(MODEL))
-    start = dataclasses.replace(load_profile("cpu-local"), host_overlaps_device=overlaps, kernel_dispatch_us=5.0)
-    left = {"memory_efficiency": 0.3} if overlaps else {"kernel_dispatch_us": 37.0}
-    truth = dataclasses.replace(start, matmul_efficiency=0.4, optimizer_memory_efficiency=0.2, **left)
+    # as ``autopar profile`` measures it, before its reference run refits the efficiencies
+    start = dataclasses.replace(load_profile("cpu-local"), matmul_efficiency=1.0, memory_efficiency=1.0,
+                                optimizer_memory_efficiency=1.0)
+    truth = dataclasses.replace(start, matmul_efficiency=0.4, optimizer_memory_efficiency=0.2,
+                                memory_efficiency=0.3)
     est = estimate(model, truth, plan.strategy(), global_batch=plan.global_batch)
     run = Measured(step_s=est.step_time_s, compute_s=est.time.compute_s, optimizer_s=est.time.optimizer_s,
                    gemm_tflops=_gemm_tflops(model, truth, plan), peak_bytes=1.0)
     new, fits = refit(plan, model, start, run)
     assert new.matmul_efficiency == pytest.approx(0.4, rel=1e-9)
     assert new.optimizer_memory_efficiency == pytest.approx(0.2, rel=1e-6)
-    (name, value), = left.items()
-    assert getattr(new, name) == pytest.approx(value, rel=1e-6)
-    assert [f.name for f in fits] == ["matmul_efficiency", "optimizer_memory_efficiency", name]
+    assert new.memory_efficiency == pytest.approx(0.3, rel=1e-6)
+    assert [f.name for f in fits] == ["matmul_efficiency", "optimizer_memory_efficiency", "memory_efficiency"]
     after = estimate(model, new, plan.strategy(), global_batch=plan.global_batch)
     assert after.step_time_s == pytest.approx(est.step_time_s, rel=1e-6)
 
@@ -53,16 +52,12 @@ def test_refit_recovers_the_constants_that_made_the_phases(dp, pp, overlaps):
 def test_a_phase_no_efficiency_can_explain_keeps_the_constant():
     plan = _plan()
     model = profile_spec(parse_model_spec(MODEL))
-    for overlaps in (True, False):
-        hw = dataclasses.replace(load_profile("cpu-local"), host_overlaps_device=overlaps, kernel_dispatch_us=5.0)
-        est = estimate(model, hw, plan.strategy(), global_batch=plan.global_batch)
-        run = Measured(step_s=est.step_time_s * 1e-6, compute_s=0.0, optimizer_s=est.time.optimizer_s * 1e-6,
-                       gemm_tflops=_gemm_tflops(model, hw, plan), peak_bytes=1.0)
-        new, fits = refit(plan, model, hw, run)  # faster than any constant allows
-        if overlaps:
-            assert new.memory_efficiency == 1.0 and "set to 1" in fits[-1].why
-        else:
-            assert new.kernel_dispatch_us == 0.0 and "set to 0" in fits[-1].why
+    hw = load_profile("cpu-local")
+    est = estimate(model, hw, plan.strategy(), global_batch=plan.global_batch)
+    run = Measured(step_s=est.step_time_s * 1e-6, compute_s=0.0, optimizer_s=est.time.optimizer_s * 1e-6,
+                   gemm_tflops=_gemm_tflops(model, hw, plan), peak_bytes=1.0)
+    new, fits = refit(plan, model, hw, run)  # faster than any efficiency <= 1 allows
+    assert new.memory_efficiency == 1.0 and "set to 1" in fits[-1].why
 
 
 def test_calibrate_command_profiles_the_run_and_writes_a_profile_that_prices_it(tmp_path):
