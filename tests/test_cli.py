@@ -166,6 +166,12 @@ def test_cli_surface_is_frozen():
                               "--trust-code"]
     assert options("launch") == ["--data", "--gpus-per-node", "--max-restarts", "--nodes", "--out", "--rdzv-endpoint",
                                  "--resume", "--save", "--save-every", "--steps", "--trust-code"]
+    strategy = ["--cp", "--dp", "--ep", "--mbs", "--pp", "--recipe", "--recompute", "--schedule", "--sp", "--tp",
+                "--vpp", "--zero"]
+    job = ["--cluster", "--dtype", "--global-batch", "--gpus", "--json", "--model", "--seq-len"]
+    assert options("estimate") == sorted(strategy + job + ["--fp8"])
+    assert options("plan") == sorted(strategy + job + ["--axis-order", "--offload", "--out", "--price-per-gpu-hour",
+                                                       "--time-limit", "--verify", "--what-if"])
     for name in ("calibrate", "explain", "export", "report"):  # every command that reads a plan file (README: What is code)
         assert "--trust-code" in options(name)
 

@@ -88,6 +88,14 @@ def test_one_axis_vocabulary():
     assert Strategy(mesh=c, recipe=MC).axis_order == (Axis.PP, Axis.DP, Axis.CP, Axis.TP)
     assert Strategy(mesh=d).axis_order == (Axis.PP, Axis.DP, Axis.TP)
     assert c.strides(c.default_order()) == {Axis.TP: 1, Axis.CP: 2, Axis.DP: 8, Axis.PP: 16}
+    # ep regroups dp x cp: no device count, no place in an order, still one field and member.
+    e = Degrees(dp=8, tp=2, ep=4)
+    assert e.size == 16 and e.edp == 2 and e.active() == (Axis.DP, Axis.TP)
+    assert Strategy(mesh=e).axis_order == (Axis.PP, Axis.DP, Axis.TP)
+    with pytest.raises(ValueError, match="once each"):
+        parse_order(["pp", "dp", "ep", "tp"])
+    with pytest.raises(ValueError, match="ep=3 must divide dp x cp = 8"):
+        Strategy(mesh=Degrees(dp=8, ep=3))
 
 
 # --- memory -------------------------------------------------------------------------------

@@ -59,6 +59,8 @@ class Pins:
     pp: int | None = None
     cp: int | None = None
     """Context-parallel degree (``cp_degrees``)."""
+    ep: int | None = None
+    """Expert-parallel degree (``ep_degrees``)."""
     zero: int | None = None
     micro_batch: int | None = None
     schedule: str | None = None
