@@ -333,6 +333,8 @@ def explain(plan_file: Path = typer.Argument(..., help="A plan JSON from `autopa
             typer.echo(json.dumps(info, indent=2, sort_keys=True))
             return
         console.print(f"plan step time {info['step_time_s']:.4g} s")
+        if info.get("moe"):
+            console.print(f"experts: {info['moe']}")
         for check, reason in failed.items():
             console.print(f"refused: {check} (failed on the model's twin: {reason})")
         table = Table("#", "step time s", "vs plan", "alternative", title=f"top {top_k} alternatives")

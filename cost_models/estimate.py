@@ -324,6 +324,36 @@ def block_ep_s(model: ModelProfile, strat: Strategy, g: comm.Group) -> compute.P
                              backward_s=two)
 
 
+@dataclass(frozen=True, kw_only=True, slots=True)
+class MoeTerms:
+    """What expert parallelism changes in a placed strategy, on its slowest pipeline stage:
+    why ep was (or was not) chosen."""
+
+    all_to_all_s: float
+    """Dispatch + combine all-to-alls of one step, forward, recompute and backward, seconds."""
+    expert_gemm_s: float
+    """Routed-expert GEMMs of one step (forward, recompute, backward), seconds."""
+    expert_state_bytes: float
+    """Routed-expert weights, gradients and optimizer states on one device, bytes."""
+    ep_inter_node: bool
+    """The ep group crosses nodes (its all-to-all runs at the inter-node tier)."""
+
+
+def moe_terms(model: ModelProfile, hw: HardwareProfile, strat: Strategy) -> MoeTerms:
+    """``MoeTerms`` of ``strat`` (its placement as ``estimate`` reads it)."""
+    loads = strat.stage_loads(model.layers)
+    counts = [sum(x) if isinstance(x, tuple) else x for x in loads]
+    n = max(counts)
+    a2a = block_ep_s(model, strat, comm.axis_groups(hw, strat)[Axis.EP])
+    rc = 2.0 if strat.recompute == "full" else 1.0
+    gemm = compute.expert_gemm_s(model, hw, strat) * (2 + rc)
+    e = memory.state_bytes(memory.expert_layer_params(model, strat), memory.expert_strategy(strat))
+    m = strat.num_microbatches
+    return MoeTerms(all_to_all_s=m * n * (a2a.forward_s + a2a.recompute_s + a2a.backward_s),
+                    expert_gemm_s=m * n * gemm, expert_state_bytes=n * e.total,
+                    ep_inter_node=comm.axis_groups(hw, strat)[Axis.EP].inter_node)
+
+
 def _comm_sum(a: compute.PassTimes, b: compute.PassTimes) -> compute.PassTimes:
     return compute.PassTimes(forward_s=a.forward_s + b.forward_s, recompute_s=a.recompute_s + b.recompute_s,
                              backward_s=a.backward_s + b.backward_s)
