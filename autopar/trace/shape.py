@@ -39,8 +39,8 @@ def dense_block(graph: ModelGraph) -> BlockInfo:
     """The graph's one kind of repeated block, dense; a ``UserError`` saying what else it is."""
     block = priced_block(graph)
     if block.experts:
-        raise UserError(f"the cost model cannot price mixture-of-experts blocks yet ({graph.name}: "
-                        f"{block.experts} experts per {block.kind}); `autopar inspect` works")
+        raise UserError(f"the cost model reads a model's shape off its trace only for dense blocks ({graph.name}: "
+                        f"{block.experts} experts per {block.kind}); give it as a moe: or hf: spec")
     return block
 
 
