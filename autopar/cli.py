@@ -130,7 +130,8 @@ def _print_estimate(est: Estimate) -> None:
 def _print_plan(plan: Plan) -> None:
     table = Table(title=f"plan: {plan.model} on {plan.gpus} x {plan.cluster}", show_header=False)
     m = plan.mesh
-    table.add_row("mesh", f"dp={m.dp} tp={m.tp} pp={m.pp}" + (f" cp={m.cp}" if m.cp > 1 else ""))
+    table.add_row("mesh", f"dp={m.dp} tp={m.tp} pp={m.pp}" + (f" cp={m.cp}" if m.cp > 1 else "")
+                  + (f" ep={m.ep} (experts over ep x edp = {m.ep} x {m.edp} of dp x cp)" if m.ep > 1 else ""))
     table.add_row("zero stage", str(plan.zero_stage))
     table.add_row("micro-batch x micro-batches", f"{plan.micro_batch_size} x {plan.num_microbatches}")
     table.add_row("schedule", plan.schedule + (f" (v={plan.virtual_stages})" if plan.virtual_stages > 1 else ""))
@@ -163,6 +164,8 @@ def plan(model: str = MODEL, cluster: str = CLUSTER,
          vpp: Optional[int] = typer.Option(None, "--vpp", min=1, help="Pin virtual stages per pipeline rank"),
          cp: Optional[int] = typer.Option(None, "--cp", help="Pin context-parallel degree (above 1 only "
                                           "under a recipe that has it: megatron-core, megatron-core-te, torchtitan)"),
+         ep: Optional[int] = typer.Option(None, "--ep", help="Pin expert-parallel degree (MoE models: divides "
+                                          "the routed experts and dp x cp, whose ranks it regroups)"),
          sp: Optional[bool] = typer.Option(None, "--sp/--no-sp", help="Pin sequence parallelism"),
          recompute: Optional[Recompute] = typer.Option(None, "--recompute", help="Pin recompute mode"),
          offload: Optional[bool] = typer.Option(None, "--offload/--no-offload",
@@ -183,10 +186,10 @@ def plan(model: str = MODEL, cluster: str = CLUSTER,
          recipe: Optional[str] = RECIPE, as_json: bool = JSON) -> None:
     """Search the best plan for a model on a cluster."""
     def body() -> None:
-        check_pins(tp=tp, pp=pp, dp=dp, cp=cp, mbs=mbs, vpp=vpp)
+        check_pins(tp=tp, pp=pp, dp=dp, cp=cp, ep=ep, mbs=mbs, vpp=vpp)
         check_cp(cp, recipe)
         check_seconds("--time-limit", time_limit)
-        pins = Pins(dp=dp, tp=tp, pp=pp, cp=cp, zero=zero, micro_batch=mbs,
+        pins = Pins(dp=dp, tp=tp, pp=pp, cp=cp, ep=ep, zero=zero, micro_batch=mbs,
                     schedule=schedule.value if schedule else None, virtual_stages=vpp,
                     sequence_parallel=sp, recompute=recompute.value if recompute else None,
                     offload=offload, axis_order=parse_axis_order(axis_order))
@@ -280,6 +283,8 @@ def estimate(model: str = MODEL, cluster: str = CLUSTER, gpus: int = GPUS, globa
              vpp: int = typer.Option(1, "--vpp", help="Virtual stages per pipeline rank"),
              cp: int = typer.Option(1, "--cp", help="Context-parallel degree (above 1 only under a recipe "
                                     "that has it: megatron-core, megatron-core-te, torchtitan)"),
+             ep: int = typer.Option(1, "--ep", help="Expert-parallel degree (MoE models: divides the routed "
+                                    "experts and dp x cp, whose ranks it regroups)"),
              sp: bool = typer.Option(False, "--sp/--no-sp"),
              recompute: Recompute = typer.Option(Recompute.none, "--recompute"),
              fp8: bool = typer.Option(False, "--fp8/--no-fp8", help="Float8 weight GEMMs (priced "
@@ -287,12 +292,12 @@ def estimate(model: str = MODEL, cluster: str = CLUSTER, gpus: int = GPUS, globa
              recipe: Optional[str] = RECIPE, as_json: bool = JSON) -> None:
     """Evaluate one fixed strategy with the cost model the planner uses."""
     def body() -> None:
-        check_pins(tp=tp, pp=pp, dp=dp, cp=cp, mbs=mbs, vpp=vpp)
+        check_pins(tp=tp, pp=pp, dp=dp, cp=cp, ep=ep, mbs=mbs, vpp=vpp)
         check_cp(cp, recipe)
         job = read_job(model, cluster, gpus, global_batch, seq_len, dtype, recipe)
         strat = fixed_strategy(job, tp=tp, pp=pp, dp=dp, zero=zero, micro_batch=mbs,
                                schedule=schedule.value, sequence_parallel=sp,
-                               recompute=recompute.value, virtual_stages=vpp, fp8=fp8, cp=cp)
+                               recompute=recompute.value, virtual_stages=vpp, fp8=fp8, cp=cp, ep=ep)
         est = estimate_strategy(job, strat)
         if as_json:
             typer.echo(json.dumps(_estimate_dict(est), indent=2, sort_keys=True))
@@ -328,6 +333,8 @@ def explain(plan_file: Path = typer.Argument(..., help="A plan JSON from `autopa
             typer.echo(json.dumps(info, indent=2, sort_keys=True))
             return
         console.print(f"plan step time {info['step_time_s']:.4g} s")
+        if info.get("moe"):
+            console.print(f"experts: {info['moe']}")
         for check, reason in failed.items():
             console.print(f"refused: {check} (failed on the model's twin: {reason})")
         table = Table("#", "step time s", "vs plan", "alternative", title=f"top {top_k} alternatives")

@@ -29,7 +29,7 @@ _KEYS = {
     "ffn": ("intermediate_size", "n_inner", "ffn_dim", "ffn_hidden_size"),
     "vocab": ("vocab_size",),
     "seq": ("max_position_embeddings", "n_positions", "n_ctx", "max_seq_len", "seq_length"),
-    "experts": ("num_local_experts", "num_experts"),
+    "experts": ("num_local_experts", "num_experts", "n_routed_experts"),
     "topk": ("num_experts_per_tok",),
 }
 _REQUIRED = ("layers", "hidden", "heads", "vocab", "seq")
@@ -177,8 +177,10 @@ def spec_from_hf(text: str, cls_name: str, options: tuple[tuple[str, str], ...])
                         "use path/to/file.py:factory for this model")
     tied = bool(getattr(config, "tie_word_embeddings", False))
     learned = found["seq"][1] if getattr(config, "model_type", "") in LEARNED_POSITIONS else 0
+    capacity = getattr(config, "capacity_factor", 0.0)
+    capacity = float(capacity) if isinstance(capacity, (int, float)) and capacity > 0 and shape["experts"] else 0.0
     return ModelSpec(arch="hf", name=text, source=cls_name, options=options, tied=tied,
-                     max_positions=max(learned, 0), **shape)
+                     max_positions=max(learned, 0), capacity_factor=capacity, **shape)
 
 
 def _check_sizes(cls_name: str, values: dict[str, object]) -> None:

@@ -39,16 +39,12 @@ MAX_PLAN_BYTES = 64 << 20
 
 @dataclass(frozen=True, kw_only=True, slots=True)
 class Mesh(Degrees):
-    """Degrees of the device-mesh axes; their product (``size``) is the number of devices.
-    Beside every ``Axis``, the expert-parallel degree that ``autopar export`` writes for other
-    frameworks; autopar's cost model and runtime have no expert parallelism yet, and every plan
-    autopar makes has ep = 1 (``Plan.check_model``)."""
-
-    ep: int = 1
+    """Degrees of the device-mesh axes; the product of the mesh axes (``size``) is the number
+    of devices, and ep regroups the dp x cp ranks of the expert layers (``cost_models.axes``)."""
 
     @classmethod
     def of(cls, degrees: Degrees) -> Mesh:
-        """The mesh of ``degrees`` (ep = 1)."""
+        """The mesh of ``degrees``."""
         return cls(**{axis.value: degrees[axis] for axis in Axis})
 
     def degrees(self) -> Degrees:
@@ -169,14 +165,17 @@ class Plan:
 
     def check_model(self, spec: ModelSpec) -> None:
         """Refuse a plan the model it names cannot take (a hand-edited tp or stage_layers, a
-        sequence beyond a learned position table). A user module's shape is known once traced:
-        unknown (0) fields are not checked. A plan with expert parallelism (which ``autopar
-        export`` can write for other frameworks) is refused here too: autopar's cost model and
-        runtime have none yet. Context parallelism needs the sequence in 2 cp chunks (causal
-        load balancing); autopar's runtime refuses it (``refusal``), its exports run it."""
-        if self.mesh.ep != 1:
-            raise UserError(f"plan mesh has ep={self.mesh.ep}: the runtime and the cost "
-                            "model have no expert parallelism yet; use ep = 1")
+        sequence beyond a learned position table, an ep that does not divide the routed experts
+        or dp x cp). A user module's shape is known once traced: unknown (0) fields are not
+        checked. Context parallelism needs the sequence in 2 cp chunks (causal load balancing);
+        autopar's runtime refuses it and expert parallelism (``refusal``)."""
+        replicas = self.mesh.dp * self.mesh.cp
+        if replicas % self.mesh.ep:
+            raise UserError(f"plan mesh.ep={self.mesh.ep} must divide dp x cp = {replicas} (expert parallelism "
+                            "regroups the data-parallel ranks)")
+        if self.mesh.ep > 1 and spec.arch != "module" and (not spec.experts or spec.experts % self.mesh.ep):
+            raise UserError(f"plan mesh.ep={self.mesh.ep} must divide the routed experts of {shown(self.model)} "
+                            f"({spec.experts or 'none'}); re-create it with `autopar plan`")
         if self.seq_len % (2 * self.mesh.cp):
             raise UserError(f"plan mesh.cp={self.mesh.cp} needs seq_len a multiple of 2 x cp = {2 * self.mesh.cp} "
                             f"(load-balanced causal chunks), got {self.seq_len}")
@@ -204,6 +203,9 @@ class Plan:
     def refusal(self) -> str | None:
         """Why the runtime must not run this plan: context parallelism (autopar's runtime has
         none yet; Megatron runs the plan's export), or a feature it uses that the twin failed."""
+        if self.mesh.ep > 1:
+            return (f"plan has ep={self.mesh.ep}: autopar's runtime has no expert parallelism yet; "
+                    "re-plan with --ep 1 once it runs mixture-of-experts models")
         if self.mesh.cp > 1:
             return (f"plan has cp={self.mesh.cp}: autopar's runtime has no context parallelism yet; "
                     "run it with Megatron-LM: `autopar export PLAN --to megatron`")
@@ -368,9 +370,12 @@ def runtime_unsupported(*, dp: int, pp: int, zero: int, schedule: str, virtual_s
     cannot run this combination, or None if it can. Pure data, so the solver can skip what
     the runtime refuses without importing torch. Context parallelism runs only under a recipe
     that has it (``ExecutionRecipe.context_parallel``: Megatron-Core, torchtitan; plans for
-    them run through ``autopar export``); autopar's own runtime has none yet."""
-    if ep != 1:
-        return f"the runtime has no expert parallelism yet (ep={ep}); use ep = 1"
+    them run through ``autopar export``); autopar's own runtime has none yet. Expert
+    parallelism (``ep``) is planned under every recipe (the program of the autopar recipe is
+    the one being built; until then ``Plan.refusal`` stops ``run`` and ``launch``): the search
+    asks with ``recipe`` given and ``ep`` left at 1, the runtime's own check passes ``ep``."""
+    if ep != 1 and recipe is None:
+        return f"autopar's runtime has no expert parallelism yet (ep={ep}); use ep = 1"
     if cp != 1 and not (recipe or load_recipe()).has_context_parallel:
         name = (recipe or load_recipe()).name
         return (f"the {name} recipe has no context parallelism (cp={cp}); use cp = 1, or plan for "

@@ -57,6 +57,9 @@ class ModelSpec:
     """Experts per MoE layer (0: dense)."""
     topk: int = 0
     """Experts each token is routed to (MoE only)."""
+    capacity_factor: float = 0.0
+    """Tokens an expert takes at most over its fair share (tokens x topk / experts); 0:
+    dropless, every routed token computed (Mixtral, Qwen-MoE, DeepSeek-V3)."""
     source: str = ""
     """``hf``: the transformers config class name; ``module``: ``path/to/file.py:factory``."""
     options: tuple[tuple[str, str], ...] = ()

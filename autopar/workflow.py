@@ -129,8 +129,8 @@ def plan_from_strategy(job: Job, strat: Strategy, est: Estimate | None,
 def verdicts(spec: ModelSpec) -> tuple[tuple[str, str], ...]:
     """(check, "" or why it failed) of every runtime feature on ``spec``'s twin (``autopar.verify``,
     cached per architecture); empty for the built-in models, which autopar's own parity tests
-    prove, and for models the runtime does not train."""
-    if spec.arch not in ("hf", "module"):
+    prove, and for models the runtime does not train (mixtures of experts: ``launch_refusal``)."""
+    if spec.arch not in ("hf", "module") or spec.experts:
         return ()
     from autopar.verify import verify
     return tuple((v.check.value, v.reason) for v in verify(spec.name).verdicts)
@@ -140,9 +140,14 @@ def launch_refusal(plan: Plan) -> str | None:
     """Why ``plan`` must not start (one line), or None: a feature it uses failed on the model's
     twin, as recorded in the plan or, for a plan made without verification, as verified now."""
     known = plan.refusal()
-    if known or plan.verified or not plan.features():
+    if known:
         return known
     spec = parse_model_spec(plan.model)
+    if spec.experts:
+        return (f"{plan.model} is a mixture of experts ({spec.experts} routed experts): autopar's runtime "
+                "cannot train one yet; export the plan (`autopar export PLAN --to megatron`) or wait for it")
+    if plan.verified or not plan.features():
+        return None
     if spec.arch not in ("hf", "module"):
         return None
     from autopar.verify import Check, verify
@@ -157,6 +162,8 @@ def make_plan(job: Job, pins: Pins = Pins(), time_limit_s: float = 60.0,
     is False or the verdicts are given, e.g. computed once for all ranks of a job), search
     without the features that failed, and record the best strategy as a Plan."""
     check_seconds("--time-limit", time_limit_s)
+    if pins.ep is not None and pins.ep > 1:
+        check_ep(job.spec, pins.ep)
     layout = None
     if profile is None:
         profile, layout = profile_and_layout(job.spec)
@@ -167,9 +174,20 @@ def make_plan(job: Job, pins: Pins = Pins(), time_limit_s: float = 60.0,
     return plan_from_strategy(job, sol.strategy, sol.estimate, verified, layout), sol
 
 
+def check_ep(spec: ModelSpec, ep: int, replicas: int | None = None) -> None:
+    """``--ep`` above 1: a mixture of experts whose routed experts it divides, and (when known)
+    dividing the dp x cp ranks it regroups; one ``UserError`` line otherwise."""
+    if not spec.experts and spec.arch != "module":
+        raise UserError(f"--ep {ep}: {spec.name} has no routed experts; expert parallelism splits a mixture of experts")
+    if spec.experts and spec.experts % ep:
+        raise UserError(f"--ep {ep} does not divide the {spec.experts} routed experts of {spec.name}")
+    if replicas is not None and replicas % ep:
+        raise UserError(f"--ep {ep} does not divide dp x cp = {replicas}, the ranks expert parallelism regroups")
+
+
 def fixed_strategy(job: Job, *, tp: int, pp: int, dp: int | None, zero: int, micro_batch: int,
                    schedule: str, sequence_parallel: bool, recompute: str,
-                   virtual_stages: int = 1, fp8: bool = False, cp: int = 1) -> Strategy:
+                   virtual_stages: int = 1, fp8: bool = False, cp: int = 1, ep: int = 1) -> Strategy:
     """The one strategy ``estimate`` evaluates, checked against the job."""
     for name, value in (("tp", tp), ("pp", pp), ("cp", cp), ("mbs", micro_batch), ("vpp", virtual_stages)):
         if value <= 0:
@@ -187,6 +205,8 @@ def fixed_strategy(job: Job, *, tp: int, pp: int, dp: int | None, zero: int, mic
     if job.seq_len % (2 * cp):
         raise UserError(f"--cp {cp} needs --seq-len a multiple of 2 x cp = {2 * cp} (load-balanced causal "
                         f"chunks), got {job.seq_len}")
+    if ep > 1:
+        check_ep(job.spec, ep, dp * cp)
     if fp8 and "fp8" not in job.hw.peak_tflops:
         raise UserError(f"--fp8: profile {job.hw.name} ({job.hw.device}) has no fp8 peak; Float8 "
                         "linears need an H100, H200 or B200 profile")
@@ -204,7 +224,7 @@ def fixed_strategy(job: Job, *, tp: int, pp: int, dp: int | None, zero: int, mic
         raise UserError(f"--vpp {virtual_stages} x --pp {pp} does not divide the model's "
                         f"{job.spec.layers} layers into equal chunks")
     try:
-        return Strategy(mesh=Degrees(dp=dp, cp=cp, tp=tp, pp=pp), zero=zero, micro_batch=micro_batch,
+        return Strategy(mesh=Degrees(dp=dp, cp=cp, tp=tp, pp=pp, ep=ep), zero=zero, micro_batch=micro_batch,
                         num_microbatches=job.global_batch // (dp * micro_batch),
                         schedule=schedule, virtual_stages=virtual_stages,
                         sequence_parallel=sequence_parallel and tp > 1,

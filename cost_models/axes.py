@@ -12,11 +12,17 @@ A new axis is one ``Axis`` member (in Megatron's place for its default order) an
 plans were first written is ``OPTIONAL``: an order may leave it out while its degree is 1, and
 the canonical order (``canonical_order``, what a Strategy and a Plan hold) lists it only when
 its degree is above 1, so plans without it stay byte-identical to those written before it.
+
+Expert parallelism (``Axis.EP``) is not a mesh dimension: as in Megatron-Core and torchtitan
+it regroups the dp x cp ranks of the expert layers into ep x edp (ep dividing dp x cp and the
+routed experts), so it multiplies no device count (``Degrees.size`` leaves it out) and has no
+place in a rank order: an ep group is ``ep`` consecutive indices of the dp x cp replicas
+(dp_index = edp_index * ep + ep_index, the innermost part of dp x cp; ``comm.expert_group``).
+Expert tensor parallelism equals tp (each expert's GEMMs split like the dense MLP's).
 """
 
 from __future__ import annotations
 
-import dataclasses
 import math
 from dataclasses import dataclass
 from enum import StrEnum
@@ -37,16 +43,26 @@ class Axis(StrEnum):
     replicated over it, so gradients reduce and ZeRO shards over dp x cp)."""
     TP = "tp"
     """Tensor-parallel shards of each block (and sequence parallelism beside it)."""
+    EP = "ep"
+    """Expert-parallel shards of each MoE layer's routed experts: a regrouping of the dp x cp
+    ranks (``REGROUPED``), not a mesh dimension of its own."""
 
 
-DEFAULT_ORDER: tuple[Axis, ...] = tuple(Axis)
+REGROUPED: frozenset[Axis] = frozenset({Axis.EP})
+"""Axes that regroup the ranks of other axes instead of multiplying them: no device count,
+no place in a rank order."""
+
+MESH_AXES: tuple[Axis, ...] = tuple(a for a in Axis if a not in REGROUPED)
+"""The device-mesh dimensions, in Megatron's rank order (outermost first)."""
+
+DEFAULT_ORDER: tuple[Axis, ...] = MESH_AXES
 """Megatron's rank order, outermost first: pp, dp, cp, tp (tp on consecutive ranks, cp next:
 Megatron-Core's default ``order="tp-cp-ep-dp-pp"``, innermost first)."""
 
 OPTIONAL: frozenset[Axis] = frozenset({Axis.CP})
 """Axes an order may leave out while their degree is 1 (added after plans listed pp, dp, tp)."""
 
-_REQUIRED = tuple(a for a in Axis if a not in OPTIONAL)
+_REQUIRED = tuple(a for a in MESH_AXES if a not in OPTIONAL)
 
 
 def parse_order(names: Iterable[str], degrees: Degrees | None = None) -> tuple[Axis, ...]:
@@ -65,7 +81,7 @@ def parse_order(names: Iterable[str], degrees: Degrees | None = None) -> tuple[A
 def _parse_order(names: tuple[str, ...], optional: frozenset[Axis] | None) -> tuple[Axis, ...]:
     """``parse_order`` of ``names`` when exactly the optional axes ``optional`` have degree > 1
     (None: not canonicalised); cached, as every Strategy parses its order."""
-    valid = {a.value for a in Axis}
+    valid = {a.value for a in MESH_AXES}
     if len(set(names)) != len(names) or not set(names) <= valid \
             or not {a.value for a in _REQUIRED} <= set(names):
         raise ValueError(f"must list {', '.join(_REQUIRED)} once each (and {', '.join(sorted(OPTIONAL))} "
@@ -97,24 +113,33 @@ class Degrees:
     dp: int = 1
     cp: int = 1
     tp: int = 1
+    ep: int = 1
+    """Expert-parallel degree: a regrouping of the dp x cp ranks (not in ``size``)."""
 
     def __getitem__(self, axis: Axis) -> int:
         return getattr(self, axis.value)
 
     @property
     def size(self) -> int:
-        """Devices the degrees span: the product of every field."""
-        return math.prod(getattr(self, f.name) for f in dataclasses.fields(self))
+        """Devices the degrees span: the product of the mesh axes' degrees (ep regroups the
+        dp x cp ranks: it multiplies nothing)."""
+        return math.prod(self[a] for a in MESH_AXES)
+
+    @property
+    def edp(self) -> int:
+        """Expert-data-parallel degree: the dp x cp ranks holding the same experts, dp x cp / ep
+        (ZeRO shards and gradients of the expert weights reduce over them)."""
+        return self.dp * self.cp // self.ep
 
     def active(self, order: Iterable[Axis] = DEFAULT_ORDER) -> tuple[Axis, ...]:
         """The axes of degree > 1, in ``order``: the dimensions of the device mesh."""
-        return tuple(a for a in order if self[a] > 1)
+        return tuple(a for a in order if a not in REGROUPED and self[a] > 1)
 
     def strides(self, order: Iterable[Axis] = DEFAULT_ORDER) -> dict[Axis, int]:
         """Rank distance between neighbours along each axis (``order`` outermost first; an
         axis it leaves out has degree 1, and stride 1): the product of the degrees of the
         axes inside it."""
-        stride, out = 1, {axis: 1 for axis in Axis}
+        stride, out = 1, {axis: 1 for axis in MESH_AXES}
         for axis in reversed(tuple(order)):
             out[axis] = stride
             stride *= self[axis]

@@ -37,13 +37,12 @@ def least_memory_costs(model: ModelProfile, hw: HardwareProfile, strat: Strategy
     checks they are equal), without its time model: a fraction of its cost."""
     s = replace(strat, schedule="1f1b", virtual_stages=1, recompute="none", stage_layers=(),
                 stage_recompute=())
-    block, first, last = (memory.layer_params(model, s), memory.first_params(model, s),
-                          memory.last_params(model, s))
+    first, last = memory.first_params(model, s), memory.last_params(model, s)
     return StageCosts(
         pp=s.mesh.pp, nominal=0, mode_time_s=(0.0,) * len(RECOMPUTE), first_time_s=0.0,
         last_time_s=0.0, p2p_time_s=0.0, mode_dp_time_s=(0.0,) * len(RECOMPUTE),
         first_dp_time_s=0.0, last_dp_time_s=0.0,
-        layer_static_bytes=memory.state_bytes(block, s).total,
+        layer_static_bytes=memory.layer_state_bytes(model, s).total,
         mode_act_bytes=tuple(memory.block_act_bytes(model, s, r) for r in RECOMPUTE),
         mode_workspace_bytes=tuple(memory.workspace_bytes(model, s, r) for r in RECOMPUTE),
         first_static_bytes=memory.state_bytes(first, s).total,
@@ -52,7 +51,7 @@ def least_memory_costs(model: ModelProfile, hw: HardwareProfile, strat: Strategy
         last_act_bytes=memory.last_act_bytes(model, s),
         inflight=pipeline.inflight(s), buffer_bytes=memory.base_buffer_bytes(model, hw, s),
         sum_weight=0.0, max_weight=0.0,
-        layer_host_bytes=memory.host_state_bytes(block, s),
+        layer_host_bytes=memory.layer_host_bytes(model, s),
         first_host_bytes=memory.host_state_bytes(first, s),
         last_host_bytes=memory.host_state_bytes(last, s),
         host_cap_bytes=hw.host_memory_bytes if s.offload else float("inf"))

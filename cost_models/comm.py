@@ -22,7 +22,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from cost_models.axes import Axis, Degrees
+from cost_models.axes import MESH_AXES, Axis, Degrees
 from cost_models.hardware import HardwareProfile
 from cost_models.strategy import Strategy
 
@@ -65,7 +65,9 @@ def axis_groups(hw: HardwareProfile, strat: Strategy) -> dict[Axis, Group]:
 def mesh_groups(hw: HardwareProfile, degrees: Degrees, order: tuple[Axis, ...]) -> dict[Axis, Group]:
     """``axis_groups`` of ``degrees`` in ``order`` (outermost first)."""
     stride = degrees.strides(order)
-    return {axis: group(hw, degrees[axis], stride[axis]) for axis in Axis}
+    out = {axis: group(hw, degrees[axis], stride[axis]) for axis in MESH_AXES}
+    out[Axis.EP] = mesh_expert_group(hw, degrees, order)
+    return out
 
 
 def replica_group(hw: HardwareProfile, strat: Strategy) -> Group:
@@ -83,6 +85,33 @@ def mesh_replica_group(hw: HardwareProfile, degrees: Degrees, order: tuple[Axis,
         return group(hw, degrees.dp, stride[Axis.DP])
     inner = min(stride[a] for a in (Axis.DP, Axis.CP) if degrees[a] > 1)
     return group(hw, degrees.dp * degrees.cp, inner)
+
+
+def _replica_stride(degrees: Degrees, order: tuple[Axis, ...]) -> int:
+    """Rank distance between neighbouring dp x cp replicas: the stride of the inner of dp and
+    cp (of dp when neither is above 1)."""
+    stride = degrees.strides(order)
+    active = [a for a in (Axis.DP, Axis.CP) if degrees[a] > 1]
+    return min(stride[a] for a in active) if active else stride[Axis.DP]
+
+
+def mesh_expert_group(hw: HardwareProfile, degrees: Degrees, order: tuple[Axis, ...]) -> Group:
+    """The expert-parallel group of ``degrees`` in ``order``: ``ep`` consecutive dp x cp
+    replicas (dp_index = edp_index * ep + ep_index, ``cost_models.axes``), so its ranks are
+    one replica stride apart and it stays inside a node when ep x that stride fits one."""
+    return group(hw, degrees.ep, _replica_stride(degrees, order))
+
+
+def mesh_expert_data_group(hw: HardwareProfile, degrees: Degrees, order: tuple[Axis, ...]) -> Group:
+    """The expert-data-parallel group: the dp x cp / ep replicas holding the same experts,
+    ep replicas apart (ZeRO shards and gradient reductions of the expert weights)."""
+    return group(hw, degrees.edp, _replica_stride(degrees, order) * degrees.ep)
+
+
+def expert_groups(hw: HardwareProfile, strat: Strategy) -> tuple[Group, Group]:
+    """(ep group, edp group) of ``strat`` (``mesh_expert_group``, ``mesh_expert_data_group``)."""
+    return (mesh_expert_group(hw, strat.mesh, strat.axis_order),
+            mesh_expert_data_group(hw, strat.mesh, strat.axis_order))
 
 
 def exposed_s(comm_s: float, window_s: float, hw: HardwareProfile) -> float:

@@ -144,16 +144,24 @@ def host_optimizer_s(nbytes: float, hw: HardwareProfile) -> float:
 
 
 def block_gemms(model: ModelProfile, strat: Strategy) -> tuple[list[Gemm], list[Gemm]]:
-    """(weight GEMMs, attention-core GEMMs) of one block's forward on one tp rank."""
+    """(weight GEMMs, attention-core GEMMs) of one block's forward on one tp rank; for a
+    mixture of experts the dense ones only (attention, router, shared experts: what is left
+    of the dense FLOPs after attention's projections, as one GEMM of that width), the routed
+    experts' in ``expert_gemms``."""
     t, h, f = strat.mesh.tp, model.hidden, model.ffn
     d = h / model.heads
     tokens = strat.tokens(model.seq)
     qkv = (model.heads + 2 * model.kv_heads) * d
-    # GeLU MLP has one up projection, SwiGLU two (gate and up): read it off the FLOP count.
-    rest = model.block_matmul_flops_per_token / 2 - h * qkv - model.heads * d * h - f * h
-    ups = min(2, max(1, round(rest / (h * f))))
-    weights = [Gemm(batch=1, m=tokens, n=qkv / t, k=h), Gemm(batch=1, m=tokens, n=h, k=h / t),
-               Gemm(batch=1, m=tokens, n=ups * f / t, k=h), Gemm(batch=1, m=tokens, n=h, k=f / t)]
+    attn = [Gemm(batch=1, m=tokens, n=qkv / t, k=h), Gemm(batch=1, m=tokens, n=h, k=h / t)]
+    if model.moe:
+        rest = (model.block_matmul_flops_per_token - model.expert_flops_per_token) / 2 \
+            - h * qkv - model.heads * d * h
+        weights = attn + ([Gemm(batch=1, m=tokens, n=rest / h / t, k=h)] if rest >= h else [])
+    else:
+        # GeLU MLP has one up projection, SwiGLU two (gate and up): read it off the FLOP count.
+        rest = model.block_matmul_flops_per_token / 2 - h * qkv - model.heads * d * h - f * h
+        ups = min(2, max(1, round(rest / (h * f))))
+        weights = attn + [Gemm(batch=1, m=tokens, n=ups * f / t, k=h), Gemm(batch=1, m=tokens, n=h, k=f / t)]
     heads = strat.micro_batch * model.heads / t
     q = model.seq / strat.mesh.cp  # each cp rank's queries against every key
     core = [Gemm(batch=heads, m=q, n=model.seq, k=d),   # scores = Q Kᵀ
@@ -182,7 +190,7 @@ def fp8_cast_bytes(model: ModelProfile, strat: Strategy) -> tuple[float, float]:
     per = strat.recipe.fp8_cast_bytes
     ins = sum(g.m * g.k for g in weights)
     grads = sum(g.m * g.n for g in weights)
-    w = model.block_params / strat.mesh.tp
+    w = (model.dense_block_params + model.expert_params / strat.mesh.ep) / strat.mesh.tp
     return per * (ins + w), per * (grads + w)
 
 
@@ -195,8 +203,50 @@ def causal_fraction(seq: int) -> float:
     return min(1.0, (seq + FLASH_TILE) / (2.0 * seq))
 
 
+def expert_gemms(model: ModelProfile, strat: Strategy) -> list[Gemm]:
+    """The routed experts' grouped GEMMs of one block's forward on the busiest rank: its
+    experts / ep local experts, each computing its share of the routed rows (tokens x topk x
+    ep / experts, times ``memory.moe_load``: the rank receives the top-k copies of the tokens
+    of its ep group), up/gate (2f / tp wide; SwiGLU) and down (f / tp deep)."""
+    if not model.moe:
+        return []
+    from cost_models.memory import moe_load  # memory imports nothing of compute
+    t, h, f = strat.mesh.tp, model.hidden, model.expert_ffn
+    local = model.experts / strat.mesh.ep
+    rows = strat.tokens(model.seq) * model.topk * strat.mesh.ep / model.experts * moe_load(model, strat)
+    ups = max(1, round(model.expert_flops_per_token / (2 * model.topk * h * f) - 1))
+    return [Gemm(batch=local, m=rows, n=ups * f / t, k=h), Gemm(batch=local, m=rows, n=h, k=f / t)]
+
+
+def expert_gemm_s(model: ModelProfile, hw: HardwareProfile, strat: Strategy) -> float:
+    """Forward seconds of one block's routed-expert GEMMs on the busiest rank (the traced FLOPs
+    of the routed tokens over tp, times the load, at the grouped GEMMs' shape efficiency; the
+    local experts' weights are read whatever the rows: small batches are bandwidth-bound)."""
+    if not model.moe:
+        return 0.0
+    from cost_models.memory import moe_load
+    flops = strat.tokens(model.seq) * model.expert_flops_per_token / strat.mesh.tp * moe_load(model, strat)
+    return _scaled_s(expert_gemms(model, strat), flops, hw, strat, "fp8" if strat.fp8 else None)
+
+
+def moe_traffic_bytes(model: ModelProfile, strat: Strategy) -> float:
+    """Element-wise device-memory bytes of one MoE layer's forward on one rank besides its
+    GEMMs: the router's fp32 logits, softmax and top-k over the experts (written, read and
+    written: 3 x 4 bytes per expert per token), and the permutation of the top-k token copies
+    into expert order before the dispatch and back after the combine (each read and written:
+    4 x topk x h elements, times the load). The backward moves the same."""
+    if not model.moe:
+        return 0.0
+    from cost_models.memory import moe_load
+    tokens = strat.tokens(model.seq)
+    router = 12.0 * model.experts * tokens
+    permute = 4.0 * model.topk * model.hidden * elem_bytes(strat) * tokens * moe_load(model, strat) / strat.mesh.tp
+    return router + permute
+
+
 def block_gemm_s(model: ModelProfile, hw: HardwareProfile, strat: Strategy) -> tuple[float, float]:
-    """(weight GEMMs, attention core) forward seconds of one block, one micro-batch."""
+    """(weight GEMMs, attention core) forward seconds of one block, one micro-batch; the
+    weight GEMMs include the routed experts' (``expert_gemm_s``)."""
     tokens = strat.tokens(model.seq)
     weights, core = block_gemms(model, strat)
     attn_flops = tokens * model.block_attn_flops_per_token / strat.mesh.tp
@@ -205,8 +255,9 @@ def block_gemm_s(model: ModelProfile, hw: HardwareProfile, strat: Strategy) -> t
         core_s = attn_flops * causal_fraction(model.seq) / (hw.peak_flops(strat.dtype) * eff)
     else:
         core_s = _scaled_s(core, attn_flops, hw, strat)
-    return (_scaled_s(weights, tokens * model.block_matmul_flops_per_token / strat.mesh.tp, hw, strat,
-                      "fp8" if strat.fp8 else None), core_s)
+    dense = tokens * (model.block_matmul_flops_per_token - model.expert_flops_per_token) / strat.mesh.tp
+    return (_scaled_s(weights, dense, hw, strat, "fp8" if strat.fp8 else None)
+            + expert_gemm_s(model, hw, strat), core_s)
 
 
 def block_elementwise_bytes(model: ModelProfile, strat: Strategy,
@@ -239,6 +290,8 @@ def block_times(model: ModelProfile, hw: HardwareProfile, strat: Strategy) -> Pa
     bwd_rest, bwd_core = block_elementwise_bytes(model, strat, BWD_TRAFFIC)
     core_bwd = FLASH_BWD_RATIO * core_s if fused(strat) else 2 * core_s
     cast_fwd, cast_bwd = fp8_cast_bytes(model, strat)
+    moe = moe_traffic_bytes(model, strat)
+    cast_fwd, cast_bwd = cast_fwd + moe, cast_bwd + moe
     host = dispatch_s(hw, strat)
     fwd = _with_host(host, weights_s + core_s + memory_s(fwd_rest + fwd_core + cast_fwd, hw), hw)
     bwd = _with_host(2 * host, 2 * weights_s + core_bwd + memory_s(bwd_rest + bwd_core + cast_bwd, hw), hw)
@@ -255,7 +308,7 @@ def wgrad_window_s(model: ModelProfile, hw: HardwareProfile, strat: Strategy) ->
     """Weight-gradient GEMM time of a block's column-parallel layers (QKV and MLP up): what
     hides the backward's tensor-parallel collectives when the runtime overlaps them."""
     weights, _ = block_gemms(model, strat)
-    cols = [weights[0], weights[2]]
+    cols = weights[0::2]
     return sum(gemm_s(g, hw, strat.dtype, elem_bytes(strat)) for g in cols)
 
 

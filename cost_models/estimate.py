@@ -134,6 +134,30 @@ def fsdp_copy_bytes_per_param(strat: Strategy) -> float:
     return (gather + reduce) / m
 
 
+def _block_piece(model: ModelProfile, passes: compute.PassTimes, tp: compute.PassTimes,
+                 hw: HardwareProfile, strat: Strategy, rep: comm.Group) -> _Piece:
+    """One block: its dense weights replicated over dp x cp (``_piece`` over ``rep``), and for
+    a mixture of experts its routed experts' weights (1/ep of them per rank) replicated over the
+    edp group: their gradient reduction and ZeRO collectives run there, under the same rules,
+    hiding behind the same passes (so a block whose two reductions each fit the backward is
+    priced as hiding both: optimistic when they share the links), and their optimizer step
+    and states count on top."""
+    dense = _piece(memory.dense_layer_params(model, strat), passes, tp,
+                   memory.block_act_bytes(model, strat), hw, strat, rep)
+    if not model.moe:
+        return dense
+    _, edp = comm.expert_groups(hw, strat)
+    none = compute.PassTimes(forward_s=0.0, recompute_s=0.0, backward_s=0.0)
+    e = _piece(memory.expert_layer_params(model, strat), passes, none, 0.0, hw,
+               memory.expert_strategy(strat), edp)
+    return replace(dense, compute_s=dense.compute_s + e.compute_s - passes.total_s,
+                   dp_exposed_s=dense.dp_exposed_s + e.dp_exposed_s, dp_tail_s=dense.dp_tail_s + e.dp_tail_s,
+                   optimizer_s=dense.optimizer_s + e.optimizer_s,
+                   state=memory.layer_state_bytes(model, strat),
+                   host_bytes=dense.host_bytes + e.host_bytes,
+                   forward_s=dense.forward_s + e.forward_s - passes.forward_s)
+
+
 def _piece(params: float, passes: compute.PassTimes, tp: compute.PassTimes, act: float,
            hw: HardwareProfile, strat: Strategy, rep: comm.Group, *,
            reduced_last: bool = False) -> _Piece:
@@ -280,6 +304,56 @@ def block_cp_s(model: ModelProfile, hw: HardwareProfile, strat: Strategy,
                              backward_s=bwd)
 
 
+def block_ep_s(model: ModelProfile, strat: Strategy, g: comm.Group) -> compute.PassTimes:
+    """Exposed expert-parallel communication of one MoE block per micro-batch, by pass (the
+    estimate counts it in ``tp_comm_s``, which keeps the estimate JSON as it was).
+
+    The forward all-to-alls the top-k copies of the rank's tokens to their experts' ranks
+    (dispatch) and the outputs back (combine): two all-to-alls of tokens x topk x h elements
+    per rank over the ep group (with expert TP = tp every tp rank sends its tokens: with SP
+    Megatron all-gathers them over tp first), the busiest rank's share grown by the load
+    (``memory.moe_load``). The backward runs their two conjugates, full recompute repeats the
+    forward's. Nothing overlaps them (Megatron-Core's and torchtitan's default dispatchers;
+    DeepSeek's DualPipe overlap is not priced)."""
+    ep = strat.mesh.ep
+    if not model.moe or ep == 1:
+        return compute.PassTimes(forward_s=0.0, recompute_s=0.0, backward_s=0.0)
+    vol = strat.tokens(model.seq) * model.topk * model.hidden * compute.elem_bytes(strat) * memory.moe_load(model, strat)
+    two = 2 * comm.all_to_all_s(vol, g)
+    return compute.PassTimes(forward_s=two, recompute_s=two if strat.recompute == "full" else 0.0,
+                             backward_s=two)
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class MoeTerms:
+    """What expert parallelism changes in a placed strategy, on its slowest pipeline stage:
+    why ep was (or was not) chosen."""
+
+    all_to_all_s: float
+    """Dispatch + combine all-to-alls of one step, forward, recompute and backward, seconds."""
+    expert_gemm_s: float
+    """Routed-expert GEMMs of one step (forward, recompute, backward), seconds."""
+    expert_state_bytes: float
+    """Routed-expert weights, gradients and optimizer states on one device, bytes."""
+    ep_inter_node: bool
+    """The ep group crosses nodes (its all-to-all runs at the inter-node tier)."""
+
+
+def moe_terms(model: ModelProfile, hw: HardwareProfile, strat: Strategy) -> MoeTerms:
+    """``MoeTerms`` of ``strat`` (its placement as ``estimate`` reads it)."""
+    loads = strat.stage_loads(model.layers)
+    counts = [sum(x) if isinstance(x, tuple) else x for x in loads]
+    n = max(counts)
+    a2a = block_ep_s(model, strat, comm.axis_groups(hw, strat)[Axis.EP])
+    rc = 2.0 if strat.recompute == "full" else 1.0
+    gemm = compute.expert_gemm_s(model, hw, strat) * (2 + rc)
+    e = memory.state_bytes(memory.expert_layer_params(model, strat), memory.expert_strategy(strat))
+    m = strat.num_microbatches
+    return MoeTerms(all_to_all_s=m * n * (a2a.forward_s + a2a.recompute_s + a2a.backward_s),
+                    expert_gemm_s=m * n * gemm, expert_state_bytes=n * e.total,
+                    ep_inter_node=comm.axis_groups(hw, strat)[Axis.EP].inter_node)
+
+
 def _comm_sum(a: compute.PassTimes, b: compute.PassTimes) -> compute.PassTimes:
     return compute.PassTimes(forward_s=a.forward_s + b.forward_s, recompute_s=a.recompute_s + b.recompute_s,
                              backward_s=a.backward_s + b.backward_s)
@@ -290,7 +364,8 @@ def layer_pass_times(model: ModelProfile, hw: HardwareProfile, strat: Strategy) 
     tensor-parallel communication: what Korthikanti et al. Table 4 times per layer."""
     passes = compute.block_times(model, hw, strat)
     groups = comm.axis_groups(hw, strat)
-    tp = _comm_sum(block_tp_s(model, hw, strat, groups[Axis.TP]), block_cp_s(model, hw, strat, groups[Axis.CP]))
+    tp = _comm_sum(_comm_sum(block_tp_s(model, hw, strat, groups[Axis.TP]), block_cp_s(model, hw, strat, groups[Axis.CP])),
+                   block_ep_s(model, strat, groups[Axis.EP]))
     return compute.PassTimes(forward_s=passes.forward_s + tp.forward_s,
                              recompute_s=passes.recompute_s + tp.recompute_s,
                              backward_s=passes.backward_s + tp.backward_s)
@@ -320,10 +395,10 @@ def _parts(model: ModelProfile, hw: HardwareProfile, strat: Strategy) -> _Parts:
     for mode in RECOMPUTE:
         s = replace(strat, recompute=mode)
         passes.append(compute.block_times(model, hw, s))
-        layers.append(_piece(memory.layer_params(model, s), passes[-1],
-                             _comm_sum(block_tp_s(model, hw, s, groups[Axis.TP]),
-                                       block_cp_s(model, hw, s, groups[Axis.CP])),
-                             memory.block_act_bytes(model, s), hw, s, rep))
+        layers.append(_block_piece(model, passes[-1],
+                                   _comm_sum(_comm_sum(block_tp_s(model, hw, s, groups[Axis.TP]),
+                                                       block_cp_s(model, hw, s, groups[Axis.CP])),
+                                             block_ep_s(model, s, groups[Axis.EP])), hw, s, rep))
     # Embedding: 1 forward exchange (vocab-parallel lookup); head: 1 backward (gradient of
     # the projection's input).
     first = _piece(memory.first_params(model, strat), compute.first_times(model, hw, strat),

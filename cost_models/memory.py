@@ -31,8 +31,9 @@ replicated over cp, Megatron's "dp-cp" group). Sizes in bytes.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
+from cost_models.axes import Degrees
 from cost_models.hardware import HardwareProfile
 from cost_models.model_profile import ModelProfile
 from cost_models.strategy import Strategy
@@ -139,8 +140,65 @@ def host_state_bytes(params: float, strat: Strategy) -> float:
 
 
 def layer_params(model: ModelProfile, strat: Strategy) -> float:
-    """Parameters of one block on one device."""
-    return model.block_params / strat.mesh.tp
+    """Parameters of one block on one device: the dense part over tp, the routed experts over
+    ep x tp (expert tensor parallelism = tp: each expert's GEMMs split like the dense MLP's)."""
+    return dense_layer_params(model, strat) + expert_layer_params(model, strat)
+
+
+def dense_layer_params(model: ModelProfile, strat: Strategy) -> float:
+    """Parameters of one block outside its routed experts on one device."""
+    return model.dense_block_params / strat.mesh.tp
+
+
+def expert_layer_params(model: ModelProfile, strat: Strategy) -> float:
+    """Routed-expert parameters of one block on one device: experts / ep of them, each over tp."""
+    return model.expert_params / (strat.mesh.tp * strat.mesh.ep)
+
+
+def expert_strategy(strat: Strategy) -> Strategy:
+    """``strat`` as the expert weights see it: their replicas are the edp = dp x cp / ep
+    ranks holding the same experts (ZeRO shards and gradients reduce over them)."""
+    m = strat.mesh
+    if m.ep == 1 and m.cp == 1:
+        return strat
+    return replace(strat, mesh=Degrees(pp=m.pp, dp=m.edp, tp=m.tp), axis_order=strat.axis_order)
+
+
+def layer_state_bytes(model: ModelProfile, strat: Strategy) -> StateBytes:
+    """Model states of one block on one device: the dense part sharded over dp x cp, the
+    routed experts (1/ep of them) over edp."""
+    dense = state_bytes(dense_layer_params(model, strat), strat)
+    if not model.moe:
+        return dense
+    e = state_bytes(expert_layer_params(model, strat), expert_strategy(strat))
+    return StateBytes(params=dense.params + e.params, grads=dense.grads + e.grads,
+                      optimizer=dense.optimizer + e.optimizer)
+
+
+def layer_host_bytes(model: ModelProfile, strat: Strategy) -> float:
+    """``host_state_bytes`` of one block (experts sharded over edp)."""
+    return (host_state_bytes(dense_layer_params(model, strat), strat)
+            + host_state_bytes(expert_layer_params(model, strat), expert_strategy(strat)))
+
+
+def moe_load(model: ModelProfile, strat: Strategy) -> float:
+    """Routed tokens on the busiest expert-parallel rank over the mean: the recipe's
+    ``moe_load_imbalance``, capped by the model's capacity factor (tokens past it dropped);
+    1 for a dense model or ep = 1 with every expert local (the rank computes all routed
+    tokens whatever their spread)."""
+    if not model.moe or strat.mesh.ep == 1:
+        return 1.0
+    load = strat.recipe.moe_load_imbalance
+    return min(load, model.capacity_factor) if model.capacity_factor > 0 else load
+
+
+def expert_extra_act_bytes(model: ModelProfile, strat: Strategy) -> float:
+    """Saved bytes per micro-batch one block keeps beyond the traced (balanced) routing on the
+    busiest rank: (load - 1) x the routed copies' activations (``ModelProfile``), over tp."""
+    extra = moe_load(model, strat) - 1.0
+    if extra <= 0:
+        return 0.0
+    return act_scale(strat) * strat.tokens(model.seq) * extra * model.expert_act_bytes_per_token() / strat.mesh.tp
 
 
 def first_params(model: ModelProfile, strat: Strategy) -> float:
@@ -184,7 +242,7 @@ def block_act_bytes(model: ModelProfile, strat: Strategy, recompute: str | None 
         per_token -= 2 * model.hidden / sp + (model.hidden + model.ffn) / strat.mesh.tp
     if recompute == "none":
         per_token += attn / strat.mesh.tp
-    return act_scale(strat) * tokens * per_token
+    return act_scale(strat) * tokens * per_token + expert_extra_act_bytes(model, strat)
 
 
 def block_attn_act_bytes(model: ModelProfile, strat: Strategy) -> float:
@@ -212,9 +270,9 @@ def last_act_bytes(model: ModelProfile, strat: Strategy) -> float:
 
 
 def communicators(strat: Strategy) -> int:
-    """Collective communicators a rank holds: one per mesh axis of degree > 1, and the
-    default group."""
-    return 1 + len(strat.mesh.active())
+    """Collective communicators a rank holds: one per mesh axis of degree > 1, the default
+    group, and with ep > 1 the ep and edp groups."""
+    return 1 + len(strat.mesh.active()) + (2 if strat.mesh.ep > 1 else 0)
 
 
 def base_buffer_bytes(model: ModelProfile, hw: HardwareProfile, strat: Strategy) -> float:

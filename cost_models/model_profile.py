@@ -50,6 +50,41 @@ class ModelProfile:
     scores kept, a float32 log-sum-exp per head instead) and the model's own dropout."""
     fused_act_bytes_sharded_per_token: float
     fused_act_bytes_attn_per_token: float
+    experts: int = 0
+    """Routed experts of each block's MoE layer (0: a dense model). The routed experts'
+    weights are in ``block_params`` (``expert_params``), their GEMMs' FLOPs of the routed
+    tokens in ``block_matmul_flops_per_token`` (``expert_flops_per_token``); shared experts
+    and the router are dense parts of the block."""
+    topk: int = 0
+    """Routed experts each token goes to."""
+    expert_ffn: int = 0
+    """Inner width of one routed expert's MLP."""
+    expert_params: int = 0
+    """Parameters of one block's routed experts, all of them (split over ep, then tp)."""
+    expert_flops_per_token: float = 0.0
+    """Forward FLOPs per token of one block's routed-expert GEMMs: the top-k copies of the
+    token through their experts' up/gate and down projections."""
+    capacity_factor: float = 0.0
+    """Tokens an expert takes at most, over its fair share (tokens x topk / experts); 0:
+    dropless (every routed token is computed, however uneven)."""
+
+    @property
+    def moe(self) -> bool:
+        return self.experts > 0
+
+    @property
+    def dense_block_params(self) -> int:
+        """Parameters of one block outside its routed experts (attention, norms, router,
+        shared experts)."""
+        return self.block_params - self.expert_params
+
+    def expert_act_bytes_per_token(self) -> float:
+        """Saved-for-backward bytes per token of the routed-expert region in 16-bit
+        activations: per top-k copy, the dispatched input (h) and the combine's weighted
+        output (h), the gate and up outputs (2 f) and their product feeding the down
+        projection (f): 2 (2h + 3f) bytes. Part of the traced activations (the tracer routes
+        top-k copies); ``cost_models.memory`` scales it by the load imbalance."""
+        return self.topk * 2.0 * (2 * self.hidden + 3 * self.expert_ffn)
 
     @property
     def params(self) -> int:

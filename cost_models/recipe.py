@@ -134,6 +134,13 @@ class ExecutionRecipe:
     """How context parallelism runs in this program, or that it has none (``ContextParallel``;
     with cp > 1 the attention core is always the fused kernel: Megatron's CP runs only through
     Transformer Engine's flash attention, torch's through SDPA)."""
+    moe_load_imbalance: float = 1.0
+    """Tokens the busiest expert-parallel rank computes and receives over the mean, in a
+    dropless mixture of experts (its grouped GEMMs and all-to-all set the layer's pace). 1.0,
+    the default, is perfect balance: what an auxiliary balancing loss or DeepSeek-V3's
+    loss-free bias balancing (Wang et al. 2024, arXiv 2408.15664) aims at; measured routing
+    is never quite that even, so the default is optimistic. A model's capacity factor caps it
+    (tokens past capacity are dropped)."""
     kernels_per_block: int = 0
     """Kernels one transformer block's forward launches (backward about twice as many); with
     the profile's ``kernel_dispatch_us``, a pass can be no faster than its host dispatch."""
@@ -152,7 +159,7 @@ class ExecutionRecipe:
             raise RecipeError(f"recipe {self.name!r}: kernels_per_block must be >= 0")
 
 
-_BOUNDS = {"fp8_cast_bytes": (0.5, 64.0), "logits_bytes": (0.5, 64.0), "elementwise_traffic": (0.01, 100.0),
+_BOUNDS = {"moe_load_imbalance": (1.0, 64.0), "fp8_cast_bytes": (0.5, 64.0), "logits_bytes": (0.5, 64.0), "elementwise_traffic": (0.01, 100.0),
            "kernels_per_block": (0, 1_000_000)}
 """Plausible range of each numeric switch."""
 

@@ -16,7 +16,8 @@ class Strategy:
     """How one training step is split over the devices."""
 
     mesh: Degrees = Degrees()
-    """Degree of each parallel axis; their product is the number of devices."""
+    """Degree of each parallel axis; the product of the mesh axes is the number of devices
+    (ep regroups dp x cp: ``cost_models.axes``)."""
     zero: int = 0
     """ZeRO stage 0-3 over the dp axis (1: optimizer states, 2: + gradients, 3: + parameters)."""
     micro_batch: int = 1
@@ -66,6 +67,9 @@ class Strategy:
             object.__setattr__(self, "axis_order", parse_order(self.axis_order, self.mesh))
         except ValueError as exc:
             raise ValueError(f"axis_order {exc}, got {self.axis_order}") from None
+        if self.replicas % self.mesh.ep:
+            raise ValueError(f"ep={self.mesh.ep} must divide dp x cp = {self.replicas}: expert parallelism "
+                             "regroups the data-parallel ranks")
         if self.mesh.cp > 1 and not self.recipe.has_context_parallel:
             raise ValueError(f"cp={self.mesh.cp}: the {self.recipe.name} recipe has no context parallelism; "
                              "price it under one that has (megatron-core, megatron-core-te, torchtitan)")

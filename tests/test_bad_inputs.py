@@ -266,7 +266,7 @@ PLANS = {
     "seq-0": (plan_with(seq_len=0), "seq_len must be positive"),
     "mesh-not-object": (plan_with(mesh=[2, 1, 2]), "plan mesh must be a JSON object"),
     "mesh-cp-2": (plan_with(mesh__cp=2, mesh__dp=1, global_batch=4), "no context parallelism"),
-    "mesh-ep-2": (plan_with(mesh__ep=2, mesh__dp=1, global_batch=4), "expert parallelism"),
+    "mesh-ep-2": (plan_with(mesh__ep=2), "mesh.ep=2 must divide"),
     "mesh-tp-0": (plan_with(mesh__tp=0), "mesh.tp must be positive"),
     "mesh-gpus-mismatch": (plan_with(mesh__dp=4), "devices but gpus"),
     "stage-layers-sum": (plan_with(stage_layers=[3, 3], recompute=["none"] * 6), "place 6 blocks but 'gpt-tiny' has 4"),

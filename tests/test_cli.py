@@ -166,6 +166,12 @@ def test_cli_surface_is_frozen():
                               "--trust-code"]
     assert options("launch") == ["--data", "--gpus-per-node", "--max-restarts", "--nodes", "--out", "--rdzv-endpoint",
                                  "--resume", "--save", "--save-every", "--steps", "--trust-code"]
+    strategy = ["--cp", "--dp", "--ep", "--mbs", "--pp", "--recipe", "--recompute", "--schedule", "--sp", "--tp",
+                "--vpp", "--zero"]
+    job = ["--cluster", "--dtype", "--global-batch", "--gpus", "--json", "--model", "--seq-len"]
+    assert options("estimate") == sorted(strategy + job + ["--fp8"])
+    assert options("plan") == sorted(strategy + job + ["--axis-order", "--offload", "--out", "--price-per-gpu-hour",
+                                                       "--time-limit", "--verify", "--what-if"])
     for name in ("calibrate", "explain", "export", "report"):  # every command that reads a plan file (README: What is code)
         assert "--trust-code" in options(name)
 
@@ -257,3 +263,24 @@ def test_cp_pin_plans_and_estimates_under_megatron_and_run_refuses_it(tmp_path):
     assert bad.exit_code == 2 and len(bad.output.strip().splitlines()) == 1
     ran = runner.invoke(app, ["run", str(out)])
     assert ran.exit_code == 2 and "autopar export" in ran.output and len(ran.output.strip().splitlines()) == 1
+
+
+def test_ep_pin_reaches_the_plan_is_checked_in_one_line_and_run_refuses_it(tmp_path):
+    """``--ep`` pins expert parallelism on an MoE model (the plan's mesh records it, ep
+    regrouping dp: the devices stay dp x tp x pp); a degree that does not divide the experts,
+    or any on a dense model, is one line; ``autopar run`` refuses the plan before starting."""
+    moe = "moe:layers=2,hidden=256,heads=4,kv_heads=2,ffn=512,vocab=512,seq=256,experts=4,topk=2"
+    job = ["--model", moe, "--cluster", "dgx-h100", "--gpus", "8", "--global-batch", "16"]
+    out = tmp_path / "plan.json"
+    res = invoke("plan", *job, "--ep", "2", "--json", "--out", str(out))
+    assert res.exit_code == 0, res.output
+    mesh = json.loads(res.stdout)["plan"]["mesh"]
+    assert mesh["ep"] == 2 and mesh["dp"] * mesh["tp"] * mesh["pp"] * mesh["cp"] == 8 and mesh["dp"] % 2 == 0
+    for args, fragment in ((["plan", *job, "--ep", "3"], "--ep 3 does not divide the 4 routed experts"),
+                           (["estimate", "--model", "gpt2", "--cluster", "dgx-h100", "--gpus", "8",
+                             "--global-batch", "16", "--ep", "2"], "has no routed experts"),
+                           (["run", str(out)], "no expert parallelism yet")):
+        bad = invoke(*args)
+        assert bad.exit_code == 2 and fragment in bad.stderr and len(bad.stderr.strip().splitlines()) == 1, bad.stderr
+    est = invoke("estimate", *job, "--ep", "4", "--json")
+    assert est.exit_code == 0, est.output

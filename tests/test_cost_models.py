@@ -88,6 +88,14 @@ def test_one_axis_vocabulary():
     assert Strategy(mesh=c, recipe=MC).axis_order == (Axis.PP, Axis.DP, Axis.CP, Axis.TP)
     assert Strategy(mesh=d).axis_order == (Axis.PP, Axis.DP, Axis.TP)
     assert c.strides(c.default_order()) == {Axis.TP: 1, Axis.CP: 2, Axis.DP: 8, Axis.PP: 16}
+    # ep regroups dp x cp: no device count, no place in an order, still one field and member.
+    e = Degrees(dp=8, tp=2, ep=4)
+    assert e.size == 16 and e.edp == 2 and e.active() == (Axis.DP, Axis.TP)
+    assert Strategy(mesh=e).axis_order == (Axis.PP, Axis.DP, Axis.TP)
+    with pytest.raises(ValueError, match="once each"):
+        parse_order(["pp", "dp", "ep", "tp"])
+    with pytest.raises(ValueError, match="ep=3 must divide dp x cp = 8"):
+        Strategy(mesh=Degrees(dp=8, ep=3))
 
 
 # --- memory -------------------------------------------------------------------------------
@@ -473,3 +481,38 @@ def test_host_time_adds_to_a_pass_where_operators_run_on_the_host():
     assert sync.forward_s == pytest.approx(none.forward_s + host)
     assert sync.backward_s == pytest.approx(none.backward_s + 2 * host)
     assert async_.forward_s == pytest.approx(max(none.forward_s, host))
+
+
+def test_moe_terms_experts_over_ep_all_to_all_over_its_tier():
+    """Expert parallelism: the expert weights' states divide by ep (then shard over edp under
+    ZeRO), the dense ones do not; the all-to-all is zero at ep = 1, inside a node while ep x the
+    replicas' stride fits one, across nodes past it; model FLOPs (routed tokens only) do not
+    move with ep; the load imbalance grows the expert GEMMs, the all-to-all and activations."""
+    from tests.test_solver import moe_profile
+    from cost_models.estimate import block_ep_s
+    model = moe_profile(layers=4, hidden=1024, heads=8, experts=8, topk=2, seq=2048)
+    hw = load_profile("dgx-h100")
+    one, four = (Strategy(mesh=Degrees(dp=8, ep=e), zero=0) for e in (1, 4))
+    dense_state = memory.state_bytes(model.dense_block_params, one).total
+    expert_state = memory.state_bytes(model.expert_params, one).total
+    assert memory.layer_state_bytes(model, one).total == pytest.approx(dense_state + expert_state)
+    assert memory.layer_state_bytes(model, four).total == pytest.approx(dense_state + expert_state / 4)
+    z1 = Strategy(mesh=Degrees(dp=8, ep=4), zero=1)  # optimizer states: dense over 8, experts over edp = 2
+    lay = memory.state_layout(z1)
+    assert memory.layer_state_bytes(model, z1).optimizer == pytest.approx(
+        lay.optimizer * (model.dense_block_params / 8 + model.expert_params / 4 / 2))
+    groups = lambda s: comm.axis_groups(hw, s)  # noqa: E731
+    assert block_ep_s(model, one, groups(one)[Axis.EP]).total_s == 0.0
+    inside = block_ep_s(model, four, groups(four)[Axis.EP])
+    assert inside.total_s > 0 and inside.forward_s == inside.backward_s and not groups(four)[Axis.EP].inter_node
+    wide = Strategy(mesh=Degrees(dp=8, tp=4, ep=4))  # ep ranks 4 apart: 16 > 8 per node
+    assert groups(wide)[Axis.EP].inter_node
+    assert estimate(model, hw, one, global_batch=8).tflops_per_gpu * estimate(model, hw, one, global_batch=8).step_time_s \
+        == pytest.approx(estimate(model, hw, four, global_batch=8).tflops_per_gpu
+                         * estimate(model, hw, four, global_batch=8).step_time_s)
+    skewed = dataclasses.replace(four, recipe=dataclasses.replace(four.recipe, moe_load_imbalance=1.5))
+    assert compute.expert_gemm_s(model, hw, skewed) == pytest.approx(1.5 * compute.expert_gemm_s(model, hw, four), rel=0.2)
+    assert block_ep_s(model, skewed, groups(skewed)[Axis.EP]).total_s > inside.total_s
+    assert memory.block_act_bytes(model, skewed) > memory.block_act_bytes(model, four)
+    capped = dataclasses.replace(model, capacity_factor=1.25)
+    assert memory.moe_load(capped, skewed) == 1.25 and memory.moe_load(model, skewed) == 1.5

@@ -406,3 +406,46 @@ def test_optimal_against_exhaustive_enumeration_with_cp():
         assert sol.optimal and sol.estimate.step_time_s == pytest.approx(expected, rel=1e-9)
         checked += 1
     assert checked >= 3
+
+
+def moe_profile(layers: int, hidden: int, heads: int, experts: int, topk: int, seq: int,
+                vocab: int = 1024) -> ModelProfile:
+    """A Mixtral-style MoE's counts: the GPT's attention, ``experts`` SwiGLU experts of width
+    2h (3 x h x 2h weights each), top-k routed: their FLOPs those of the routed copies."""
+    h, f = hidden, 2 * hidden
+    base = gpt_profile(layers, hidden, heads, vocab, seq)
+    expert_params = experts * 3 * h * f
+    expert_flops = topk * 2.0 * 3 * h * f
+    return dataclasses.replace(
+        base, name=f"moe-{layers}x{hidden}x{experts}", block_params=4 * h * h + h * experts + expert_params,
+        block_matmul_flops_per_token=8.0 * h * h + 2.0 * h * experts + expert_flops,
+        block_act_bytes_sharded_per_token=8.0 * h + topk * 6.0 * f,
+        fused_act_bytes_sharded_per_token=8.0 * h + topk * 6.0 * f,
+        experts=experts, topk=topk, expert_ffn=f, expert_params=expert_params,
+        expert_flops_per_token=expert_flops)
+
+
+def test_optimal_against_exhaustive_enumeration_with_ep():
+    """The brute force covers the ep axis: every ep dividing the experts and dp x cp, in every
+    axis order (the ep group's tier reads the replicas' place), memory often binding."""
+    rng = random.Random(61)
+    checked = with_ep = 0
+    for _ in range(12):
+        heads = rng.choice([4, 8])
+        model = moe_profile(layers=rng.randint(2, 4), hidden=heads * 256, heads=heads,
+                            experts=rng.choice([4, 8]), topk=rng.choice([1, 2]), seq=rng.choice([512, 2048]))
+        gpus = rng.choice([4, 8])
+        base = load_profile(rng.choice(["dgx-a100-80g", "dgx-h100"]))
+        state_gib = model.params * 18 / 2**30
+        hw = dataclasses.replace(base, memory_gib=state_gib * rng.uniform(0.05, 0.6) + 0.5, reserve_gib=0.0,
+                                 devices_per_node=rng.choice([2, 4]), host_memory_gib=0.0)
+        batch = gpus * rng.choice([1, 2])
+        assert {c.strategy.mesh.ep for c in outer_candidates(model, hw, gpus, batch, "bf16")} > {1}
+        expected = brute_force(model, hw, gpus, batch, "bf16")
+        if expected is None:
+            continue
+        sol = search(model, hw, gpus, batch, "bf16")
+        assert sol.optimal and sol.estimate.step_time_s == pytest.approx(expected, rel=1e-9)
+        checked += 1
+        with_ep += sol.strategy.mesh.ep > 1
+    assert checked >= 6 and with_ep >= 1

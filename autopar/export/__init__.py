@@ -58,9 +58,9 @@ def export_plan(plan: Plan, target: Target | str, filename: str | None = None,
     """``plan`` as ``target``'s configuration, written for a file named ``filename``."""
     target = Target(target)
     if plan.mesh.ep > 1:
-        raise UserError(f"the plan has ep={plan.mesh.ep} as a mesh axis of its own; Megatron, DeepSpeed, torchtitan "
-                        "and Accelerate carve expert parallelism out of data parallelism, so there is no "
-                        "equivalent: re-plan with ep=1")
+        raise UserError(f"the plan has ep={plan.mesh.ep}: autopar's exports do not write expert parallelism "
+                        "(Megatron's --expert-model-parallel-size, torchtitan's expert_parallel_degree) yet; "
+                        "re-plan with --ep 1")
     name = filename or DEFAULT_FILES[target]
     if target == Target.TORCHTITAN and not Path(name).stem.isidentifier():
         raise UserError(f"--out {name}: torchtitan imports the config as a module (--module {Path(name).stem}); "

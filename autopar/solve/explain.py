@@ -11,8 +11,9 @@ from autopar.solve.search import Alternative, search
 from autopar.solve.space import Pins, candidates
 from cost_models import HardwareProfile, ModelProfile, Strategy
 from cost_models.axes import Axis
+from cost_models.estimate import moe_terms
 
-DIMENSIONS = ((Axis.TP, "tp"), (Axis.PP, "pp"), (Axis.CP, "cp"), ("zero", "zero"), ("micro_batch", "micro_batch"),
+DIMENSIONS = ((Axis.TP, "tp"), (Axis.PP, "pp"), (Axis.CP, "cp"), (Axis.EP, "ep"), ("zero", "zero"), ("micro_batch", "micro_batch"),
               ("schedule", "schedule"), ("virtual_stages", "virtual_stages"),
               ("sequence_parallel", "sequence_parallel"), ("recompute", "recompute"))
 """(Strategy field or mesh axis, Pins field) of each dimension explained."""
@@ -41,6 +42,17 @@ class Explanation:
     """The plan's own step time, seconds."""
     alternatives: tuple[Alternative, ...]
     dimensions: tuple[Dimension, ...]
+    moe: str = ""
+    """For a mixture of experts, the plan's expert terms (``moe_note``); "" for a dense model."""
+
+
+def moe_note(model: ModelProfile, hw: HardwareProfile, s: Strategy) -> str:
+    """The expert terms of ``s`` on its slowest stage, one line: all-to-all and expert GEMM
+    seconds per step, expert state per device, the ep group's tier."""
+    t = moe_terms(model, hw, s)
+    tier = "across nodes" if t.ep_inter_node else "inside a node"
+    return (f"ep={s.mesh.ep}: all-to-all {t.all_to_all_s:.3g} s/step ({tier}), expert GEMMs "
+            f"{t.expert_gemm_s:.3g} s/step, expert states {t.expert_state_bytes / 2**30:.2f} GiB/device")
 
 
 def describe(s: Strategy) -> str:
@@ -49,7 +61,8 @@ def describe(s: Strategy) -> str:
     if s.stage_recompute:
         totals = [sum(c[i] for c in s.stage_recompute) for i in range(3)]
         rc = "/".join(f"{n}{m[0]}" for n, m in zip(totals, ("none", "sel", "full")) if n)
-    return (f"dp={s.mesh.dp} tp={s.mesh.tp} pp={s.mesh.pp}{f' cp={s.mesh.cp}' if s.mesh.cp > 1 else ''} zero={s.zero} mbs={s.micro_batch} "
+    return (f"dp={s.mesh.dp} tp={s.mesh.tp} pp={s.mesh.pp}{f' cp={s.mesh.cp}' if s.mesh.cp > 1 else ''}"
+            f"{f' ep={s.mesh.ep}' if s.mesh.ep > 1 else ''} zero={s.zero} mbs={s.micro_batch} "
             f"m={s.num_microbatches} {s.schedule}{f' v={s.virtual_stages}' if s.virtual_stages > 1 else ''} "
             f"sp={int(s.sequence_parallel)} rc={rc}"
             f"{' order=' + '>'.join(s.axis_order) if s.axis_order != s.mesh.default_order() else ''}")
@@ -94,14 +107,17 @@ def explain(model: ModelProfile, hw: HardwareProfile, gpus: int, global_batch: i
             try:
                 sol = search(model, hw, gpus, global_batch, dtype, Pins(**{pin: value}, recipe=plan.recipe, refused=refused),
                              time_limit_s=time_limit_s)
-                out.append(Neighbour(value=str(value), step_time_s=sol.estimate.step_time_s,
-                                     note=describe(sol.strategy)))
+                note = describe(sol.strategy)
+                if field == Axis.EP:
+                    note += "; " + moe_note(model, hw, sol.strategy)
+                out.append(Neighbour(value=str(value), step_time_s=sol.estimate.step_time_s, note=note))
             except UserError as exc:
                 out.append(Neighbour(value=str(value), step_time_s=None, note=str(exc)))
         dims.append(Dimension(name=str(field), chosen=str(chosen), neighbours=tuple(out)))
     from cost_models import estimate
     own = estimate(model, hw, plan, global_batch=global_batch).step_time_s
-    return Explanation(step_time_s=own, alternatives=best.alternatives, dimensions=tuple(dims))
+    return Explanation(step_time_s=own, alternatives=best.alternatives, dimensions=tuple(dims),
+                       moe=moe_note(model, hw, plan) if model.moe else "")
 
 
 def explanation_dict(e: Explanation) -> dict:
@@ -109,4 +125,5 @@ def explanation_dict(e: Explanation) -> dict:
     return {"step_time_s": e.step_time_s,
             "alternatives": [{"step_time_s": a.step_time_s, "strategy": describe(a.strategy)}
                              for a in e.alternatives],
-            "dimensions": [dataclasses.asdict(d) for d in e.dimensions]}
+            "dimensions": [dataclasses.asdict(d) for d in e.dimensions],
+            **({"moe": e.moe} if e.moe else {})}

@@ -28,7 +28,8 @@ from typing import Iterator
 from autopar.plan import runtime_unsupported
 from cost_models import HardwareProfile, ModelProfile, Strategy
 from cost_models.axes import DEFAULT_ORDER, Axis, Degrees
-from cost_models.comm import Group, mesh_groups, mesh_replica_group
+from cost_models.comm import (Group, mesh_expert_data_group, mesh_expert_group, mesh_groups,
+                              mesh_replica_group)
 from cost_models.recipe import ExecutionRecipe, load_recipe
 from cost_models.strategy import RECOMPUTE
 
@@ -59,6 +60,8 @@ class Pins:
     pp: int | None = None
     cp: int | None = None
     """Context-parallel degree (``cp_degrees``)."""
+    ep: int | None = None
+    """Expert-parallel degree (``ep_degrees``)."""
     zero: int | None = None
     micro_batch: int | None = None
     schedule: str | None = None
@@ -155,6 +158,9 @@ def axis_orders(hw: HardwareProfile, degrees: Degrees,
         groups: dict = {ax: g[ax] for ax in degrees.active()}
         if degrees.cp > 1:  # the dp x cp gradient group reads both axes' places
             groups["dp-cp"] = mesh_replica_group(hw, degrees, order)
+        if degrees.ep > 1:  # the ep and edp groups: the innermost replicas, and the rest
+            groups["ep"] = mesh_expert_group(hw, degrees, order)
+            groups["edp"] = mesh_expert_data_group(hw, degrees, order)
         if any(all(_no_better(groups[ax], other[ax]) for ax in groups) for _, other in kept):
             continue
         kept.append((order, groups))
@@ -176,6 +182,15 @@ def order_free_hardware(hw: HardwareProfile, degrees: Degrees) -> tuple[Hardware
     inter = hw.inter_node
     wide = replace(inter, bw_gbps=hw.devices_per_node * inter.bw_gbps,
                    p2p_bw_gbps=inter.p2p_bw_gbps or inter.bw_gbps)
+    if degrees.ep > 1:
+        # The ep and edp groups take the replicas' stride, which no place of one axis bounds:
+        # the crossing tier gets the node's links at their best, so the bound holds for them.
+        intra = hw.intra_node
+        best = max(wide.bw_gbps * wide.efficiency, intra.bw_gbps * intra.efficiency) / wide.efficiency
+        best_p2p = max(wide.p2p_bw_gbps * wide.efficiency,
+                       (intra.p2p_bw_gbps or intra.bw_gbps) * intra.efficiency) / wide.efficiency
+        wide = replace(wide, bw_gbps=best, p2p_bw_gbps=best_p2p,
+                       latency_us=min(wide.latency_us, intra.latency_us))
     nodes = math.prod(degrees[ax] for ax in small)
     return replace(hw, devices_per_node=nodes, inter_node=wide), order
 
@@ -193,6 +208,18 @@ def cp_degrees(model: ModelProfile, devices: int, recipe: ExecutionRecipe, pins:
     if not recipe.has_context_parallel or seq < CP_MIN_SEQ:
         return [1]
     return [c for c in _divisors(devices) if c == 1 or (seq % (2 * c) == 0 and seq // c >= CP_MIN_CHUNK)]
+
+
+def ep_degrees(model: ModelProfile, replicas: int, pins: Pins = Pins()) -> list[int]:
+    """Expert-parallel degrees to try with ``replicas`` = dp x cp ranks: 1 for a dense model,
+    else every common divisor of the routed experts and ``replicas`` (ep regroups those ranks);
+    a pinned degree alone, where it divides both."""
+    if pins.ep is not None:
+        ok = pins.ep == 1 or (model.moe and model.experts % pins.ep == 0 and replicas % pins.ep == 0)
+        return [pins.ep] if ok else []
+    if not model.moe:
+        return [1]
+    return _divisors(math.gcd(model.experts, replicas))
 
 
 def _offloads(pins: Pins, hw: HardwareProfile) -> list[bool]:
@@ -216,7 +243,8 @@ def outer_candidates(model: ModelProfile, hw: HardwareProfile, gpus: int, global
             if (pins.dp is not None and dp != pins.dp) or global_batch % dp:
                 continue
             orders = [tuple(pins.axis_order or DEFAULT_ORDER)]
-            for b in _choices(pins.micro_batch, _divisors(global_batch // dp)):
+            for ep, b in ((e, b) for e in ep_degrees(model, dp * cp, pins)
+                          for b in _choices(pins.micro_batch, _divisors(global_batch // dp))):
                 m, rem = divmod(global_batch // dp, b)
                 if rem or (pp > 1 and m < pp):
                     continue
@@ -241,7 +269,7 @@ def outer_candidates(model: ModelProfile, hw: HardwareProfile, gpus: int, global
                                             virtual_stages=v, offload=True, cp=cp, recipe=recipe):
                                         continue
                                     strat = Strategy(
-                                        mesh=Degrees(dp=dp, cp=cp, tp=tp, pp=pp), zero=zero, micro_batch=b,
+                                        mesh=Degrees(dp=dp, cp=cp, tp=tp, pp=pp, ep=ep), zero=zero, micro_batch=b,
                                         num_microbatches=m, schedule=sched, virtual_stages=v,
                                         sequence_parallel=sp, recompute=nominal, dtype=dtype,
                                         offload=off, axis_order=order, recipe=recipe)

@@ -18,8 +18,8 @@ from functools import lru_cache
 
 from autopar.layout import Anatomy
 from autopar.spec import ModelSpec
-from autopar.trace.graph import ModelGraph
-from autopar.trace.shape import dense_block, traced_spec
+from autopar.trace.graph import BlockInfo, ModelGraph
+from autopar.trace.shape import priced_block, traced_spec
 from autopar.trace.anatomy import anatomy
 from autopar.trace.tracer import trace_spec, trace_spec_model
 from cost_models.model_profile import ModelProfile
@@ -36,11 +36,12 @@ def profile_from_graph(graph: ModelGraph, spec: ModelSpec) -> ModelProfile:
     A user module's shape (layers, hidden, heads ...) is read off the graph (``traced_spec``)."""
     if spec.arch == "module":
         spec = traced_spec(graph, spec)
-    block = dense_block(graph)
+    block = priced_block(graph)
     tokens = graph.tokens
     matmul = sum(n.flops for n in block.nodes if n.split)
     act, fused = block.recipe_activations, block.activations
     return ModelProfile(
+        **_moe_fields(block, spec, tokens),
         name=graph.name, layers=block.count, hidden=spec.hidden, heads=spec.heads,
         kv_heads=spec.num_kv_heads, ffn=spec.ffn_hidden, vocab=spec.vocab, seq=spec.seq,
         tied=spec.tied, block_params=block.params,
@@ -54,6 +55,23 @@ def profile_from_graph(graph: ModelGraph, spec: ModelSpec) -> ModelProfile:
         fused_act_bytes_replicated_per_token=fused.replicated / tokens,
         fused_act_bytes_sharded_per_token=fused.sharded / tokens,
         fused_act_bytes_attn_per_token=fused.attn / tokens)
+
+
+def _moe_fields(block: BlockInfo, spec: ModelSpec, tokens: int) -> dict:
+    """The MoE fields of ``ModelProfile`` read off the traced block: its routed experts' stacked
+    weights (``LinearInfo.experts``), the FLOPs of their grouped GEMMs (the tracer counts the
+    routed rows: tokens x topk), the expert width (the input of the projection back to the
+    hidden size), top-k and the capacity factor from the spec (0: dropless, as Mixtral,
+    Qwen-MoE and DeepSeek-V3 train). Empty for a dense block."""
+    routed = [lin for lin in block.linears if lin.experts]
+    if not block.experts or not routed:
+        return {}
+    down = [lin for lin in routed if lin.out_features == spec.hidden] or routed
+    return dict(experts=block.experts, topk=spec.topk or 1,
+                expert_ffn=down[-1].in_features,
+                expert_params=sum(lin.experts * lin.in_features * lin.out_features for lin in routed),
+                expert_flops_per_token=sum(n.flops for n in block.nodes if n.split.startswith("expert-")) / tokens,
+                capacity_factor=spec.capacity_factor)
 
 
 def profile_spec(spec: ModelSpec) -> ModelProfile:

@@ -26,15 +26,21 @@ from autopar.spec import ModelSpec
 from autopar.trace.graph import BlockInfo, ModelGraph
 
 
-def dense_block(graph: ModelGraph) -> BlockInfo:
-    """The graph's one kind of repeated block, dense; a ``UserError`` saying what else it is."""
+def priced_block(graph: ModelGraph) -> BlockInfo:
+    """The graph's one kind of repeated block (dense or mixture-of-experts); a ``UserError``
+    saying what else it has."""
     if len(graph.blocks) != 1:
         raise UserError(f"the cost model needs one kind of repeated transformer block; {graph.name} has "
                         f"{len(graph.blocks)} ({', '.join(b.kind for b in graph.blocks) or 'none'})")
-    block = graph.blocks[0]
+    return graph.blocks[0]
+
+
+def dense_block(graph: ModelGraph) -> BlockInfo:
+    """The graph's one kind of repeated block, dense; a ``UserError`` saying what else it is."""
+    block = priced_block(graph)
     if block.experts:
-        raise UserError(f"the cost model cannot price mixture-of-experts blocks yet ({graph.name}: "
-                        f"{block.experts} experts per {block.kind}); `autopar inspect` works")
+        raise UserError(f"the cost model reads a model's shape off its trace only for dense blocks ({graph.name}: "
+                        f"{block.experts} experts per {block.kind}); give it as a moe: or hf: spec")
     return block
 
 
