@@ -203,9 +203,6 @@ class Plan:
     def refusal(self) -> str | None:
         """Why the runtime must not run this plan: context parallelism (autopar's runtime has
         none yet; Megatron runs the plan's export), or a feature it uses that the twin failed."""
-        if self.mesh.ep > 1:
-            return (f"plan has ep={self.mesh.ep}: autopar's runtime has no expert parallelism yet; "
-                    "re-plan with --ep 1 once it runs mixture-of-experts models")
         if self.mesh.cp > 1:
             return (f"plan has cp={self.mesh.cp}: autopar's runtime has no context parallelism yet; "
                     "run it with Megatron-LM: `autopar export PLAN --to megatron`")
@@ -365,17 +362,23 @@ def load_plan(path: str | Path) -> Plan:
 
 def runtime_unsupported(*, dp: int, pp: int, zero: int, schedule: str, virtual_stages: int,
                         cp: int = 1, ep: int = 1, offload: bool = False,
-                        recipe: ExecutionRecipe | None = None) -> str | None:
+                        recipe: ExecutionRecipe | None = None, moe: bool = False,
+                        sequence_parallel: bool = False) -> str | None:
     """Why the program of ``recipe`` (None: ``autopar``, autopar's own runtime on torch 2.13)
     cannot run this combination, or None if it can. Pure data, so the solver can skip what
     the runtime refuses without importing torch. Context parallelism runs only under a recipe
     that has it (``ExecutionRecipe.context_parallel``: Megatron-Core, torchtitan; plans for
-    them run through ``autopar export``); autopar's own runtime has none yet. Expert
-    parallelism (``ep``) is planned under every recipe (the program of the autopar recipe is
-    the one being built; until then ``Plan.refusal`` stops ``run`` and ``launch``): the search
-    asks with ``recipe`` given and ``ep`` left at 1, the runtime's own check passes ``ep``."""
-    if ep != 1 and recipe is None:
-        return f"autopar's runtime has no expert parallelism yet (ep={ep}); use ep = 1"
+    them run through ``autopar export``). Expert parallelism (``ep``; ``moe``: the model has
+    mixture-of-experts blocks) is planned under every recipe; autopar's own program runs what
+    ``autopar.layout.expert_parallel_unsupported`` allows (ep regroups dp, no pipelining, no
+    sequence parallelism of MoE layers), without context parallelism beside it."""
+    if (recipe is None or recipe.name == load_recipe().name) and (ep != 1 or moe):
+        from autopar.layout import expert_parallel_unsupported
+        if ep > 1 and cp > 1:
+            return f"expert parallelism (ep={ep}) with context parallelism (cp={cp}) is not proved in autopar's runtime; use one"
+        reason = expert_parallel_unsupported(ep=ep, dp=dp, pp=pp, sequence_parallel=sequence_parallel, moe=moe)
+        if reason:
+            return reason
     if cp != 1 and not (recipe or load_recipe()).has_context_parallel:
         name = (recipe or load_recipe()).name
         return (f"the {name} recipe has no context parallelism (cp={cp}); use cp = 1, or plan for "

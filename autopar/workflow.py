@@ -129,7 +129,8 @@ def plan_from_strategy(job: Job, strat: Strategy, est: Estimate | None,
 def verdicts(spec: ModelSpec) -> tuple[tuple[str, str], ...]:
     """(check, "" or why it failed) of every runtime feature on ``spec``'s twin (``autopar.verify``,
     cached per architecture); empty for the built-in models, which autopar's own parity tests
-    prove, and for models the runtime does not train (mixtures of experts: ``launch_refusal``)."""
+    prove, and for mixtures of experts (``tests/test_runtime_ep.py`` proves the layouts
+    ``autopar.layout.expert_parallel_unsupported`` allows)."""
     if spec.arch not in ("hf", "module") or spec.experts:
         return ()
     from autopar.verify import verify
@@ -143,9 +144,6 @@ def launch_refusal(plan: Plan) -> str | None:
     if known:
         return known
     spec = parse_model_spec(plan.model)
-    if spec.experts:
-        return (f"{plan.model} is a mixture of experts ({spec.experts} routed experts): autopar's runtime "
-                "cannot train one yet; export the plan (`autopar export PLAN --to megatron`) or wait for it")
     if plan.verified or not plan.features():
         return None
     if spec.arch not in ("hf", "module"):

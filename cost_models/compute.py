@@ -207,11 +207,11 @@ def expert_gemms(model: ModelProfile, strat: Strategy) -> list[Gemm]:
     """The routed experts' grouped GEMMs of one block's forward on the busiest rank: its
     experts / ep local experts, each computing its share of the routed rows (tokens x topk x
     ep / experts, times ``memory.moe_load``: the rank receives the top-k copies of the tokens
-    of its ep group), up/gate (2f / tp wide; SwiGLU) and down (f / tp deep)."""
+    of its ep group), up/gate (2f / etp wide; SwiGLU) and down (f / etp deep; ``Strategy.etp``)."""
     if not model.moe:
         return []
     from cost_models.memory import moe_load  # memory imports nothing of compute
-    t, h, f = strat.mesh.tp, model.hidden, model.expert_ffn
+    t, h, f = strat.etp, model.hidden, model.expert_ffn
     local = model.experts / strat.mesh.ep
     rows = strat.tokens(model.seq) * model.topk * strat.mesh.ep / model.experts * moe_load(model, strat)
     ups = max(1, round(model.expert_flops_per_token / (2 * model.topk * h * f) - 1))
@@ -225,7 +225,7 @@ def expert_gemm_s(model: ModelProfile, hw: HardwareProfile, strat: Strategy) -> 
     if not model.moe:
         return 0.0
     from cost_models.memory import moe_load
-    flops = strat.tokens(model.seq) * model.expert_flops_per_token / strat.mesh.tp * moe_load(model, strat)
+    flops = strat.tokens(model.seq) * model.expert_flops_per_token / strat.etp * moe_load(model, strat)
     return _scaled_s(expert_gemms(model, strat), flops, hw, strat, "fp8" if strat.fp8 else None)
 
 
@@ -240,7 +240,7 @@ def moe_traffic_bytes(model: ModelProfile, strat: Strategy) -> float:
     from cost_models.memory import moe_load
     tokens = strat.tokens(model.seq)
     router = 12.0 * model.experts * tokens
-    permute = 4.0 * model.topk * model.hidden * elem_bytes(strat) * tokens * moe_load(model, strat) / strat.mesh.tp
+    permute = 4.0 * model.topk * model.hidden * elem_bytes(strat) * tokens * moe_load(model, strat) / strat.etp
     return router + permute
 
 

@@ -141,7 +141,8 @@ def host_state_bytes(params: float, strat: Strategy) -> float:
 
 def layer_params(model: ModelProfile, strat: Strategy) -> float:
     """Parameters of one block on one device: the dense part over tp, the routed experts over
-    ep x tp (expert tensor parallelism = tp: each expert's GEMMs split like the dense MLP's)."""
+    ep x etp (``Strategy.etp``: tp where each expert's GEMMs split like the dense MLP's, 1
+    where the recipe replicates the experts over tp)."""
     return dense_layer_params(model, strat) + expert_layer_params(model, strat)
 
 
@@ -151,8 +152,8 @@ def dense_layer_params(model: ModelProfile, strat: Strategy) -> float:
 
 
 def expert_layer_params(model: ModelProfile, strat: Strategy) -> float:
-    """Routed-expert parameters of one block on one device: experts / ep of them, each over tp."""
-    return model.expert_params / (strat.mesh.tp * strat.mesh.ep)
+    """Routed-expert parameters of one block on one device: experts / ep of them, each over etp."""
+    return model.expert_params / (strat.etp * strat.mesh.ep)
 
 
 def expert_strategy(strat: Strategy) -> Strategy:
@@ -194,11 +195,14 @@ def moe_load(model: ModelProfile, strat: Strategy) -> float:
 
 def expert_extra_act_bytes(model: ModelProfile, strat: Strategy) -> float:
     """Saved bytes per micro-batch one block keeps beyond the traced (balanced) routing on the
-    busiest rank: (load - 1) x the routed copies' activations (``ModelProfile``), over tp."""
-    extra = moe_load(model, strat) - 1.0
+    busiest rank: the routed copies' activations (``ModelProfile``) at load / etp where the
+    traced accounting keeps them at 1 / tp (``Strategy.etp``: replicated experts keep them whole)."""
+    if not model.moe:
+        return 0.0
+    extra = moe_load(model, strat) / strat.etp - 1.0 / strat.mesh.tp
     if extra <= 0:
         return 0.0
-    return act_scale(strat) * strat.tokens(model.seq) * extra * model.expert_act_bytes_per_token() / strat.mesh.tp
+    return act_scale(strat) * strat.tokens(model.seq) * extra * model.expert_act_bytes_per_token()
 
 
 def first_params(model: ModelProfile, strat: Strategy) -> float:

@@ -141,6 +141,10 @@ class ExecutionRecipe:
     loss-free bias balancing (Wang et al. 2024, arXiv 2408.15664) aims at; measured routing
     is never quite that even, so the default is optimistic. A model's capacity factor caps it
     (tokens past capacity are dropped)."""
+    expert_tensor_parallel: bool = True
+    """Whether each routed expert's GEMMs split over tp like the dense MLP's (expert TP = tp,
+    Megatron-LM's original layout); false: router and experts are replicated over tp, every tp
+    rank computing the same routed tokens (expert TP = 1)."""
     kernels_per_block: int = 0
     """Kernels one transformer block's forward launches (backward about twice as many); with
     the profile's ``kernel_dispatch_us``, a pass can be no faster than its host dispatch."""

@@ -115,6 +115,12 @@ class Strategy:
         replicated over cp, so gradients reduce and ZeRO shards over all of them."""
         return self.mesh.dp * self.mesh.cp
 
+    @property
+    def etp(self) -> int:
+        """Ranks each routed expert's GEMMs split over: tp, or 1 where the recipe replicates
+        the experts over tp (``ExecutionRecipe.expert_tensor_parallel``)."""
+        return self.mesh.tp if self.recipe.expert_tensor_parallel else 1
+
     def tokens(self, seq: int) -> float:
         """Tokens of one micro-batch on one rank: each cp rank holds seq / cp of every sequence."""
         return self.micro_batch * seq / self.mesh.cp

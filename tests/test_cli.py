@@ -265,10 +265,12 @@ def test_cp_pin_plans_and_estimates_under_megatron_and_run_refuses_it(tmp_path):
     assert ran.exit_code == 2 and "autopar export" in ran.output and len(ran.output.strip().splitlines()) == 1
 
 
-def test_ep_pin_reaches_the_plan_is_checked_in_one_line_and_run_refuses_it(tmp_path):
+def test_ep_pin_reaches_the_plan_is_checked_in_one_line_and_the_plan_runs_here(tmp_path):
     """``--ep`` pins expert parallelism on an MoE model (the plan's mesh records it, ep
     regrouping dp: the devices stay dp x tp x pp); a degree that does not divide the experts,
-    or any on a dense model, is one line; ``autopar run`` refuses the plan before starting."""
+    or any on a dense model, is one line. Under the autopar recipe the plan is one autopar's
+    runtime runs (``autopar.layout.expert_parallel_unsupported``: no pipelining, no sequence
+    parallelism of MoE layers)."""
     moe = "moe:layers=2,hidden=256,heads=4,kv_heads=2,ffn=512,vocab=512,seq=256,experts=4,topk=2"
     job = ["--model", moe, "--cluster", "dgx-h100", "--gpus", "8", "--global-batch", "16"]
     out = tmp_path / "plan.json"
@@ -276,10 +278,14 @@ def test_ep_pin_reaches_the_plan_is_checked_in_one_line_and_run_refuses_it(tmp_p
     assert res.exit_code == 0, res.output
     mesh = json.loads(res.stdout)["plan"]["mesh"]
     assert mesh["ep"] == 2 and mesh["dp"] * mesh["tp"] * mesh["pp"] * mesh["cp"] == 8 and mesh["dp"] % 2 == 0
+    from autopar.plan import load_plan
+    from autopar.runtime.context import check_plan
+    plan = load_plan(out)
+    assert mesh["pp"] == 1 and not plan.sequence_parallel and plan.refusal() is None
+    check_plan(plan)  # the runtime's own check, before any process starts
     for args, fragment in ((["plan", *job, "--ep", "3"], "--ep 3 does not divide the 4 routed experts"),
                            (["estimate", "--model", "gpt2", "--cluster", "dgx-h100", "--gpus", "8",
-                             "--global-batch", "16", "--ep", "2"], "has no routed experts"),
-                           (["run", str(out)], "no expert parallelism yet")):
+                             "--global-batch", "16", "--ep", "2"], "has no routed experts")):
         bad = invoke(*args)
         assert bad.exit_code == 2 and fragment in bad.stderr and len(bad.stderr.strip().splitlines()) == 1, bad.stderr
     est = invoke("estimate", *job, "--ep", "4", "--json")

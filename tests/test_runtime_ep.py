@@ -4,8 +4,7 @@ TP 2 (the experts replicated over tp) and plain DP 2 of the MoE model (ep = 1), 
 the single process on the same seed and global batch (and a bf16 EP 2 run against it, loosely).
 
 Driven through the plan-driven runtime (``run_job``, torchrun, the worker): the plan gives dp,
-tp, ZeRO and recompute; the expert-parallel degree rides on ``RunSpec.expert_parallel`` until
-the Plan carries ep.
+tp, ep (``Mesh.ep``, a regrouping of dp), ZeRO and recompute.
 
 Gradients are compared through SGD (lr 0.1, so a weight's change is -lr x its gradients):
 after ``STEPS`` steps every weight's change, divided by lr, is the sum of its gradients.
@@ -42,23 +41,23 @@ BF16_LOSS_TOL = 5e-2  # as test_runtime's (measured here: 1.5e-4)
 BF16_GRAD_TOL = 1e-2  # 8 mantissa bits; measured 2.5e-3. The fp32 runs prove the reductions, this the bf16 path.
 
 
-def make_plan(*, dp: int = 1, tp: int = 1, pp: int = 1, zero: int = 0, mbs: int = 2, m: int = 2,
+def make_plan(*, dp: int = 1, tp: int = 1, pp: int = 1, ep: int = 1, zero: int = 0, mbs: int = 2, m: int = 2,
               recompute: str = "none", sp: bool = False, model: str = MOE, dtype: str = "fp32") -> Plan:
     return Plan(model=model, cluster="cpu-local", gpus=dp * tp * pp, global_batch=dp * mbs * m, seq_len=16,
-                dtype=dtype, mesh=Mesh(dp=dp, tp=tp, pp=pp), zero_stage=zero, micro_batch_size=mbs,
+                dtype=dtype, mesh=Mesh(dp=dp, tp=tp, pp=pp, ep=ep), zero_stage=zero, micro_batch_size=mbs,
                 num_microbatches=m, sequence_parallel=sp, stage_layers=(2 // pp,) * pp, recompute=(recompute,) * 2)
 
 
 # name -> (plan, ep); every plan has global batch 8.
 RUNS_2 = {
-    "dp2 ep1 ddp": (make_plan(dp=2, mbs=2, m=2), 1),
-    "dp2 ep2 zero0": (make_plan(dp=2, mbs=2, m=2), 2),
-    "dp2 ep2 zero2 bf16": (make_plan(dp=2, zero=2, mbs=2, m=2, dtype="bf16"), 2),
+    "dp2 ep1 ddp": (make_plan(dp=2, mbs=2, m=2, ep=1), 1),
+    "dp2 ep2 zero0": (make_plan(dp=2, mbs=2, m=2, ep=2), 2),
+    "dp2 ep2 zero2 bf16": (make_plan(dp=2, zero=2, mbs=2, m=2, dtype="bf16", ep=2), 2),
 }
 RUNS_4 = {
-    "dp4 ep2 (edp2) zero3 full recompute": (make_plan(dp=4, zero=3, mbs=1, m=2, recompute="full"), 2),
-    "dp2 tp2 ep2 zero1": (make_plan(dp=2, tp=2, zero=1, mbs=2, m=2), 2),
-    "dp4 ep4 zero2": (make_plan(dp=4, zero=2, mbs=2, m=1), 4),
+    "dp4 ep2 (edp2) zero3 full recompute": (make_plan(dp=4, zero=3, mbs=1, m=2, recompute="full", ep=2), 2),
+    "dp2 tp2 ep2 zero1": (make_plan(dp=2, tp=2, zero=1, mbs=2, m=2, ep=2), 2),
+    "dp4 ep4 zero2": (make_plan(dp=4, zero=2, mbs=2, m=1, ep=4), 4),
 }
 
 
@@ -88,7 +87,7 @@ def _dumped(tmp: Path, name: str) -> dict[str, torch.Tensor]:
 def _run(runs: dict[str, tuple[Plan, int]], tmp: Path,
          save: str = "") -> dict[str, tuple[list[float], dict[str, torch.Tensor]]]:
     """Every run in one torchrun job; the run named ``save`` saves a checkpoint in ``tmp/ckpt``."""
-    specs = [RunSpec(plan=p, steps=STEPS, dump=True, expert_parallel=ep, save=tmp / "ckpt" if name == save else None)
+    specs = [RunSpec(plan=p, steps=STEPS, dump=True, save=tmp / "ckpt" if name == save else None)
              for name, (p, ep) in runs.items()]
     results = run_job(specs, workdir=tmp, cfg=CFG, timeout_s=900)
     return {name: (r.losses, _dumped(tmp, f"run{i}.final")) for i, (name, r) in enumerate(zip(runs, results))}
@@ -206,17 +205,17 @@ def test_reference_moves_every_expert(reference):
 
 
 @pytest.mark.parametrize(("plan", "ep", "match"), [
-    (make_plan(dp=4, mbs=1, m=2), 3, "ep=3 must divide dp=4"),
-    (make_plan(dp=2, tp=2), 4, "ep=4 must divide dp=2"),
-    (make_plan(dp=4, mbs=2, m=1, model=MOE.replace("experts=4", "experts=6")), 4, "ep=4 must divide the 6 experts"),
-    (make_plan(dp=2, pp=2), 2, "not proved under pipelining"),
+    (make_plan(dp=4, mbs=1, m=2, ep=3), 3, "ep=3 must divide dp=4"),
+    (make_plan(dp=2, tp=2, ep=4), 4, "ep=4 must divide dp=2"),
+    (make_plan(dp=4, mbs=2, m=1, ep=4, model=MOE.replace("experts=4", "experts=6")), 4, "ep=4 must divide the 6 experts"),
+    (make_plan(dp=2, pp=2, ep=2), 2, "not proved under pipelining"),
     (make_plan(dp=2, tp=2, sp=True), 1, "--no-sp"),
-    (make_plan(dp=2, model="llama:layers=2,hidden=64,heads=4,kv_heads=2,ffn=96,vocab=128,seq=16"), 2, "has none"),
+    (make_plan(dp=2, ep=2, model="llama:layers=2,hidden=64,heads=4,kv_heads=2,ffn=96,vocab=128,seq=16"), 2, "has none"),
 ])
 def test_refused_before_launch(plan, ep, match, tmp_path):
     """What expert parallelism cannot run is refused in one line before any process starts."""
     with pytest.raises(UserError, match=match) as err:
-        run_job([RunSpec(plan=plan, steps=1, expert_parallel=ep)], workdir=tmp_path, timeout_s=60)
+        run_job([RunSpec(plan=plan, steps=1)], workdir=tmp_path, timeout_s=60)
     assert "\n" not in str(err.value)
     assert not (tmp_path / "job.json").exists()
 

@@ -83,8 +83,10 @@ def check_plan(plan: Plan, traced: Traced | None = None) -> None:
         traced = traced_file(plan.model, plan.seq_len)
         spec = traced.spec
     m = plan.mesh
+    moe = bool(spec.experts) or (plan.layout is not None and bool(plan.layout.experts))
     reason = runtime_unsupported(dp=m.dp, pp=m.pp, zero=plan.zero_stage, schedule=plan.schedule,
-                                 virtual_stages=plan.virtual_stages, cp=m.cp, ep=m.ep, offload=plan.offload)
+                                 virtual_stages=plan.virtual_stages, cp=m.cp, ep=m.ep, offload=plan.offload,
+                                 moe=moe, sequence_parallel=plan.sequence_parallel)
     if reason:
         raise ValueError(reason)
     if spec.heads % plan.mesh.tp or spec.num_kv_heads % plan.mesh.tp:

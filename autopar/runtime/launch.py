@@ -46,26 +46,22 @@ class RunSpec:
     dump: bool = False
     """Write the full weights (``run<i>.final.rank<r>.pt``, and ``run<i>.loaded…`` after a
     resume) beside the job's result, for comparisons."""
-    expert_parallel: int = 1
-    """Expert-parallel degree (``runtime.experts``: it regroups the plan's dp ranks into ep x
-    dp/ep for the MoE layers). Here until the Plan carries ep; then it is ``plan.mesh.ep``."""
 
 
-def _check_experts(run: RunSpec) -> None:
+def _check_experts(plan: Plan) -> None:
     """Refuse, before any process starts, an expert-parallel layout the runtime cannot run, as
-    far as the model spec tells (an HF model's expert count is checked on its module)."""
+    far as the model spec and the plan's layout tell (the worker checks an HF model's module)."""
     from autopar.layout import expert_parallel_unsupported
     from autopar.spec import parse_model_spec
-    plan = run.plan
-    spec = parse_model_spec(plan.model)
+    spec, ep = parse_model_spec(plan.model), plan.mesh.ep
     moe = bool(spec.experts) or (plan.layout is not None and bool(plan.layout.experts))
-    if not moe and run.expert_parallel == 1:
+    if not moe and ep == 1:
         return
     if spec.arch == "hf" and plan.layout is None:  # MoE or not: its trace tells (the worker checks that)
-        if run.expert_parallel == 1:
+        if ep == 1:
             return
         moe = True
-    reason = expert_parallel_unsupported(ep=run.expert_parallel, dp=plan.mesh.dp, pp=plan.mesh.pp,
+    reason = expert_parallel_unsupported(ep=ep, dp=plan.mesh.dp, pp=plan.mesh.pp,
                                          sequence_parallel=plan.sequence_parallel, moe=moe, experts=spec.experts,
                                          user_module=spec.arch == "module")
     if reason:
@@ -156,7 +152,7 @@ def run_job(runs: list[RunSpec], *, workdir: Path | None = None, cfg: TrainConfi
         raise UserError(f"runs of one job must have the same number of devices, got {sorted(sizes)}")
     world = sizes.pop()
     for run in runs:
-        _check_experts(run)
+        _check_experts(run.plan)
     own = workdir is None
     wd = Path(tempfile.mkdtemp(prefix="autopar-run-")) if workdir is None else Path(workdir)
     wd.mkdir(parents=True, exist_ok=True)
@@ -165,8 +161,7 @@ def run_job(runs: list[RunSpec], *, workdir: Path | None = None, cfg: TrainConfi
         run.plan.save(wd / f"plan{i}.json")
         entries.append({"plan": str(wd / f"plan{i}.json"), "steps": run.steps, "dump": run.dump, "phases": run.phases,
                         "resume": str(run.resume) if run.resume else None,
-                        "save": str(run.save) if run.save else None, "save_every": run.save_every,
-                        "ep": run.expert_parallel})
+                        "save": str(run.save) if run.save else None, "save_every": run.save_every})
     out = wd / "result.json"
     for stale in (out, *wd.glob("rank*.err")):  # from an earlier job in this workdir
         stale.unlink(missing_ok=True)

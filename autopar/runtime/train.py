@@ -121,10 +121,10 @@ def corpus_batch(corpus: Corpus, plan: Plan, sample: int, vocab: int) -> tuple[t
 
 
 def build_program(plan: Plan, ctx: ParallelContext, cfg: TrainConfig = TrainConfig(),
-                  source: UserModule | None = None, ep: int = 1) -> Program:
+                  source: UserModule | None = None) -> Program:
     """Codegen: the plan's per-rank program on ``ctx``. ``source``: a user module object
-    (``autopar.parallelize``) in place of the plan's ``model``. ``ep``: the expert-parallel
-    degree (``runtime.experts``; it regroups the dp ranks, so it divides dp)."""
+    (``autopar.parallelize``) in place of the plan's ``model``. The plan's ``mesh.ep``
+    regroups the dp ranks for the experts (``runtime.experts``)."""
     spec = parse_model_spec(plan.model) if source is None else source.base_spec()
     if source is None and spec.arch == "module":
         source = UserModule(spec)
@@ -139,6 +139,7 @@ def build_program(plan: Plan, ctx: ParallelContext, cfg: TrainConfig = TrainConf
     if plan.num_layers != len(anat.blocks) or len(plan.recompute) != len(anat.blocks):
         raise ValueError(f"the plan places {plan.num_layers} layers but {spec.name} has {len(anat.blocks)}; "
                          "make the plan for this model with autopar plan")
+    ep = plan.mesh.ep
     reason = expert_parallel_unsupported(ep=ep, dp=plan.mesh.dp, pp=plan.mesh.pp,
                                          sequence_parallel=plan.sequence_parallel, moe=bool(anat.experts),
                                          user_module=source is not None)

@@ -163,7 +163,7 @@ def run_job(job: dict, rank: int) -> list[dict]:
         if not trust_code:
             refuse_code(plan, run["plan"])
         ctx = build_context(plan, device)
-        prog = build_program(plan, ctx, cfg, ep=int(run.get("ep", 1)))
+        prog = build_program(plan, ctx, cfg)
         found = _source(run, rank, trust_code)
         where = checkpoint.load(prog, found) if found is not None else checkpoint.Position(step=0, samples=0)
         if run.get("dump") and found is not None and out is not None:

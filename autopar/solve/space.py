@@ -258,6 +258,10 @@ def outer_candidates(model: ModelProfile, hw: HardwareProfile, gpus: int, global
                         for sp in _choices(pins.sequence_parallel, [False, True] if tp > 1 else [False]):
                             if sp and (tp == 1 or "sp" in refused):
                                 continue  # SP splits what TP replicates: nothing at tp = 1
+                            if (ep > 1 or model.moe) and runtime_unsupported(
+                                    dp=dp * cp, pp=pp, zero=zero, schedule=sched, virtual_stages=v, cp=cp,
+                                    ep=ep, recipe=recipe, moe=model.moe, sequence_parallel=sp):
+                                continue
                             for nominal, modes in _mode_sets(pins, sched):
                                 if "selective" in refused:
                                     modes = tuple(i for i in modes if RECOMPUTE[i] != "selective")
