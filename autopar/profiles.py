@@ -5,7 +5,8 @@
 
 The trace is a pure function of the spec, the torch and transformers versions and autopar's
 tracer, so the cache key is exactly that (the tracer's source files, hashed: changed code
-traces anew). A user module (``path.py:factory``) is code that may change under the same
+traces anew). The presets on autopar's own model ship their entries (``SHIPPED``), so even a
+first plan of one imports no torch. A user module (``path.py:factory``) is code that may change under the same
 name: it is traced every time, as before. The cache holds JSON only, rebuilt with the Plan's
 checked loader; an unreadable or malformed entry is traced again and rewritten. This module
 imports no torch.
@@ -42,15 +43,32 @@ def _version(package: str) -> str:
         return ""
 
 
-def _cache_file(spec: ModelSpec) -> Path:
-    """The entry of ``spec``: keyed by its every field, torch's and transformers' versions and
-    the tracer's source (read from the installed distributions' metadata: nothing imported)."""
-    digest = hashlib.sha256(f"{spec!r}|{_version('torch')}|{_version('transformers')}".encode())
+SHIPPED = _ROOT / "traces"
+"""Entries of the presets built on autopar's own model, shipped with the package
+(``benchmarks/ship_traces.py`` writes them): a first plan of a preset traces nothing either.
+Their names are keys like any entry's, so an entry of other sources or versions is never read."""
+
+
+def _uses_transformers(spec: ModelSpec) -> bool:
+    """Whether tracing ``spec`` builds an HF transformers model (``hf:`` specs and MoE)."""
+    return spec.arch == "hf" or bool(spec.experts)
+
+
+def cache_key(spec: ModelSpec) -> str:
+    """The key of ``spec``'s entry: its every field, torch's version, transformers' where the
+    trace builds an HF model, and the tracer's source (versions read from the installed
+    distributions' metadata: nothing imported)."""
+    hf = _version("transformers") if _uses_transformers(spec) else "-"
+    digest = hashlib.sha256(f"{spec!r}|{_version('torch')}|{hf}".encode())
     for f in sorted(p for pattern in _TRACER_SOURCES for p in _ROOT.glob(pattern)):
         digest.update(f.name.encode())
         digest.update(f.read_bytes())
     digest.update((_ROOT.parent / "cost_models" / "model_profile.py").read_bytes())
-    return cache_root() / "trace" / f"{digest.hexdigest()[:32]}.json"
+    return digest.hexdigest()[:32]
+
+
+def _cache_file(spec: ModelSpec) -> Path:
+    return cache_root() / "trace" / f"{cache_key(spec)}.json"
 
 
 def _load(path: Path) -> tuple[ModelProfile, Anatomy | None] | None:
@@ -65,11 +83,16 @@ def _load(path: Path) -> tuple[ModelProfile, Anatomy | None] | None:
         return None
 
 
+def entry_text(profile: ModelProfile, layout: Anatomy | None) -> str:
+    """An entry's JSON."""
+    return json.dumps({"profile": dataclasses.asdict(profile),
+                       "layout": dataclasses.asdict(layout) if layout else None}, sort_keys=True)
+
+
 def _store(path: Path, profile: ModelProfile, layout: Anatomy | None) -> None:
     """Write atomically (a reader sees the old entry or the whole new one); an unwritable cache
     only costs the next command its trace."""
-    text = json.dumps({"profile": dataclasses.asdict(profile),
-                       "layout": dataclasses.asdict(layout) if layout else None}, sort_keys=True)
+    text = entry_text(profile, layout)
     tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
@@ -92,7 +115,7 @@ def profile_and_layout(spec: ModelSpec) -> tuple[ModelProfile, Anatomy | None]:
 def _kept(spec: ModelSpec) -> tuple[ModelProfile, Anatomy | None]:
     """Specs are frozen data: a command that prices one model many times reads it once."""
     path = _cache_file(spec)
-    hit = _load(path)
+    hit = _load(path) or _load(SHIPPED / path.name)
     if hit is not None:
         return hit
     from autopar.trace import profile_and_layout as traced  # torch: only on a cache miss

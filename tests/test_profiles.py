@@ -82,3 +82,28 @@ def test_a_warm_plan_command_imports_no_torch(cache):
     assert "torch imported: True" in runs[0].stdout
     assert "torch imported: False" in runs[1].stdout
     assert (cache / "plan0.json").read_bytes() == (cache / "plan1.json").read_bytes()
+
+
+def _shipping():
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    try:
+        import ship_traces
+    finally:
+        sys.path.pop(0)
+    return ship_traces
+
+
+def test_shipped_entries_are_the_presets_current_traces(cache, monkeypatch):
+    """Every preset on autopar's own model ships its entry under the current sources' key (no
+    other file), so a first plan of one traces nothing; a stale set fails here until
+    ``python benchmarks/ship_traces.py`` rewrites it. The smallest entry equals a fresh trace."""
+    ship = _shipping()
+    names = {f"{profiles.cache_key(parse_model_spec(n))}.json": n for n in ship.shipped_presets()}
+    assert names and {p.name for p in profiles.SHIPPED.glob("*.json")} == set(names), \
+        "stale autopar/traces: run `python benchmarks/ship_traces.py`"
+    spec = parse_model_spec("gpt-tiny")
+    fresh = profiles.entry_text(*autopar.trace.profile_and_layout(spec))
+    assert (profiles.SHIPPED / f"{profiles.cache_key(spec)}.json").read_text(encoding="utf-8") == fresh
+    monkeypatch.setattr(autopar.trace, "profile_and_layout", _no_trace)
+    assert profiles.profile_spec(parse_model_spec("llama3-405b")).layers == 126  # shipped: not traced
+    assert not (cache / "trace").exists()
