@@ -162,7 +162,7 @@ def plan(model: str = MODEL, cluster: str = CLUSTER,
          schedule: Optional[Schedule] = typer.Option(None, "--schedule", help="Pin pipeline schedule"),
          vpp: Optional[int] = typer.Option(None, "--vpp", min=1, help="Pin virtual stages per pipeline rank"),
          cp: Optional[int] = typer.Option(None, "--cp", help="Pin context-parallel degree (above 1 only "
-                                          "under a recipe that has it: megatron-core, megatron-core-te, torchtitan)"),
+                                          "under a recipe that has it: autopar, megatron-core, megatron-core-te, torchtitan)"),
          sp: Optional[bool] = typer.Option(None, "--sp/--no-sp", help="Pin sequence parallelism"),
          recompute: Optional[Recompute] = typer.Option(None, "--recompute", help="Pin recompute mode"),
          offload: Optional[bool] = typer.Option(None, "--offload/--no-offload",
@@ -279,7 +279,7 @@ def estimate(model: str = MODEL, cluster: str = CLUSTER, gpus: int = GPUS, globa
              schedule: Schedule = typer.Option(Schedule.one_f_one_b, "--schedule"),
              vpp: int = typer.Option(1, "--vpp", help="Virtual stages per pipeline rank"),
              cp: int = typer.Option(1, "--cp", help="Context-parallel degree (above 1 only under a recipe "
-                                    "that has it: megatron-core, megatron-core-te, torchtitan)"),
+                                    "that has it: autopar, megatron-core, megatron-core-te, torchtitan)"),
              sp: bool = typer.Option(False, "--sp/--no-sp"),
              recompute: Recompute = typer.Option(Recompute.none, "--recompute"),
              fp8: bool = typer.Option(False, "--fp8/--no-fp8", help="Float8 weight GEMMs (priced "

@@ -22,7 +22,7 @@ from autopar.limits import (MAX_GLOBAL_BATCH, MAX_GPUS, MAX_LAYERS, MAX_SEQ, che
                             shown)
 from cost_models.axes import DEFAULT_ORDER, Axis, Degrees, parse_order
 from cost_models.jsonfile import JsonFileError, decode_json
-from cost_models.recipe import ExecutionRecipe, RecipeError, load_recipe
+from cost_models.recipe import DEFAULT_RECIPE, ExecutionRecipe, RecipeError, load_recipe
 from cost_models.strategy import RECOMPUTE, SCHEDULES, Estimate, Strategy
 
 if typing.TYPE_CHECKING:
@@ -367,14 +367,19 @@ def runtime_unsupported(*, dp: int, pp: int, zero: int, schedule: str, virtual_s
     """Why the program of ``recipe`` (None: ``autopar``, autopar's own runtime on torch 2.13)
     cannot run this combination, or None if it can. Pure data, so the solver can skip what
     the runtime refuses without importing torch. Context parallelism runs only under a recipe
-    that has it (``ExecutionRecipe.context_parallel``: Megatron-Core, torchtitan; plans for
-    them run through ``autopar export``); autopar's own runtime has none yet."""
+    that has it (``ExecutionRecipe.context_parallel``: autopar's all-gather CP, Megatron-Core,
+    torchtitan); autopar's own runtime runs it without pipelining (``runtime.context_parallel``),
+    so under its recipe cp x pp is refused (other recipes' programs, run through ``autopar
+    export``, compose them)."""
+    rec = recipe or load_recipe()
     if ep != 1:
         return f"the runtime has no expert parallelism yet (ep={ep}); use ep = 1"
-    if cp != 1 and not (recipe or load_recipe()).has_context_parallel:
-        name = (recipe or load_recipe()).name
-        return (f"the {name} recipe has no context parallelism (cp={cp}); use cp = 1, or plan for "
-                "Megatron with --recipe megatron-core and run it through `autopar export --to megatron`")
+    if cp != 1 and not rec.has_context_parallel:
+        return (f"the {rec.name} recipe has no context parallelism (cp={cp}); use cp = 1, or plan with "
+                "--recipe autopar (all-gathered K,V) or megatron-core (ring attention)")
+    if cp != 1 and pp != 1 and rec.name == DEFAULT_RECIPE:
+        return (f"autopar's runtime does not compose context parallelism (cp={cp}) with pipelining (pp={pp}) yet; "
+                "use pp = 1 or cp = 1, or plan with --recipe megatron-core and run it through `autopar export`")
     if virtual_stages > 1 and schedule not in ("interleaved", "zero-bubble"):
         return (f"virtual_stages={virtual_stages} needs the interleaved or zero-bubble schedule, "
                 f"not {schedule}")

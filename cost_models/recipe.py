@@ -134,6 +134,11 @@ class ExecutionRecipe:
     """How context parallelism runs in this program, or that it has none (``ContextParallel``;
     with cp > 1 the attention core is always the fused kernel: Megatron's CP runs only through
     Transformer Engine's flash attention, torch's through SDPA)."""
+    cp_recomputes_attention: bool = False
+    """Under cp > 1 the attention core of a block that is not recomputed is recomputed anyway
+    (its gathered K,V are not kept: the core keeps its local q, k, v and gathers again in the
+    backward): recompute none runs and is priced as selective (autopar's all-gather CP,
+    ``autopar/runtime/context_parallel.py``); ``Strategy.recompute_run``."""
     kernels_per_block: int = 0
     """Kernels one transformer block's forward launches (backward about twice as many); with
     the profile's ``kernel_dispatch_us``, a pass can be no faster than its host dispatch."""

@@ -36,6 +36,7 @@ from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import Checkpoi
 from torch.utils.checkpoint import checkpoint
 from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionPolicy, OffloadPolicy, fully_shard
 from torch.distributed._composable.replicate_with_fsdp import replicate
+from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Replicate, Shard
 from torch.distributed.tensor.parallel import (
     ColwiseParallel,
@@ -228,22 +229,27 @@ def _recompute_attention_core(block: nn.Module, anat: Anatomy) -> None:
 def uses_ddp(plan: Plan, experts: ExpertMesh | None = None) -> bool:
     """ZeRO-0 over whole, unsharded models runs on DDP; everything else on FSDP2 (expert
     parallelism too: its weights are DTensors, which DDP does not take)."""
-    return plan.mesh.dp > 1 and plan.mesh.tp == 1 and plan.mesh.pp == 1 and plan.zero_stage == 0 and experts is None
+    return plan.mesh.dp * plan.mesh.cp > 1 and plan.mesh.tp == 1 and plan.mesh.pp == 1 and plan.zero_stage == 0 \
+        and experts is None
 
 
 def apply_data_parallel(model: nn.Module, plan: Plan, ctx: ParallelContext, anat: Anatomy,
-                        experts: ExpertMesh | None = None) -> nn.Module:
-    """Wrap ``model`` for the plan's ZeRO stage over the dp axis; returns the module to run.
-    With expert parallelism (``experts``) each experts module is wrapped alike on the edp mesh
-    first, its gradients divided by dp (torchtitan's layout; ``runtime.experts``)."""
-    if plan.mesh.dp == 1:
+                        replicas: DeviceMesh | None, experts: ExpertMesh | None = None) -> nn.Module:
+    """Wrap ``model`` for the plan's ZeRO stage over the replicas of its weights, ``replicas``
+    (``ParallelContext.replica_mesh``: the dp axis, flattened with cp under context
+    parallelism, whose ranks hold the same weights; None: nothing to wrap); returns the module
+    to run. Gradients are averaged over it: each rank's loss is the mean of its tokens, so the
+    mean over dp x cp ranks is the global-batch mean. With expert parallelism (``experts``)
+    each experts module is wrapped alike on the edp mesh first, its gradients divided by dp
+    (torchtitan's layout; ``runtime.experts``)."""
+    if replicas is None:
         return model
     if uses_ddp(plan, experts):
         # Gradients as views of DDP's buckets: no second copy of them (the cost model keeps none).
-        return DistributedDataParallel(model, process_group=ctx.group(Axis.DP), gradient_as_bucket_view=True,
+        return DistributedDataParallel(model, process_group=replicas.get_group(), gradient_as_bucket_view=True,
                                        device_ids=[ctx.device.index] if ctx.device.type == "cuda" else None)
     dtype = DTYPES[plan.dtype]
-    kw: dict = dict(mesh=ctx.submesh(Axis.DP),
+    kw: dict = dict(mesh=replicas,
                     mp_policy=MixedPrecisionPolicy(param_dtype=dtype, reduce_dtype=torch.float32)
                     if dtype != torch.float32 else MixedPrecisionPolicy())
     if plan.zero_stage == 0:
