@@ -32,10 +32,11 @@ class Embedding(nn.Module):
         self.tok = nn.Embedding(spec.vocab, spec.hidden, _weight=torch.empty(spec.vocab, spec.hidden))
         self.pos = (nn.Embedding(spec.seq, spec.hidden, _weight=torch.empty(spec.seq, spec.hidden))
                     if spec.arch == "gpt" else None)
-        self.positions: torch.Tensor | None
-        """Global position of each input token (int64 [s]) when a rank holds only some tokens of
-        every sequence (context parallelism, ``runtime.context_parallel``); None: 0 .. s-1."""
-        self.register_buffer("positions", None, persistent=False)
+        self.positions: torch.Tensor | None = None
+        """Global position of each input token (int64 [s], on the module's device) when a rank
+        holds only some tokens of every sequence (context parallelism,
+        ``runtime.context_parallel``); None: 0 .. s-1. Not a buffer: it differs between ranks,
+        and DDP broadcasts buffers from rank 0."""
 
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:
         h = self.tok(tokens)
@@ -90,10 +91,9 @@ class Attention(nn.Module):
             cos, sin = rope if rope is not None else rotary_tables(spec.seq, spec.head_dim)
             self.register_buffer("cos", cos, persistent=False)
             self.register_buffer("sin", sin, persistent=False)
-        self.positions: torch.Tensor | None
+        self.positions: torch.Tensor | None = None
         """Global position of each input token (int64 [s]) under context parallelism, whose
         RoPE rows are used; None: 0 .. s-1 (``Embedding.positions``)."""
-        self.register_buffer("positions", None, persistent=False)
 
     @torch.no_grad()
     def reset_buffers(self) -> None:

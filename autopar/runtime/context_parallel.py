@@ -16,7 +16,8 @@ Layout (causal load balancing, ``zigzag_positions``): a sequence of s tokens is 
 chunks of s / 2c (c = cp); cp rank r holds chunks r and 2c-1-r, so every rank's queries see
 the same number of keys under the causal mask. Embeddings, norms, MLPs and the head act on a
 rank's s / c tokens; learned positions and RoPE read the tokens' global positions
-(``Embedding.positions``, ``Attention.positions`` of ``autopar.model``).
+(``Embedding.positions``, ``Attention.positions`` of ``autopar.model``: plain attributes, not
+buffers, which DDP would overwrite with rank 0's).
 
 Attention (``AllGatherKVAttention``, in place of each block's ``CoreAttention``): the local K and
 V ([b, kv heads, s/c, d], tp-local heads under TP) are all-gathered over the cp group in one
@@ -107,11 +108,12 @@ class AllGatherKVAttention(CoreAttention):
     ``zigzag_attention``. A ``CoreAttention`` still, so selective recompute re-runs it (and its
     all-gather) in the backward. No parameters: state dicts are unchanged."""
 
-    def __init__(self, group: dist.ProcessGroup, cp: int, rank: int, seq: int) -> None:
+    def __init__(self, group: dist.ProcessGroup, cp: int, rank: int, seq: int, device: torch.device) -> None:
         super().__init__()
         self.group, self.cp, self.rank = group, cp, rank
         order = torch.cat([zigzag_positions(seq, cp, r) for r in range(cp)])
-        self.register_buffer("to_sequence_order", torch.argsort(order), persistent=False)
+        self.to_sequence_order = torch.argsort(order).to(device)
+        """Gathered (rank-major) index of each position. Not a buffer: DDP broadcasts those."""
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         kv = torch.stack((k, v)).movedim(3, 0).contiguous()  # [s/cp, 2, b, kv heads, d]
@@ -149,4 +151,4 @@ def apply_context_parallel(model: nn.Module, group: dist.ProcessGroup, cp: int, 
             module.positions = positions
         elif isinstance(module, Attention):
             module.positions = positions
-            module.core = AllGatherKVAttention(group, cp, rank, seq).to(device)
+            module.core = AllGatherKVAttention(group, cp, rank, seq, device)
