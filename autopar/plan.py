@@ -202,11 +202,19 @@ class Plan:
         return tuple(name for name, on in used.items() if on)
 
     def refusal(self) -> str | None:
-        """Why the runtime must not run this plan: context parallelism (autopar's runtime has
-        none yet; Megatron runs the plan's export), or a feature it uses that the twin failed."""
+        """Why the runtime must not run this plan, read off the plan alone (nothing traced): context
+        parallelism it does not run (with pipelining, on models other than the built-in ones),
+        or a feature it uses that the twin failed."""
         if self.mesh.cp > 1:
-            return (f"plan has cp={self.mesh.cp}: autopar's runtime has no context parallelism yet; "
-                    "run it with Megatron-LM: `autopar export PLAN --to megatron`")
+            from autopar.layout import context_parallel_unsupported
+            from autopar.spec import parse_model_spec
+            m = self.mesh
+            reason = runtime_unsupported(dp=m.dp * m.cp, pp=m.pp, zero=self.zero_stage, schedule=self.schedule,
+                                         virtual_stages=self.virtual_stages, cp=m.cp) or \
+                context_parallel_unsupported(builtin=parse_model_spec(self.model).builtin, cp=m.cp, pp=m.pp,
+                                             seq=self.seq_len, tp=m.tp, sequence_parallel=self.sequence_parallel)
+            if reason:
+                return f"plan has cp={m.cp}: {reason}"
         failed = {check: reason for check, reason in self.verified if reason}
         for feature in self.features():
             if feature in failed:

@@ -181,7 +181,7 @@ def test_plan_pins_vpp_refuses_cp_and_explain_lists_alternatives(tmp_path):
     assert data["plan"]["virtual_stages"] == 2 and data["plan"]["schedule"] == "interleaved"
     assert len(data["plan"]["stage_layers"]) == 2 * data["plan"]["mesh"]["pp"]
     assert data["estimate"]["fits"] and data["search"]["optimal"]
-    bad = runner.invoke(app, args + ["--cp", "2"])  # the autopar recipe (its runtime) has no CP
+    bad = runner.invoke(app, args + ["--cp", "2", "--recipe", "deepspeed"])  # a program without CP
     assert bad.exit_code == 2 and "no context parallelism" in bad.output and "--recipe megatron-core" in bad.output
     assert len(bad.output.strip().splitlines()) == 1
     res = runner.invoke(app, ["explain", str(out), "--top-k", "3", "--json"])

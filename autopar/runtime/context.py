@@ -26,8 +26,8 @@ import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
+from autopar.layout import context_parallel_unsupported
 from autopar.plan import Plan, runtime_unsupported
-from autopar.runtime.context_parallel import unsupported as cp_unsupported
 from autopar.spec import parse_model_spec
 from cost_models.axes import Axis
 
@@ -102,11 +102,11 @@ def check_plan(plan: Plan, traced: Traced | None = None) -> None:
         traced = traced_file(plan.model, plan.seq_len)
         spec = traced.spec
     m = plan.mesh
-    reason = runtime_unsupported(dp=m.dp, pp=m.pp, zero=plan.zero_stage, schedule=plan.schedule,
+    reason = runtime_unsupported(dp=m.dp * m.cp, pp=m.pp, zero=plan.zero_stage, schedule=plan.schedule,
                                  virtual_stages=plan.virtual_stages, cp=m.cp, ep=m.ep, offload=plan.offload)
     if reason:
         raise ValueError(reason)
-    reason = cp_unsupported(builtin=spec.builtin, cp=m.cp, pp=m.pp, seq=plan.seq_len, tp=m.tp,
+    reason = context_parallel_unsupported(builtin=spec.builtin, cp=m.cp, pp=m.pp, seq=plan.seq_len, tp=m.tp,
                             sequence_parallel=plan.sequence_parallel)
     if reason:
         raise ValueError(reason)

@@ -40,7 +40,8 @@ their gradients reduce (mean) over the flattened dp x cp mesh by FSDP2 or DDP, a
 torchtitan and Megatron-Core (``ParallelContext.replica_mesh``, ``runtime.parallelize``).
 
 Scope: the built-in ``gpt``/``llama`` models, alone or with TP (and SP) and DP/ZeRO; not with
-pipelining, not HF or user modules (``unsupported`` says why, before launch).
+pipelining, not HF or user modules (``autopar.layout.context_parallel_unsupported`` says why,
+before launch).
 """
 
 from __future__ import annotations
@@ -120,23 +121,6 @@ class AllGatherKVAttention(CoreAttention):
         kv = funcol.all_gather_single_autograd(kv, 0, self.group)  # rank-major: [s, 2, b, kv heads, d]
         kv = kv.index_select(0, self.to_sequence_order).movedim(0, 3)  # [2, b, kv heads, s, d]
         return zigzag_attention(q, kv[0], kv[1], self.cp, self.rank)
-
-
-def unsupported(*, builtin: bool, cp: int, pp: int, seq: int, tp: int, sequence_parallel: bool) -> str | None:
-    """Why this runtime cannot run context parallelism of degree ``cp`` here, or None."""
-    if cp == 1:
-        return None
-    if not builtin:
-        return (f"context parallelism (cp={cp}) runs on the built-in gpt/llama models only (their attention "
-                "is autopar's); use cp = 1 for this model")
-    if pp > 1:
-        return f"context parallelism (cp={cp}) does not compose with pipelining (pp={pp}) in this runtime yet; " \
-               "use pp = 1 or cp = 1"
-    if seq % (2 * cp):
-        return f"cp={cp} needs a sequence length that is a multiple of 2 x cp = {2 * cp}, got {seq}"
-    if sequence_parallel and (seq // cp) % tp:
-        return f"sequence parallelism cuts a cp rank's {seq // cp} tokens over tp={tp}: they must divide"
-    return None
 
 
 def apply_context_parallel(model: nn.Module, group: dist.ProcessGroup, cp: int, rank: int, seq: int) -> None:
