@@ -183,3 +183,26 @@ def test_parity_world_2(name, runs_2, references):
 @pytest.mark.parametrize("name", list(RUNS_4))
 def test_parity_world_4(name, runs_4, references):
     _assert_parity(name, RUNS_4[name], runs_4[name], references)
+
+
+@pytest.mark.slow
+def test_cli_plans_and_runs_cp(tmp_path, references):
+    """``autopar plan --cp 2`` under the default recipe writes a cp plan, and ``autopar run``
+    trains it: the losses of one process on the same batches."""
+    import json
+    from typer.testing import CliRunner
+    from autopar.cli import app
+    runner = CliRunner()
+    out = tmp_path / "plan.json"
+    res = runner.invoke(app, ["plan", "--model", GPT, "--cluster", "cpu-local", "--gpus", "2", "--global-batch", "4",
+                              "--dtype", "fp32", "--cp", "2", "--mbs", "4", "--out", str(out), "--json"])
+    assert res.exit_code == 0, res.output
+    mesh = json.loads(res.output)["plan"]["mesh"]
+    assert mesh["cp"] == 2 and mesh["dp"] == 1
+    ran = runner.invoke(app, ["run", str(out), "--steps", "2", "--json"])
+    assert ran.exit_code == 0, ran.output
+    plan = make_plan(GPT, mbs=4, m=1)
+    ctx = ParallelContext(mesh=None, device=torch.device("cpu"))
+    want = train(plan, 2, ctx).losses  # autopar run's default optimizer (AdamW)
+    got = json.loads(ran.stdout.strip().splitlines()[-1])["losses"]
+    assert got == pytest.approx(want, abs=LOSS_TOL)
