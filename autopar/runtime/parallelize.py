@@ -11,7 +11,9 @@ checkpointing, then the data-parallel wrapper — each with stock torch.distribu
   the norms run on sequence shards (``SequenceParallel``).
 - Recompute: non-reentrant ``checkpoint_wrapper`` around a whole block (full) or its attention
   core (selective, Korthikanti et al. 2022); reentrant checkpointing breaks pipelining.
-- DP by ZeRO stage over the mesh's dp axis. ZeRO 0 with pure data parallelism (tp = pp = 1)
+- DP by ZeRO stage over the ranks that replicate the weights: the mesh's dp axis, flattened
+  with cp under context parallelism (``ParallelContext.replica_mesh``; ``runtime.context_parallel``
+  runs before recompute, so selective recompute wraps its attention core). ZeRO 0 with pure data parallelism (tp = pp = 1)
   is DDP; with tp or pp > 1 it is FSDP2's ``replicate`` (DDP's all-reduce on FSDP2's
   machinery: DDP's reducer in torch 2.13 takes neither DTensor parameters nor pipelining's split
   backward). ZeRO 1-3 are FSDP2 ``fully_shard``: 1 = ``reshard_after_forward=False`` reducing
