@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import math
 import zlib
+from typing import cast
 
 import torch
 import torch.nn.functional as F
@@ -109,8 +110,9 @@ class Attention(nn.Module):
         k = self.k(x).view(b, s, -1, self.head_dim)
         v = self.v(x).view(b, s, -1, self.head_dim)
         if self.rotary:
-            cos, sin = (self.cos, self.sin) if self.positions is None else (self.cos[self.positions],
-                                                                            self.sin[self.positions])
+            cos, sin = cast(torch.Tensor, self.cos), cast(torch.Tensor, self.sin)
+            if self.positions is not None:
+                cos, sin = cos[self.positions], sin[self.positions]
             q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
         q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
         y = self.core(q, k, v)
