@@ -163,7 +163,7 @@ def plan(model: str = MODEL, cluster: str = CLUSTER,
          schedule: Optional[Schedule] = typer.Option(None, "--schedule", help="Pin pipeline schedule"),
          vpp: Optional[int] = typer.Option(None, "--vpp", min=1, help="Pin virtual stages per pipeline rank"),
          cp: Optional[int] = typer.Option(None, "--cp", help="Pin context-parallel degree (above 1 only "
-                                          "under a recipe that has it: megatron-core, megatron-core-te, torchtitan)"),
+                                          "under a recipe that has it: autopar, megatron-core, megatron-core-te, torchtitan)"),
          ep: Optional[int] = typer.Option(None, "--ep", help="Pin expert-parallel degree (MoE models: divides "
                                           "the routed experts and dp x cp, whose ranks it regroups)"),
          sp: Optional[bool] = typer.Option(None, "--sp/--no-sp", help="Pin sequence parallelism"),
@@ -282,7 +282,7 @@ def estimate(model: str = MODEL, cluster: str = CLUSTER, gpus: int = GPUS, globa
              schedule: Schedule = typer.Option(Schedule.one_f_one_b, "--schedule"),
              vpp: int = typer.Option(1, "--vpp", help="Virtual stages per pipeline rank"),
              cp: int = typer.Option(1, "--cp", help="Context-parallel degree (above 1 only under a recipe "
-                                    "that has it: megatron-core, megatron-core-te, torchtitan)"),
+                                    "that has it: autopar, megatron-core, megatron-core-te, torchtitan)"),
              ep: int = typer.Option(1, "--ep", help="Expert-parallel degree (MoE models: divides the routed "
                                     "experts and dp x cp, whose ranks it regroups)"),
              sp: bool = typer.Option(False, "--sp/--no-sp"),

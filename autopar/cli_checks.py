@@ -41,8 +41,8 @@ def check_cp(cp: int | None, recipe: str | None) -> None:
     except RecipeError:
         return
     if not rec.has_context_parallel:
-        raise UserError(f"--cp {cp}: the {rec.name} recipe has no context parallelism (autopar's runtime has none "
-                        "yet); plan with --recipe megatron-core (run through `autopar export --to megatron`) or drop --cp")
+        raise UserError(f"--cp {cp}: the {rec.name} recipe has no context parallelism; plan with --recipe autopar "
+                        "(all-gathered K,V) or megatron-core (ring attention), or drop --cp")
 
 
 def _writable_dir(directory: Path, option: str, target: Path) -> None:

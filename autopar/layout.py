@@ -78,3 +78,22 @@ def expert_parallel_unsupported(*, ep: int, dp: int, pp: int, sequence_parallel:
     if user_module:
         return f"expert parallelism (ep={ep}) runs HF transformers and moe: models, not a module of your own; use ep = 1"
     return None
+
+
+def context_parallel_unsupported(*, builtin: bool, cp: int, pp: int, seq: int, tp: int, sequence_parallel: bool) -> str | None:
+    """Why autopar's runtime cannot run context parallelism of degree ``cp`` (``builtin``: the
+    model is a built-in gpt/llama, whose attention ``runtime.context_parallel`` replaces), or
+    None. Pure data (plan files and the planner call it)."""
+    if cp == 1:
+        return None
+    if not builtin:
+        return (f"context parallelism (cp={cp}) runs on the built-in gpt/llama models only (their attention "
+                "is autopar's); use cp = 1 for this model")
+    if pp > 1:
+        return f"context parallelism (cp={cp}) does not compose with pipelining (pp={pp}) in this runtime yet; " \
+               "use pp = 1 or cp = 1"
+    if seq % (2 * cp):
+        return f"cp={cp} needs a sequence length that is a multiple of 2 x cp = {2 * cp}, got {seq}"
+    if sequence_parallel and (seq // cp) % tp:
+        return f"sequence parallelism cuts a cp rank's {seq // cp} tokens over tp={tp}: they must divide"
+    return None

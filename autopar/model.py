@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import math
 import zlib
+from typing import cast
 
 import torch
 import torch.nn.functional as F
@@ -32,11 +33,17 @@ class Embedding(nn.Module):
         self.tok = nn.Embedding(spec.vocab, spec.hidden, _weight=torch.empty(spec.vocab, spec.hidden))
         self.pos = (nn.Embedding(spec.seq, spec.hidden, _weight=torch.empty(spec.seq, spec.hidden))
                     if spec.arch == "gpt" else None)
+        self.positions: torch.Tensor | None = None
+        """Global position of each input token (int64 [s], on the module's device) when a rank
+        holds only some tokens of every sequence (context parallelism,
+        ``runtime.context_parallel``); None: 0 .. s-1. Not a buffer: it differs between ranks,
+        and DDP broadcasts buffers from rank 0."""
 
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:
         h = self.tok(tokens)
         if self.pos is not None:
-            h = h + self.pos(torch.arange(tokens.shape[1], device=tokens.device))
+            at = self.positions if self.positions is not None else torch.arange(tokens.shape[1], device=tokens.device)
+            h = h + self.pos(at)
         return h
 
 
@@ -48,8 +55,9 @@ def rotary_tables(seq: int, head_dim: int, base: float = 10000.0) -> tuple[torch
 
 
 def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Rotate pairs of channels of x [b, s, heads, head_dim] by the angles of positions 0..s-1
-    (the model is built for its training sequence length, so the tables are exactly [s, d/2])."""
+    """Rotate pairs of channels of x [b, s, heads, head_dim] by the angles of its s positions:
+    ``cos``, ``sin`` [s, d/2] (the model's tables, built for its training sequence length, or
+    their rows at a context-parallel rank's positions)."""
     x1, x2 = x[..., 0::2], x[..., 1::2]
     cos, sin = cos[None, :, None, :], sin[None, :, None, :]
     return torch.stack((x1 * cos - x2 * sin, x1 * sin + x2 * cos), dim=-1).flatten(-2)
@@ -84,6 +92,9 @@ class Attention(nn.Module):
             cos, sin = rope if rope is not None else rotary_tables(spec.seq, spec.head_dim)
             self.register_buffer("cos", cos, persistent=False)
             self.register_buffer("sin", sin, persistent=False)
+        self.positions: torch.Tensor | None = None
+        """Global position of each input token (int64 [s]) under context parallelism, whose
+        RoPE rows are used; None: 0 .. s-1 (``Embedding.positions``)."""
 
     @torch.no_grad()
     def reset_buffers(self) -> None:
@@ -99,7 +110,10 @@ class Attention(nn.Module):
         k = self.k(x).view(b, s, -1, self.head_dim)
         v = self.v(x).view(b, s, -1, self.head_dim)
         if self.rotary:
-            q, k = apply_rotary(q, self.cos, self.sin), apply_rotary(k, self.cos, self.sin)
+            cos, sin = cast(torch.Tensor, self.cos), cast(torch.Tensor, self.sin)
+            if self.positions is not None:
+                cos, sin = cos[self.positions], sin[self.positions]
+            q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
         q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
         y = self.core(q, k, v)
         return self.o(y.transpose(1, 2).reshape(b, s, -1))

@@ -22,7 +22,7 @@ from autopar.limits import (MAX_GLOBAL_BATCH, MAX_GPUS, MAX_LAYERS, MAX_SEQ, che
                             shown)
 from cost_models.axes import DEFAULT_ORDER, Axis, Degrees, parse_order
 from cost_models.jsonfile import JsonFileError, decode_json
-from cost_models.recipe import ExecutionRecipe, RecipeError, load_recipe
+from cost_models.recipe import DEFAULT_RECIPE, ExecutionRecipe, RecipeError, load_recipe
 from cost_models.strategy import RECOMPUTE, SCHEDULES, Estimate, Strategy
 
 if typing.TYPE_CHECKING:
@@ -201,11 +201,19 @@ class Plan:
         return tuple(name for name, on in used.items() if on)
 
     def refusal(self) -> str | None:
-        """Why the runtime must not run this plan: context parallelism (autopar's runtime has
-        none yet; Megatron runs the plan's export), or a feature it uses that the twin failed."""
+        """Why the runtime must not run this plan, read off the plan alone (nothing traced): context
+        parallelism it does not run (with pipelining, on models other than the built-in ones),
+        or a feature it uses that the twin failed."""
         if self.mesh.cp > 1:
-            return (f"plan has cp={self.mesh.cp}: autopar's runtime has no context parallelism yet; "
-                    "run it with Megatron-LM: `autopar export PLAN --to megatron`")
+            from autopar.layout import context_parallel_unsupported
+            from autopar.spec import parse_model_spec
+            m = self.mesh
+            reason = runtime_unsupported(dp=m.dp * m.cp, pp=m.pp, zero=self.zero_stage, schedule=self.schedule,
+                                         virtual_stages=self.virtual_stages, cp=m.cp) or \
+                context_parallel_unsupported(builtin=parse_model_spec(self.model).builtin, cp=m.cp, pp=m.pp,
+                                             seq=self.seq_len, tp=m.tp, sequence_parallel=self.sequence_parallel)
+            if reason:
+                return f"plan has cp={m.cp}: {reason}"
         failed = {check: reason for check, reason in self.verified if reason}
         for feature in self.features():
             if feature in failed:
@@ -367,22 +375,27 @@ def runtime_unsupported(*, dp: int, pp: int, zero: int, schedule: str, virtual_s
     """Why the program of ``recipe`` (None: ``autopar``, autopar's own runtime on torch 2.13)
     cannot run this combination, or None if it can. Pure data, so the solver can skip what
     the runtime refuses without importing torch. Context parallelism runs only under a recipe
-    that has it (``ExecutionRecipe.context_parallel``: Megatron-Core, torchtitan; plans for
-    them run through ``autopar export``). Expert parallelism (``ep``; ``moe``: the model has
+    that has it (``ExecutionRecipe.context_parallel``: autopar's all-gather CP, Megatron-Core,
+    torchtitan); autopar's own runtime runs it without pipelining (``runtime.context_parallel``),
+    so under its recipe cp x pp is refused (other recipes' programs, run through ``autopar
+    export``, compose them). Expert parallelism (``ep``; ``moe``: the model has
     mixture-of-experts blocks) is planned under every recipe; autopar's own program runs what
     ``autopar.layout.expert_parallel_unsupported`` allows (ep regroups dp, no pipelining, no
     sequence parallelism of MoE layers), without context parallelism beside it."""
-    if (recipe is None or recipe.name == load_recipe().name) and (ep != 1 or moe):
+    rec = recipe or load_recipe()
+    if rec.name == DEFAULT_RECIPE and (ep != 1 or moe):
         from autopar.layout import expert_parallel_unsupported
         if ep > 1 and cp > 1:
             return f"expert parallelism (ep={ep}) with context parallelism (cp={cp}) is not proved in autopar's runtime; use one"
         reason = expert_parallel_unsupported(ep=ep, dp=dp, pp=pp, sequence_parallel=sequence_parallel, moe=moe)
         if reason:
             return reason
-    if cp != 1 and not (recipe or load_recipe()).has_context_parallel:
-        name = (recipe or load_recipe()).name
-        return (f"the {name} recipe has no context parallelism (cp={cp}); use cp = 1, or plan for "
-                "Megatron with --recipe megatron-core and run it through `autopar export --to megatron`")
+    if cp != 1 and not rec.has_context_parallel:
+        return (f"the {rec.name} recipe has no context parallelism (cp={cp}); use cp = 1, or plan with "
+                "--recipe autopar (all-gathered K,V) or megatron-core (ring attention)")
+    if cp != 1 and pp != 1 and rec.name == DEFAULT_RECIPE:
+        return (f"autopar's runtime does not compose context parallelism (cp={cp}) with pipelining (pp={pp}) yet; "
+                "use pp = 1 or cp = 1, or plan with --recipe megatron-core and run it through `autopar export`")
     if virtual_stages > 1 and schedule not in ("interleaved", "zero-bubble"):
         return (f"virtual_stages={virtual_stages} needs the interleaved or zero-bubble schedule, "
                 f"not {schedule}")

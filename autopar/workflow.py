@@ -167,7 +167,10 @@ def make_plan(job: Job, pins: Pins = Pins(), time_limit_s: float = 60.0,
         profile, layout = profile_and_layout(job.spec)
     if verified is None:
         verified = verdicts(job.spec) if verify else ()
-    pins = replace(pins, recipe=job.recipe, refused=tuple(c for c, reason in verified if reason))
+    refused = tuple(c for c, reason in verified if reason)
+    if job.recipe.name == DEFAULT_RECIPE and not job.spec.builtin:
+        refused += ("cp",)  # autopar's context parallelism replaces the built-in models' attention only
+    pins = replace(pins, recipe=job.recipe, refused=refused)
     sol = search(profile, job.hw, job.gpus, job.global_batch, job.dtype, pins, time_limit_s)
     return plan_from_strategy(job, sol.strategy, sol.estimate, verified, layout), sol
 
@@ -199,7 +202,7 @@ def fixed_strategy(job: Job, *, tp: int, pp: int, dp: int | None, zero: int, mic
         raise UserError(f"dp x tp x pp x cp = {dp * tp * pp * cp} but --gpus is {job.gpus}")
     if cp > 1 and not job.recipe.has_context_parallel:
         raise UserError(f"--cp {cp}: the {job.recipe.name} recipe has no context parallelism; price it under "
-                        "--recipe megatron-core, megatron-core-te or torchtitan")
+                        "--recipe autopar, megatron-core, megatron-core-te or torchtitan")
     if job.seq_len % (2 * cp):
         raise UserError(f"--cp {cp} needs --seq-len a multiple of 2 x cp = {2 * cp} (load-balanced causal "
                         f"chunks), got {job.seq_len}")

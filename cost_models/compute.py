@@ -295,9 +295,10 @@ def block_times(model: ModelProfile, hw: HardwareProfile, strat: Strategy) -> Pa
     host = dispatch_s(hw, strat)
     fwd = _with_host(host, weights_s + core_s + memory_s(fwd_rest + fwd_core + cast_fwd, hw), hw)
     bwd = _with_host(2 * host, 2 * weights_s + core_bwd + memory_s(bwd_rest + bwd_core + cast_bwd, hw), hw)
-    if strat.recompute == "full":
+    mode = strat.recompute_run()
+    if mode == "full":
         rc = fwd
-    elif strat.recompute == "selective":
+    elif mode == "selective":
         rc = core_s + memory_s(fwd_core, hw)
     else:
         rc = 0.0

@@ -285,7 +285,8 @@ def block_cp_s(model: ModelProfile, hw: HardwareProfile, strat: Strategy,
     behind 1/c of the core's backward each step. All-gather CP (``ALL_GATHER``; torch's
     ``context_parallel`` default) gathers the c blocks before the forward's attention and
     again in the backward, then reduce-scatters dK,dV, none of it overlapped. Recompute of
-    the block (full) or of its attention core (selective) repeats the forward's exchange."""
+    the block (full) or of its attention core (selective; also none under a recipe with
+    ``cp_recomputes_attention``) repeats the forward's exchange."""
     c = strat.mesh.cp
     if c == 1:
         return compute.PassTimes(forward_s=0.0, recompute_s=0.0, backward_s=0.0)
@@ -300,7 +301,7 @@ def block_cp_s(model: ModelProfile, hw: HardwareProfile, strat: Strategy,
     else:
         fwd = comm.all_gather_s(c * block, g)
         bwd = fwd + comm.reduce_scatter_s(c * block, g)
-    return compute.PassTimes(forward_s=fwd, recompute_s=fwd if strat.recompute != "none" else 0.0,
+    return compute.PassTimes(forward_s=fwd, recompute_s=fwd if strat.recompute_run() != "none" else 0.0,
                              backward_s=bwd)
 
 

@@ -231,9 +231,10 @@ def block_act_bytes(model: ModelProfile, strat: Strategy, recompute: str | None 
     recipe's attention accounting).
 
     none: s b (repl / (tp if SP else 1) + sharded / tp + attn / tp); selective: without attn;
-    full: the block input only, 2 s b h (/ tp with SP).
+    full: the block input only, 2 s b h (/ tp with SP). ``recompute`` is the planned mode; the
+    mode run is priced (``Strategy.recompute_run``).
     """
-    recompute = recompute or strat.recompute
+    recompute = strat.recompute_run(recompute)
     tokens = strat.tokens(model.seq)
     sp = strat.mesh.tp if strat.sequence_parallel else 1
     if recompute == "full":
@@ -305,8 +306,9 @@ def base_buffer_bytes(model: ModelProfile, hw: HardwareProfile, strat: Strategy)
 
 def workspace_bytes(model: ModelProfile, strat: Strategy, recompute: str | None = None) -> float:
     """Recompute workspace: full recompute rebuilds one block's activations of one
-    micro-batch during its backward; selective rebuilds one block's attention core."""
-    recompute = recompute or strat.recompute
+    micro-batch during its backward; selective rebuilds one block's attention core (as none
+    does under cp with ``cp_recomputes_attention``: ``Strategy.recompute_run``)."""
+    recompute = strat.recompute_run(recompute)
     if recompute == "full":
         return block_act_bytes(model, strat, "none")
     if recompute == "selective":

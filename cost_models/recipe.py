@@ -145,6 +145,11 @@ class ExecutionRecipe:
     """Whether each routed expert's GEMMs split over tp like the dense MLP's (expert TP = tp,
     Megatron-LM's original layout); false: router and experts are replicated over tp, every tp
     rank computing the same routed tokens (expert TP = 1)."""
+    cp_recomputes_attention: bool = False
+    """Under cp > 1 the attention core of a block that is not recomputed is recomputed anyway
+    (its gathered K,V are not kept: the core keeps its local q, k, v and gathers again in the
+    backward): recompute none runs and is priced as selective (autopar's all-gather CP,
+    ``autopar/runtime/context_parallel.py``); ``Strategy.recompute_run``."""
     kernels_per_block: int = 0
     """Kernels one transformer block's forward launches (backward about twice as many); with
     the profile's ``kernel_dispatch_us``, a pass can be no faster than its host dispatch."""

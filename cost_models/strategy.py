@@ -121,6 +121,15 @@ class Strategy:
         the experts over tp (``ExecutionRecipe.expert_tensor_parallel``)."""
         return self.mesh.tp if self.recipe.expert_tensor_parallel else 1
 
+    def recompute_run(self, mode: str | None = None) -> str:
+        """The recompute mode the program runs for a block planned with ``mode`` (default the
+        strategy's): under context parallelism a recipe with ``cp_recomputes_attention``
+        recomputes the attention core of a block planned without recompute (selective)."""
+        mode = mode or self.recompute
+        if mode == "none" and self.mesh.cp > 1 and self.recipe.cp_recomputes_attention:
+            return "selective"
+        return mode
+
     def tokens(self, seq: int) -> float:
         """Tokens of one micro-batch on one rank: each cp rank holds seq / cp of every sequence."""
         return self.micro_batch * seq / self.mesh.cp

@@ -150,7 +150,7 @@ case("plan-seq-0", "plan", "--model", TINY, *JOB, "--seq-len", "0", fragment="--
 case("plan-seq-negative", "plan", "--model", TINY, *JOB, "--seq-len", "-16", fragment="--seq-len must be positive")
 case("plan-seq-1e9", "plan", "--model", TINY, *JOB, "--seq-len", str(10**9), fragment="--seq-len")
 case("plan-dtype-fp64", "plan", "--model", TINY, *JOB, "--dtype", "fp64", fragment="--dtype fp64")
-case("plan-cp-2", "plan", "--model", TINY, *JOB, "--cp", "2", fragment="no context parallelism")
+case("plan-cp-2", "plan", "--model", TINY, *JOB, "--cp", "2", "--recipe", "deepspeed", fragment="no context parallelism")
 case("plan-axis-order", "plan", "--model", TINY, *JOB, "--axis-order", "tp,dp", fragment="must list pp, dp, tp")
 case("plan-time-limit-0", "plan", "--model", TINY, *JOB, "--time-limit", "0", fragment="--time-limit")
 case("plan-time-limit-nan", "plan", "--model", TINY, *JOB, "--time-limit", "nan", fragment="--time-limit")
@@ -265,7 +265,7 @@ PLANS = {
     "batch-negative": (plan_with(global_batch=-8), "global_batch must be positive"),
     "seq-0": (plan_with(seq_len=0), "seq_len must be positive"),
     "mesh-not-object": (plan_with(mesh=[2, 1, 2]), "plan mesh must be a JSON object"),
-    "mesh-cp-2": (plan_with(mesh__cp=2, mesh__dp=1, global_batch=4), "no context parallelism"),
+    "mesh-cp-2": (plan_with(mesh__cp=2, mesh__dp=1, global_batch=4, recipe="deepspeed"), "no context parallelism"),
     "mesh-ep-2": (plan_with(mesh__ep=2), "mesh.ep=2 must divide"),
     "mesh-tp-0": (plan_with(mesh__tp=0), "mesh.tp must be positive"),
     "mesh-gpus-mismatch": (plan_with(mesh__dp=4), "devices but gpus"),
@@ -313,6 +313,8 @@ case("run-save-into-other-files", "run", "{tmp}/plan.json", "--save", "{tmp}/stu
 case("run-save-unwritable", "run", "{tmp}/plan.json", "--save", "/proc/autopar-ckpt", files=GOOD, fragment="cannot write")
 case("run-resume-not-checkpoint", "run", "{tmp}/plan.json", "--resume", "{tmp}", files=GOOD, fragment="not a checkpoint")
 case("run-steps-0", "run", "{tmp}/plan.json", "--steps", "0", files=GOOD, fragment="--steps")
+case("run-plan-cp-pp", "run", "{tmp}/plan.json", files={"plan.json": plan_with(mesh__cp=2, mesh__dp=1, global_batch=4)},
+     fragment="context parallelism (cp=2) with pipelining")
 # -- run: checkpoints and code (README: What is code) ------------------------------------------------
 BAD_SUM = json.dumps({"format": "autopar-checkpoint/1", "step": 2, "samples": 16, "model": "gpt-tiny",
                       "files": {".metadata": "0" * 64}})

@@ -187,8 +187,8 @@ def test_plan_pins_vpp_refuses_cp_and_explain_lists_alternatives(tmp_path):
     assert data["plan"]["virtual_stages"] == 2 and data["plan"]["schedule"] == "interleaved"
     assert len(data["plan"]["stage_layers"]) == 2 * data["plan"]["mesh"]["pp"]
     assert data["estimate"]["fits"] and data["search"]["optimal"]
-    bad = runner.invoke(app, args + ["--cp", "2"])  # the autopar recipe (its runtime) has no CP
-    assert bad.exit_code == 2 and "no context parallelism" in bad.output and "--recipe megatron-core" in bad.output
+    bad = runner.invoke(app, args + ["--cp", "2", "--recipe", "deepspeed"])  # a program without CP
+    assert bad.exit_code == 2 and "no context parallelism" in bad.output and "--recipe autopar" in bad.output
     assert len(bad.output.strip().splitlines()) == 1
     res = runner.invoke(app, ["explain", str(out), "--top-k", "3", "--json"])
     assert res.exit_code == 0, res.output
@@ -242,13 +242,14 @@ def test_run_streams_each_step_as_it_ends(tmp_path):
 
 def test_cp_pin_plans_and_estimates_under_megatron_and_run_refuses_it(tmp_path):
     """``--cp`` pins context parallelism under a recipe that has it: the plan records it (cp in
-    the mesh and the axis order), ``estimate --cp`` prices it, and ``autopar run`` refuses the
-    plan in one line naming the export; without the pin a short sequence never gets cp > 1."""
+    the mesh and the axis order), ``estimate --cp`` prices it, and ``autopar run`` refuses cp x
+    pp (Megatron composes them, autopar's runtime not yet) in one line naming the export; without
+    the pin a short sequence never gets cp > 1."""
     model = "gpt:layers=8,hidden=1024,heads=16,vocab=32000,seq=1024"
     job = ["--model", model, "--cluster", "dgx-a100-80g", "--gpus", "16", "--global-batch", "64",
            "--recipe", "megatron-core"]
     out = tmp_path / "plan.json"
-    res = runner.invoke(app, ["plan", *job, "--cp", "2", "--json", "--out", str(out)])
+    res = runner.invoke(app, ["plan", *job, "--cp", "2", "--pp", "2", "--json", "--out", str(out)])
     assert res.exit_code == 0, res.output
     plan = json.loads(res.output)["plan"]
     assert plan["mesh"]["cp"] == 2 and "cp" in plan["axis_order"]
@@ -262,7 +263,8 @@ def test_cp_pin_plans_and_estimates_under_megatron_and_run_refuses_it(tmp_path):
     bad = runner.invoke(app, ["estimate", *job, "--cp", "3"])
     assert bad.exit_code == 2 and len(bad.output.strip().splitlines()) == 1
     ran = runner.invoke(app, ["run", str(out)])
-    assert ran.exit_code == 2 and "autopar export" in ran.output and len(ran.output.strip().splitlines()) == 1
+    assert ran.exit_code == 2 and "with pipelining" in ran.output and "autopar export" in ran.output
+    assert len(ran.output.strip().splitlines()) == 1
 
 
 def test_ep_pin_reaches_the_plan_is_checked_in_one_line_and_the_plan_runs_here(tmp_path):

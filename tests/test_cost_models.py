@@ -464,8 +464,32 @@ def test_cp_exchange_is_positive_and_grows_with_cp(recipe):
 
 def test_cp_needs_a_recipe_that_has_it():
     with pytest.raises(ValueError, match="no context parallelism"):
-        Strategy(mesh=Degrees(cp=2))
-    assert not load_recipe("autopar").has_context_parallel and MC.has_context_parallel
+        Strategy(mesh=Degrees(cp=2), recipe=load_recipe("deepspeed"))
+    assert load_recipe("autopar").has_context_parallel and MC.has_context_parallel
+    assert not load_recipe("deepspeed").has_context_parallel
+
+
+def test_autopar_cp_activations_fall_with_cp_and_none_is_priced_as_selective():
+    """Under the autopar recipe (all-gathered K,V, never kept: ``runtime.context_parallel``) a
+    GPT of 32 blocks of hidden 4096 at 32K tokens keeps 1/cp of the activations per rank at every recompute
+    mode, and a block planned without recompute pays the attention core's forward and K,V
+    gather again in its backward (it runs as selective), which it does not at cp = 1."""
+    model = gpt(layers=32, hidden=4096, heads=32, seq=32768)
+    rec = load_recipe("autopar")
+    for mode in ("none", "selective", "full"):
+        acts = []
+        for cp in (1, 2, 4, 8):
+            s = Strategy(recipe=rec, mesh=Degrees(cp=cp, tp=8, dp=1), recompute=mode, sequence_parallel=True)
+            acts.append(estimate(model, H100, dataclasses.replace(s, stage_layers=(32,)), global_batch=1)
+                        .memory.activations_bytes)
+        assert all(b < a for a, b in zip(acts, acts[1:])), (mode, acts)
+        assert acts[-1] <= acts[0] / 8 * 1.01, (mode, acts)  # 1/cp (the fp32 log-sum-exp aside)
+    one, two = (Strategy(recipe=rec, mesh=Degrees(cp=c, tp=8), recompute="none") for c in (1, 2))
+    assert compute.block_times(model, H100, one).recompute_s == 0.0
+    assert compute.block_times(model, H100, two).recompute_s == \
+        compute.block_times(model, H100, dataclasses.replace(two, recompute="selective")).recompute_s > 0
+    cp_comm = estimate_mod.block_cp_s(model, H100, two, comm.axis_groups(H100, two)[Axis.CP])
+    assert cp_comm.recompute_s == cp_comm.forward_s > 0
 
 
 def test_host_time_adds_to_a_pass_where_operators_run_on_the_host():

@@ -365,10 +365,12 @@ def test_single_mode_least_step_is_the_candidates_optimum():
     assert checked > 200
 
 
-def test_long_sequences_get_cp_under_megatron_and_never_under_autopar():
+def test_long_sequences_get_cp_where_the_program_has_it():
     """Context parallelism is searched only where the recipe's program has it: a 32K-token job
-    plans cp > 1 under Megatron-Core (and the plan's axis order lists cp inside dp), never
-    under autopar's own recipe, and not at all below ``CP_MIN_SEQ``."""
+    plans cp > 1 under Megatron-Core (and the plan's axis order lists cp inside dp); under
+    autopar's own recipe cp is searched without pipelining (its runtime does not compose them)
+    and not for a model whose attention it cannot replace (``Pins.refused``); not at all below
+    ``CP_MIN_SEQ``, nor under a recipe without it."""
     model = gpt_profile(layers=8, hidden=2048, heads=16, vocab=32000, seq=32768)
     hw = load_profile("dgx-h100")
     mc = load_recipe("megatron-core-te")
@@ -376,11 +378,16 @@ def test_long_sequences_get_cp_under_megatron_and_never_under_autopar():
     assert sol.optimal and sol.strategy.mesh.cp > 1 and sol.estimate.fits
     order = sol.strategy.axis_order
     assert Axis.CP in order and model.seq % (2 * sol.strategy.mesh.cp) == 0
-    assert all(c.strategy.mesh.cp == 1 for c in outer_candidates(model, hw, 16, 4, "bf16"))
+    own = [c.strategy.mesh for c in outer_candidates(model, hw, 16, 4, "bf16")]
+    assert any(m.cp > 1 for m in own) and all(m.pp == 1 for m in own if m.cp > 1)
+    assert all(c.strategy.mesh.cp == 1 for c in outer_candidates(model, hw, 16, 4, "bf16", Pins(refused=("cp",))))
     short = dataclasses.replace(model, seq=2048)
     assert all(c.strategy.mesh.cp == 1 for c in outer_candidates(short, hw, 16, 4, "bf16", Pins(recipe=mc)))
+    assert search(model, hw, 16, 4, "bf16", Pins(cp=2)).strategy.mesh.cp == 2
     with pytest.raises(UserError, match="no context parallelism"):
-        search(model, hw, 16, 4, "bf16", Pins(cp=2))
+        search(model, hw, 16, 4, "bf16", Pins(cp=2, recipe=load_recipe("deepspeed")))
+    with pytest.raises(UserError, match="built-in gpt/llama models only"):
+        search(model, hw, 16, 4, "bf16", Pins(cp=2, refused=("cp",)))
 
 
 def test_optimal_against_exhaustive_enumeration_with_cp():

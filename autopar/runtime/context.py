@@ -26,6 +26,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
+from autopar.layout import context_parallel_unsupported
 from autopar.plan import Plan, runtime_unsupported
 from autopar.spec import parse_model_spec
 from cost_models.axes import Axis
@@ -60,6 +61,24 @@ class ParallelContext:
             raise ValueError(f"the {axis.value} axis has size 1 in this plan: it has no mesh dimension")
         return self.mesh[axis.value]
 
+    def replica_mesh(self) -> DeviceMesh | None:
+        """The ranks over which the weights are replicated for data: dp, and cp (context
+        parallelism replicates the weights over its ranks too), flattened into one dimension
+        when both are split (torchtitan's ``dp_shard_cp``); None when neither is. Gradients
+        reduce, and ZeRO shards, over it."""
+        names = [a.value for a in (Axis.DP, Axis.CP) if a.value in self.mesh_names()]
+        if not names:
+            return None
+        assert self.mesh is not None
+        if len(names) == 1:
+            return self.mesh[names[0]]
+        names.sort(key=self.mesh_names().index)
+        return self.mesh[tuple(names)]._flatten()
+
+    def mesh_names(self) -> tuple[str, ...]:
+        """The mesh's dimension names (the plan's axes of size > 1), outermost first."""
+        return () if self.mesh is None else tuple(self.mesh.mesh_dim_names or ())
+
 
 def init_distributed(timeout_s: float = 300.0) -> torch.device:
     """Join the job torchrun started (gloo on CPU, NCCL on GPU); return this rank's device."""
@@ -84,9 +103,13 @@ def check_plan(plan: Plan, traced: Traced | None = None) -> None:
         spec = traced.spec
     m = plan.mesh
     moe = bool(spec.experts) or (plan.layout is not None and bool(plan.layout.experts))
-    reason = runtime_unsupported(dp=m.dp, pp=m.pp, zero=plan.zero_stage, schedule=plan.schedule,
+    reason = runtime_unsupported(dp=m.dp * m.cp, pp=m.pp, zero=plan.zero_stage, schedule=plan.schedule,
                                  virtual_stages=plan.virtual_stages, cp=m.cp, ep=m.ep, offload=plan.offload,
                                  moe=moe, sequence_parallel=plan.sequence_parallel)
+    if reason:
+        raise ValueError(reason)
+    reason = context_parallel_unsupported(builtin=spec.builtin, cp=m.cp, pp=m.pp, seq=plan.seq_len, tp=m.tp,
+                            sequence_parallel=plan.sequence_parallel)
     if reason:
         raise ValueError(reason)
     if spec.heads % plan.mesh.tp or spec.num_kv_heads % plan.mesh.tp:
@@ -108,7 +131,7 @@ def build_context(plan: Plan, device: torch.device, traced: Traced | None = None
     m = plan.mesh
     world = dist.get_world_size() if dist.is_initialized() else 1
     if world != m.size:
-        raise ValueError(f"plan needs {m.size} processes (dp={m.dp} x tp={m.tp} x pp={m.pp}) "
+        raise ValueError(f"plan needs {m.size} processes (dp={m.dp} x tp={m.tp} x pp={m.pp} x cp={m.cp}) "
                          f"but the job has {world}")
     if world == 1:
         return ParallelContext(mesh=None, device=device)

@@ -11,7 +11,9 @@ checkpointing, then the data-parallel wrapper — each with stock torch.distribu
   the norms run on sequence shards (``SequenceParallel``).
 - Recompute: non-reentrant ``checkpoint_wrapper`` around a whole block (full) or its attention
   core (selective, Korthikanti et al. 2022); reentrant checkpointing breaks pipelining.
-- DP by ZeRO stage over the mesh's dp axis. ZeRO 0 with pure data parallelism (tp = pp = 1)
+- DP by ZeRO stage over the ranks that replicate the weights: the mesh's dp axis, flattened
+  with cp under context parallelism (``ParallelContext.replica_mesh``; ``runtime.context_parallel``
+  runs before recompute, so selective recompute wraps its attention core). ZeRO 0 with pure data parallelism (tp = pp = 1)
   is DDP; with tp or pp > 1 it is FSDP2's ``replicate`` (DDP's all-reduce on FSDP2's
   machinery: DDP's reducer in torch 2.13 takes neither DTensor parameters nor pipelining's split
   backward). ZeRO 1-3 are FSDP2 ``fully_shard``: 1 = ``reshard_after_forward=False`` reducing
@@ -36,6 +38,7 @@ from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import Checkpoi
 from torch.utils.checkpoint import checkpoint
 from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionPolicy, OffloadPolicy, fully_shard
 from torch.distributed._composable.replicate_with_fsdp import replicate
+from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Replicate, Shard
 from torch.distributed.tensor.parallel import (
     ColwiseParallel,
@@ -228,22 +231,27 @@ def _recompute_attention_core(block: nn.Module, anat: Anatomy) -> None:
 def uses_ddp(plan: Plan, experts: ExpertMesh | None = None) -> bool:
     """ZeRO-0 over whole, unsharded models runs on DDP; everything else on FSDP2 (expert
     parallelism too: its weights are DTensors, which DDP does not take)."""
-    return plan.mesh.dp > 1 and plan.mesh.tp == 1 and plan.mesh.pp == 1 and plan.zero_stage == 0 and experts is None
+    return plan.mesh.dp * plan.mesh.cp > 1 and plan.mesh.tp == 1 and plan.mesh.pp == 1 and plan.zero_stage == 0 \
+        and experts is None
 
 
 def apply_data_parallel(model: nn.Module, plan: Plan, ctx: ParallelContext, anat: Anatomy,
-                        experts: ExpertMesh | None = None) -> nn.Module:
-    """Wrap ``model`` for the plan's ZeRO stage over the dp axis; returns the module to run.
-    With expert parallelism (``experts``) each experts module is wrapped alike on the edp mesh
-    first, its gradients divided by dp (torchtitan's layout; ``runtime.experts``)."""
-    if plan.mesh.dp == 1:
+                        replicas: DeviceMesh | None, experts: ExpertMesh | None = None) -> nn.Module:
+    """Wrap ``model`` for the plan's ZeRO stage over the replicas of its weights, ``replicas``
+    (``ParallelContext.replica_mesh``: the dp axis, flattened with cp under context
+    parallelism, whose ranks hold the same weights; None: nothing to wrap); returns the module
+    to run. Gradients are averaged over it: each rank's loss is the mean of its tokens, so the
+    mean over dp x cp ranks is the global-batch mean. With expert parallelism (``experts``)
+    each experts module is wrapped alike on the edp mesh first, its gradients divided by dp
+    (torchtitan's layout; ``runtime.experts``)."""
+    if replicas is None:
         return model
     if uses_ddp(plan, experts):
         # Gradients as views of DDP's buckets: no second copy of them (the cost model keeps none).
-        return DistributedDataParallel(model, process_group=ctx.group(Axis.DP), gradient_as_bucket_view=True,
+        return DistributedDataParallel(model, process_group=replicas.get_group(), gradient_as_bucket_view=True,
                                        device_ids=[ctx.device.index] if ctx.device.type == "cuda" else None)
     dtype = DTYPES[plan.dtype]
-    kw: dict = dict(mesh=ctx.submesh(Axis.DP),
+    kw: dict = dict(mesh=replicas,
                     mp_policy=MixedPrecisionPolicy(param_dtype=dtype, reduce_dtype=torch.float32)
                     if dtype != torch.float32 else MixedPrecisionPolicy())
     if plan.zero_stage == 0:

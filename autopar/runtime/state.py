@@ -20,8 +20,8 @@ def clean_name(name: str, ddp: bool = False) -> str:
 
 
 def full_state(prog) -> dict[str, torch.Tensor] | None:
-    """Full parameter values of this rank's stages, on CPU; ``None`` except on dp and tp rank 0.
-    Collective over the tp and dp axes: every rank must call it."""
+    """Full parameter values of this rank's stages, on CPU; ``None`` except on dp, cp and tp
+    rank 0. Collective over the tp, dp and cp axes: every rank must call it."""
     tied = prog.spec.tied
     copy = f"{prog.anatomy.head}.weight"
     out: dict[str, torch.Tensor] = {}
@@ -33,4 +33,5 @@ def full_state(prog) -> dict[str, torch.Tensor] | None:
                 continue  # the last stage's copy of the embedding, equal to it after every step
             full = p.full_tensor() if isinstance(p, DTensor) else p
             out[key] = full.detach().float().cpu().clone()
-    return out if prog.ctx.rank(Axis.DP) == 0 and prog.ctx.rank(Axis.TP) == 0 else None
+    first = all(prog.ctx.rank(axis) == 0 for axis in (Axis.DP, Axis.CP, Axis.TP))
+    return out if first else None

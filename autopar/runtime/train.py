@@ -4,13 +4,14 @@
 this rank's pipeline stages (pruned, materialised, every parameter seeded by its name so any
 layout holds the single-process values; ``runtime.models``, or ``runtime.usermodule`` for a
 user's own module, whose shape also comes from the trace) → TP/SP → EP (``runtime.experts``,
-MoE layers only) → recompute → DP → pipeline schedule. ``train`` runs optimizer steps and returns one global-batch loss per step.
+MoE layers only) → CP (``runtime.context_parallel``) → recompute → DP (over dp x cp) →
+pipeline schedule. ``train`` runs optimizer steps and returns one global-batch loss per step.
 
 The global batch is the same for every plan of a model: synthetic tokens of the step
 (``synthetic_batch``), or samples of a token file (``TrainConfig.data``; ``autopar.data`` says
 which); dp rank r takes rows ``[r B/dp, (r+1) B/dp)`` and cuts them into ``num_microbatches``
-micro-batches. The loss
-is the mean next-token cross-entropy over the global batch, reduced over dp (and taken from
+micro-batches; with context parallelism each cp rank keeps its tokens of every row. The loss
+is the mean next-token cross-entropy over the global batch, reduced over dp and cp (and taken from
 the last pipeline stage), so any two plans of one model and batch print comparable losses.
 """
 
@@ -36,6 +37,7 @@ from autopar.runtime import experts, parallelize
 from autopar.runtime.context import DTYPES, ParallelContext, check_plan
 from autopar.layout import Anatomy, expert_parallel_unsupported
 from autopar.trace.anatomy import anatomy
+from autopar.runtime.context_parallel import apply_context_parallel, shard_sequence
 from autopar.runtime.models import build_stage, stage_blocks
 from autopar.runtime.pipeline import build_schedule, stage_ids
 from autopar.runtime.usermodule import (
@@ -145,7 +147,11 @@ def build_program(plan: Plan, ctx: ParallelContext, cfg: TrainConfig = TrainConf
                                          user_module=source is not None)
     if reason:
         raise ValueError(reason)
+    if ep > 1 and plan.mesh.cp > 1:
+        raise ValueError(f"expert parallelism (ep={ep}) does not compose with context parallelism "
+                         f"(cp={plan.mesh.cp}) in this runtime yet; use ep = 1 or cp = 1")
     groups = experts.expert_mesh(ctx, ep)
+    replicas = ctx.replica_mesh()  # once: flattening dp x cp creates its process group
     ids = stage_ids(plan, ctx.rank(Axis.PP)) if plan.mesh.pp > 1 else [0]
     modules: list[nn.Module] = []
     for sid in ids:
@@ -162,12 +168,16 @@ def build_program(plan: Plan, ctx: ParallelContext, cfg: TrainConfig = TrainConf
                 localize_inputs(model, anat, plan.mesh.tp)
         if groups is not None:
             experts.apply_expert_parallel(model, anat, groups)
+        if plan.mesh.cp > 1:  # check_plan refused what it cannot run (HF and user modules, pipelines)
+            apply_context_parallel(model, ctx.group(Axis.CP), plan.mesh.cp, ctx.rank(Axis.CP), plan.seq_len)
         recompute = plan.recompute
+        if plan.mesh.cp > 1:  # the gathered K,V are never kept (``runtime.context_parallel``)
+            recompute = tuple("selective" if r == "none" else r for r in recompute)
         if source is not None:  # selective: the blocks' SDPA calls (check_plan refused other attention)
             recompute_attention_calls(model, recompute, anat)
             recompute = tuple("none" if r == "selective" else r for r in recompute)
         parallelize.apply_recompute(model, recompute, anat)
-        modules.append(parallelize.apply_data_parallel(model, plan, ctx, anat, groups))
+        modules.append(parallelize.apply_data_parallel(model, plan, ctx, anat, replicas, groups))
     optimizers = [parallelize.make_optimizer(mod, cfg) for mod in modules]
     schedule = build_schedule(plan, ctx, modules, ids, cross_entropy) if plan.mesh.pp > 1 else None
     tied = _tied_group(ctx, plan.mesh.pp) if spec.tied and plan.mesh.pp > 1 else None
@@ -238,9 +248,14 @@ def _vocab_parallel(plan: Plan):
 
 
 def _local_rows(plan: Plan, ctx: ParallelContext, t: torch.Tensor) -> torch.Tensor:
+    """This rank's share of a global batch [B, s]: its dp rank's rows, and with context
+    parallelism its cp rank's tokens of each (``context_parallel.zigzag_positions``)."""
     rows = plan.global_batch // plan.mesh.dp
     dp_rank = ctx.rank(Axis.DP)
-    return t[dp_rank * rows:(dp_rank + 1) * rows].to(ctx.device)
+    t = t[dp_rank * rows:(dp_rank + 1) * rows]
+    if plan.mesh.cp > 1:
+        t = shard_sequence(t, plan.mesh.cp, ctx.rank(Axis.CP))
+    return t.to(ctx.device)
 
 
 def _step_no_pipeline(prog: Program, x: torch.Tensor, y: torch.Tensor) -> float:
@@ -296,7 +311,8 @@ def step_on_batch(prog: Program, tokens: torch.Tensor, targets: torch.Tensor) ->
 
 def _local_step(prog: Program, tokens: torch.Tensor, targets: torch.Tensor) -> float:
     """``step_on_batch`` up to the optimizer step; returns this rank's share of the sum of the
-    micro-batch losses, each (dp rank, micro-batch) loss counted once: last stage, tp rank 0."""
+    micro-batch losses, each (dp rank, cp rank, micro-batch) loss counted once: last stage, tp
+    rank 0 (a cp rank's loss is the mean over its tokens, as many on every cp rank)."""
     plan, ctx = prog.plan, prog.ctx
     if tuple(tokens.shape) != (plan.global_batch, plan.seq_len) or tokens.shape != targets.shape:
         raise ValueError(f"a step takes tokens and targets of shape [{plan.global_batch}, {plan.seq_len}] "
@@ -324,7 +340,7 @@ def _reduce_step(prog: Program, counted: float, seconds: float) -> tuple[float, 
     both = both.to(ctx.device)
     dist.all_reduce(both)
     loss, slowest = both[0].item(), both[1:].max().item()
-    return loss / (plan.mesh.dp * plan.num_microbatches), slowest
+    return loss / (plan.mesh.dp * plan.mesh.cp * plan.num_microbatches), slowest
 
 
 def train(plan: Plan, steps: int, ctx: ParallelContext, cfg: TrainConfig = TrainConfig(),

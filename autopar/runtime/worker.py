@@ -46,7 +46,7 @@ from autopar.runtime.train import Program, TrainConfig, build_program, train
 
 
 def _dump(prog: Program, out: Path, name: str, rank: int) -> None:
-    """This rank's share of the full weights (dp and tp rank 0 of each stage write)."""
+    """This rank's share of the full weights (dp, cp and tp rank 0 of each stage write)."""
     state = full_state(prog)
     if state is not None:
         torch.save(state, out.with_name(f"{name}.rank{rank}.pt"))

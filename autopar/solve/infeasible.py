@@ -18,6 +18,9 @@ def no_candidate_reason(model: ModelProfile, hw: HardwareProfile, gpus: int,
     """Why no outer candidate exists at all (divisibility, refusals; not memory)."""
     used = {"tp": (pins.tp or 1) > 1, "pp": (pins.pp or 1) > 1, "sp": bool(pins.sequence_parallel),
             "dp": (pins.zero or 0) > 0, "selective": pins.recompute == "selective"}
+    if pins.cp and pins.cp > 1 and "cp" in pins.refused:
+        return (f"--cp {pins.cp}: autopar's runtime runs context parallelism on the built-in gpt/llama models "
+                "only; drop --cp, or plan with --recipe megatron-core and run it through `autopar export`")
     for check in pins.refused:
         if used.get(check):
             return (f"{model.name} failed autopar verify's {check} check (see `autopar verify --model ...`); "
@@ -26,7 +29,7 @@ def no_candidate_reason(model: ModelProfile, hw: HardwareProfile, gpus: int,
         recipe = pins.recipe or load_recipe()
         if not recipe.has_context_parallel:
             return (f"--cp {pins.cp}: the {recipe.name} recipe has no context parallelism; plan with "
-                    "--recipe megatron-core (run through `autopar export --to megatron`) or drop --cp")
+                    "--recipe autopar or megatron-core, or drop --cp")
         if model.seq % (2 * pins.cp):
             return f"--cp {pins.cp} needs --seq-len a multiple of 2 x cp = {2 * pins.cp}, got {model.seq}"
     if pins.tp and (model.heads % pins.tp or model.kv_heads % pins.tp):

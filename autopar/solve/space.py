@@ -13,7 +13,8 @@ Offload (CPU, ``Strategy.offload``) is tried with ZeRO >= 1 and dp > 1 where the
 host figures; it is never faster, so the bound ordering prunes it unless memory binds.
 
 Context parallelism (``cp_degrees``) is searched only under a recipe whose program has it
-(``ExecutionRecipe.context_parallel``: never under ``autopar``, whose runtime has none), and
+(``ExecutionRecipe.context_parallel``; under ``autopar``, whose runtime runs it without
+pipelining, on the built-in models only: ``runtime_unsupported``, ``Pins.refused``), and
 only where it can pay: sequences of at least ``CP_MIN_SEQ`` tokens, cut into 2 cp
 load-balanced chunks (seq % 2cp == 0) of at least ``CP_MIN_CHUNK`` tokens per rank. A pinned
 ``--cp`` is taken as given (recipe and divisibility still checked)."""
@@ -201,6 +202,8 @@ def cp_degrees(model: ModelProfile, devices: int, recipe: ExecutionRecipe, pins:
     divisor c of ``devices`` with seq % 2c == 0 and seq / c >= ``CP_MIN_CHUNK``; a pinned
     degree alone, if the recipe and the sequence allow it."""
     seq = model.seq
+    if "cp" in pins.refused:  # the runtime cannot run cp on this model (``workflow.make_plan``)
+        return [1] if pins.cp in (None, 1) else []
     if pins.cp is not None:
         ok = pins.cp == 1 or (recipe.has_context_parallel and seq % (2 * pins.cp) == 0
                               and devices % pins.cp == 0)
