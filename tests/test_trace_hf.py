@@ -87,7 +87,7 @@ def test_hf_gpt2_and_its_dropout():
     assert graph.params == 12 * L * h * h + 13 * L * h + (V + s) * h + 2 * h
 
 
-def test_moe_traces_through_mixtral_and_is_not_priced():
+def test_moe_traces_through_mixtral_and_is_priced_per_routed_token():
     spec = parse_model_spec(MOE)
     graph = trace_spec(spec)
     (block,) = graph.blocks
@@ -99,8 +99,10 @@ def test_moe_traces_through_mixtral_and_is_not_priced():
     h, kv, f, s = 64, 32, 96, 32
     expected = 2 * (2 * h * h + 2 * h * kv) + 2 * h * 4 + 2 * (2 * h * 2 * f + 2 * f * h) + 4 * s * h
     assert block.flops / graph.tokens == expected
-    with pytest.raises(UserError, match="mixture-of-experts"):
-        profile_from_graph(graph, spec)
+    prof = profile_from_graph(graph, spec)  # the routed experts' GEMMs: top-2 copies of each token
+    assert prof.moe and prof.experts == 4 and prof.topk == 2 and prof.expert_ffn == f
+    assert prof.expert_flops_per_token == 2 * (2 * h * 2 * f + 2 * f * h)
+    assert prof.expert_params == 4 * 3 * h * f
 
 
 @pytest.mark.parametrize("name", ["mixtral-8x7b", "llama3-405b"])
