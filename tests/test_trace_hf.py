@@ -194,3 +194,26 @@ def test_inspect_cli_json_and_errors():
     assert info["params"] > 0 and block["activation_bytes_per_token"]["total"] > 0
     bad = runner.invoke(app, ["inspect", "--model", "hf:NoSuchConfig:x=1"])
     assert bad.exit_code == 2 and "Traceback" not in bad.output
+
+
+DSV3_TINY = ("hf:DeepseekV3Config:num_hidden_layers=4,first_k_dense_replace=2,hidden_size=64,num_attention_heads=4,"
+             "num_key_value_heads=4,intermediate_size=96,moe_intermediate_size=32,n_routed_experts=8,"
+             "num_experts_per_tok=2,n_group=2,topk_group=1,q_lora_rank=32,kv_lora_rank=16,qk_nope_head_dim=16,"
+             "qk_rope_head_dim=8,v_head_dim=16,vocab_size=128,seq=32")
+
+
+def test_export_keeps_one_repeat_per_kind_when_a_kind_starts_mid_list():
+    """DeepSeek's decoder list is 2 dense blocks then MoE blocks: the shrunk export keeps
+    model.layers.0 and model.layers.2 under their own names (a renumbered list hid the MoE
+    representative, and the whole 61-layer model was exported: 33 s instead of 2)."""
+    import torch
+    from autopar.trace.capture import export_capture, find_repeated_blocks, outer_groups
+    from autopar.trace.tracer import build_spec_model
+    model, inputs = build_spec_model(parse_model_spec(DSV3_TINY))
+    groups = outer_groups(find_repeated_blocks(model.to(torch.bfloat16)))
+    assert [g[0] for g in groups] == ["model.layers.0", "model.layers.2"]
+    cap = export_capture(model, inputs, groups)
+    seen = {p for n in cap.gm.graph.nodes for p, _ in (n.meta.get("nn_module_stack") or {}).values()}
+    layers = {p for p in seen if p.count(".") == 2 and p.startswith("model.layers.")}
+    assert layers == {"model.layers.0", "model.layers.2"}
+    assert len(model.model.layers) == 4  # the list is restored
