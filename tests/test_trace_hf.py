@@ -217,3 +217,27 @@ def test_export_keeps_one_repeat_per_kind_when_a_kind_starts_mid_list():
     layers = {p for p in seen if p.count(".") == 2 and p.startswith("model.layers.")}
     assert layers == {"model.layers.0", "model.layers.2"}
     assert len(model.model.layers) == 4  # the list is restored
+
+
+def test_deepseek_v3_preset_is_671b_with_3_leading_dense_blocks():
+    """The preset's trace (MLA and 256 experts on meta, one block of each kind) is the
+    published 671B: 58 repeated MoE blocks after 3 dense ones priced with the first stage."""
+    profile = profile_spec(PRESETS["deepseek-v3"])
+    assert (profile.layers, profile.lead_layers, profile.experts, profile.topk) == (58, 3, 256, 8)
+    assert profile.lead.ffn == 18432 and profile.lead.experts == 0 and profile.expert_ffn == 2048
+    assert profile.params == pytest.approx(PUBLISHED_PARAMS["deepseek-v3"], rel=0.005)
+    # Active parameters per token (37B published): dense parts, 8 of 256 routed experts.
+    active = (profile.params - profile.layers * profile.expert_params * (1 - 8 / 256))
+    assert active == pytest.approx(37.5e9, rel=0.02)
+
+
+def test_interleaved_block_kinds_are_one_line():
+    spec = parse_model_spec(DSV3_TINY)
+    graph = trace_spec(spec)
+    swapped = type(graph)(**{**{f: getattr(graph, f) for f in graph.__slots__}, "blocks": graph.blocks[::-1]})
+    assert profile_from_graph(swapped, spec).lead_layers == 2  # order read off the names, not the list
+    a, b = graph.blocks
+    mixed = type(a)(**{**{f: getattr(a, f) for f in a.__slots__}, "names": ("model.layers.0", "model.layers.3")})
+    broken = type(graph)(**{**{f: getattr(graph, f) for f in graph.__slots__}, "blocks": (mixed, b)})
+    with pytest.raises(UserError, match="interleaved"):
+        profile_from_graph(broken, spec)

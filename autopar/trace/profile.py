@@ -39,12 +39,13 @@ def profile_from_graph(graph: ModelGraph, spec: ModelSpec) -> ModelProfile:
     lead, block = leading_blocks(graph)
     tokens = graph.tokens
     if lead is not None:
-        # The leading dense blocks as a profile of their own: their MLP width is the widest
-        # input of a row-parallel GEMM (the down projection); no embedding, no head.
-        rows = [lin.in_features for lin in lead.linears if lin.split == "row"]
+        # The leading dense blocks as a profile of their own: their MLP width is the input of
+        # their last GEMM back to the hidden width (the down projection; read off shapes, not
+        # split labels, which MLA's low-rank pairs confuse); no embedding, no head.
+        downs = [lin.in_features for lin in lead.linears if lin.out_features == spec.hidden]
         lead = ModelProfile(
             name=f"{graph.name} {lead.kind} x{lead.count}", layers=lead.count, hidden=spec.hidden,
-            heads=spec.heads, kv_heads=spec.num_kv_heads, ffn=max(rows, default=spec.ffn_hidden), vocab=spec.vocab, seq=spec.seq,
+            heads=spec.heads, kv_heads=spec.num_kv_heads, ffn=downs[-1] if downs else spec.ffn_hidden, vocab=spec.vocab, seq=spec.seq,
             tied=False, embed_params=0, head_params=0, head_flops_per_token=0.0,
             **_block_fields(lead, tokens))
     return ModelProfile(
