@@ -26,11 +26,12 @@ from typer.core import TyperGroup
 
 from autopar.cli_checks import check_cp, check_out, check_pins, check_save, load_plan_file, parse_axis_order
 from autopar.errors import UserError
+from autopar.spec import parse_model_spec
 from autopar.export.common import Target as ExportTarget
 from autopar.limits import MAX_LOCAL_RANKS, check_count, check_seconds
 from autopar.plan import Plan
 from autopar.solve import Pins, Solution, explain as explain_plan, explanation_dict
-from autopar.workflow import estimate_strategy, fixed_strategy, launch_refusal, make_plan, read_job
+from autopar.workflow import estimate_strategy, fixed_strategy, launch_refusal, lead_refusal, make_plan, read_job
 from cost_models import ProfileError
 from cost_models.strategy import Estimate
 
@@ -92,7 +93,7 @@ def _guard(fn):
 
 # Shared options (design.md names).
 MODEL = typer.Option(..., "--model", help="Preset (gpt3-175b, llama3-8b, ...) or spec gpt:layers=..,hidden=..,heads=..,vocab=..,seq=..")
-CLUSTER = typer.Option(..., "--cluster", help="Hardware profile name (dgx-a100-80g, dgx-a100-40g, dgx-h100, dgx-h200, dgx-b200, grand-teton-h100-96g, cpu-local) or path")
+CLUSTER = typer.Option(..., "--cluster", help="Hardware profile name (dgx-a100-80g, dgx-a100-40g, dgx-h100, dgx-h200, dgx-h800, dgx-b200, grand-teton-h100-96g, cpu-local) or path")
 GPUS = typer.Option(..., "--gpus", help="Total number of devices")
 BATCH = typer.Option(..., "--global-batch", help="Sequences per optimizer step")
 SEQ = typer.Option(None, "--seq-len", help="Training sequence length (default: the model's)")
@@ -327,7 +328,8 @@ def explain(plan_file: Path = typer.Argument(..., help="A plan JSON from `autopa
         prof = profile_spec(job.spec)
         failed = {check: reason for check, reason in the_plan.verified if reason}
         info = explanation_dict(explain_plan(prof, job.hw, job.gpus, job.global_batch, job.dtype,
-                                             the_plan.strategy(), top_k, time_limit, tuple(failed)))
+                                             the_plan.strategy(lead=prof.lead_layers), top_k, time_limit,
+                                             tuple(failed)))
         info["refused"] = failed
         if as_json:
             typer.echo(json.dumps(info, indent=2, sort_keys=True))
@@ -562,7 +564,11 @@ def export(plan_file: Path = typer.Argument(..., help="A plan JSON from `autopar
     warning on stderr naming the nearest setting written instead and its predicted cost."""
     def body() -> None:
         from autopar.export import export_plan
-        result = export_plan(load_plan_file(plan_file, trust_code), to, str(out) if out is not None else None)
+        the_plan = load_plan_file(plan_file, trust_code)
+        lead = lead_refusal(parse_model_spec(the_plan.model))
+        if lead:
+            raise UserError(lead)
+        result = export_plan(the_plan, to, str(out) if out is not None else None)
         for gap in result.gaps:
             typer.echo(f"autopar: warning: {gap.line(result.target)}", err=True)
         if result.gaps:
@@ -602,7 +608,8 @@ def launch(plan_file: Path = typer.Argument(..., help="A plan JSON from `autopar
         if save_every and save is None:
             raise UserError(f"--save-every {save_every} saves into --save DIR; add --save DIR")
         the_plan = load_plan_file(plan_file, trust_code)
-        refusal = the_plan.refusal()  # the model may live on the cluster only: not traced here
+        # A user module may live on the cluster only: not traced here (an HF model is).
+        refusal = the_plan.refusal() or lead_refusal(parse_model_spec(the_plan.model), trace_modules=False)
         if refusal:
             raise UserError(refusal)
         spec = plan_launch(the_plan, out, nodes=nodes, gpus_per_node=gpus_per_node, endpoint=rdzv_endpoint,

@@ -220,21 +220,28 @@ class Plan:
                 return f"{self.model} failed the {feature} check on its twin ({failed[feature]}); re-plan without it"
         return None
 
-    def strategy(self, recipe: ExecutionRecipe | None = None) -> Strategy:
+    def strategy(self, recipe: ExecutionRecipe | None = None, lead: int = 0) -> Strategy:
         """The cost model's view of this plan under ``recipe`` (None: the plan's own): per
         pipeline rank, its blocks (over its virtual stages r, r + pp, ...) counted per
         recompute mode; ``recompute`` is the most common mode (what zero-bubble's fill
-        fraction reads). A strategy the recipe cannot run (cp > 1 without context
-        parallelism) is a ``UserError`` naming the fix."""
+        fraction reads). ``lead``: the model's leading blocks of another kind
+        (``ModelProfile.lead_layers``), the first ``lead`` of virtual stage 0, one recompute
+        mode for all (``Strategy.lead_recompute``), outside the strategy's placement. A
+        strategy the recipe cannot run (cp > 1 without context parallelism) is a
+        ``UserError`` naming the fix."""
         pp, starts = self.mesh.pp, [0]
         for n in self.stage_layers:
             starts.append(starts[-1] + n)
+        lead_modes = set(self.recompute[:lead])
+        if lead and (self.stage_layers[0] <= lead or len(lead_modes) != 1):
+            raise UserError(f"plan's first stage must hold the model's {lead} leading blocks, in one recompute "
+                            f"mode, and a block after them; re-create it with `autopar plan`")
         per_rank = []
         for r in range(pp):
             modes = [m for vs in range(r, len(self.stage_layers), pp)
-                     for m in self.recompute[starts[vs]:starts[vs + 1]]]
+                     for m in self.recompute[max(starts[vs], lead):starts[vs + 1]]]
             per_rank.append(tuple(modes.count(m) for m in RECOMPUTE))
-        totals = [self.recompute.count(m) for m in RECOMPUTE]
+        totals = [self.recompute[lead:].count(m) for m in RECOMPUTE]
         nominal = RECOMPUTE[max(range(len(RECOMPUTE)), key=lambda i: (totals[i], -i))]
         try:
             return Strategy(mesh=self.mesh.degrees(), zero=self.zero_stage,
@@ -242,7 +249,7 @@ class Plan:
                             schedule=self.schedule, virtual_stages=self.virtual_stages,
                             sequence_parallel=self.sequence_parallel, recompute=nominal,
                             stage_layers=tuple(map(sum, per_rank)), stage_recompute=tuple(per_rank),
-                            offload=self.offload, axis_order=self.axis_order,
+                            lead_recompute=lead_modes.pop() if lead else "", offload=self.offload, axis_order=self.axis_order,
                             dtype=self.dtype, recipe=recipe or self.execution_recipe())
         except ValueError as exc:
             raise UserError(f"plan {exc}") from None

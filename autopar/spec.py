@@ -152,6 +152,22 @@ PRESETS: dict[str, ModelSpec] = {
     # V = 32,000, trained at up to 32k tokens (seq 4096 here as a training default).
     "mixtral-8x7b": _llama("mixtral-8x7b", 32, 4096, 32, 8, 14336, vocab=32000, seq=4096,
                            experts=8, topk=2),
+    # DeepSeek-V3 (DeepSeek-AI 2024, arXiv 2412.19437, Sec. 4.2): 61 blocks, the first 3 dense
+    # (MLP 18,432), then 58 MoE (256 routed experts of width 2,048 + 1 shared, top-8); MLA with
+    # 128 heads (q rank 1,536, kv rank 512); V = 129,280; pre-trained at seq 4,096. Built as HF
+    # transformers' DeepseekV3ForCausalLM (random weights on meta): 671B parameters, as
+    # published; its multi-token-prediction module (14B, not in HF's model) is not priced.
+    "deepseek-v3": ModelSpec(
+        arch="hf", name="deepseek-v3", source="DeepseekV3Config", layers=61, hidden=7168, heads=128,
+        kv_heads=128, ffn=18432, vocab=129280, seq=4096, experts=256, topk=8,
+        options=(("num_hidden_layers", "61"), ("first_k_dense_replace", "3"), ("hidden_size", "7168"),
+                 ("num_attention_heads", "128"), ("num_key_value_heads", "128"),
+                 ("intermediate_size", "18432"), ("moe_intermediate_size", "2048"),
+                 ("n_routed_experts", "256"), ("n_shared_experts", "1"), ("num_experts_per_tok", "8"),
+                 ("n_group", "8"), ("topk_group", "4"), ("q_lora_rank", "1536"), ("kv_lora_rank", "512"),
+                 ("qk_nope_head_dim", "128"), ("qk_rope_head_dim", "64"), ("v_head_dim", "128"),
+                 ("vocab_size", "129280"), ("max_position_embeddings", "4096"),
+                 ("tie_word_embeddings", "False"))),
     # A small model for the local CPU demo and tests.
     "gpt-tiny": _gpt("gpt-tiny", 4, 64, 4, vocab=256, seq=32, tied=False),
     **{f"megatron-{n}": _gpt(f"megatron-{n}", l, h, a) for n, l, h, a in _MEGATRON},
@@ -161,6 +177,7 @@ PUBLISHED_PARAMS: dict[str, float] = {
     # GPT-2: the released checkpoints' counts (the paper rounds XL to "1.5B").
     "gpt3-175b": 175e9, "gpt2": 124.44e6, "gpt2-medium": 354.82e6, "gpt2-large": 774.03e6, "gpt2-xl": 1.5576e9,
     "llama3-8b": 8.03e9, "llama3-70b": 70.6e9, "llama3-405b": 405.9e9, "mixtral-8x7b": 46.7e9,
+    "deepseek-v3": 671e9,
     **{f"megatron-{n}": float(n[:-1]) * (1e12 if n.endswith("t") else 1e9) for n, *_ in _MEGATRON},
 }
 """Published parameter counts of the presets (model cards and papers), for checks."""

@@ -83,12 +83,15 @@ def read_job(model: str | ModelSpec, cluster: str, gpus: int, global_batch: int,
                global_batch=global_batch, dtype=dtype, recipe=execution, recipe_name=recipe or DEFAULT_RECIPE)
 
 
-def layer_layout(strat: Strategy, layers: int) -> tuple[tuple[int, ...], tuple[str, ...]]:
-    """(blocks per virtual stage, recompute per block) of a strategy's placement.
+def layer_layout(strat: Strategy, layers: int, lead: int = 0) -> tuple[tuple[int, ...], tuple[str, ...]]:
+    """(blocks per virtual stage, recompute per block) of a strategy's placement of ``layers``
+    repeated blocks after ``lead`` leading blocks of another kind.
 
     Pipeline rank r runs virtual stages r, r + pp, … (looped, as Megatron's interleaved
     schedule wants); its blocks split over its v chunks as evenly as possible (earlier chunks
-    take the remainder), its recompute modes in ``RECOMPUTE`` order along them.
+    take the remainder), its recompute modes in ``RECOMPUTE`` order along them. The leading
+    blocks open virtual stage 0, in ``strat.lead_mode``: a plan's ``stage_layers`` count every
+    block of the model.
     """
     loads = strat.stage_recompute or tuple(
         tuple(n if m == strat.recompute else 0 for m in RECOMPUTE) for n in
@@ -106,15 +109,18 @@ def layer_layout(strat: Strategy, layers: int) -> tuple[tuple[int, ...], tuple[s
             size = q + (1 if c < rem else 0)
             chunks[c * pp + r] = modes[at:at + size]
             at += size
+    chunks[0] = [strat.lead_mode] * lead + chunks[0]
     order = sorted(chunks)
     return (tuple(len(chunks[vs]) for vs in order),
             tuple(m for vs in order for m in chunks[vs]))
 
 
 def plan_from_strategy(job: Job, strat: Strategy, est: Estimate | None,
-                       verified: tuple[tuple[str, str], ...] = (), layout: Anatomy | None = None) -> Plan:
-    """The Plan that records ``strat`` (with its placement) for ``job``."""
-    stage_layers, recompute = layer_layout(strat, job.spec.layers)
+                       verified: tuple[tuple[str, str], ...] = (), layout: Anatomy | None = None,
+                       lead: int = 0) -> Plan:
+    """The Plan that records ``strat`` (with its placement of the repeated blocks, after
+    ``lead`` leading blocks of another kind: ``ModelProfile.lead_layers``) for ``job``."""
+    stage_layers, recompute = layer_layout(strat, job.spec.layers - lead, lead)
     return Plan(model=job.spec.name, cluster=job.cluster, gpus=job.gpus,
                 global_batch=job.global_batch, seq_len=job.seq_len, dtype=job.dtype,
                 mesh=Mesh.of(strat.mesh), zero_stage=strat.zero,
@@ -137,13 +143,32 @@ def verdicts(spec: ModelSpec) -> tuple[tuple[str, str], ...]:
     return tuple((v.check.value, v.reason) for v in verify(spec.name).verdicts)
 
 
+def lead_refusal(spec: ModelSpec, trace_modules: bool = True) -> str | None:
+    """Why no runtime or export takes ``spec``'s model (one line), or None: it leads with blocks
+    of another kind (``ModelProfile.lead``, DeepSeek-V2/V3's dense blocks before the MoE
+    ones), which autopar prices and plans but does not run or export. Read off the (cached)
+    trace of an HF model, and of a user module unless ``trace_modules`` is False."""
+    if spec.arch not in ("hf", "module") or (spec.arch == "module" and not trace_modules):
+        return None
+    profile = profile_spec(spec)
+    if profile.lead is None:
+        return None
+    return (f"{spec.name} leads with {profile.lead_layers} dense blocks before its {profile.layers} repeated ones: "
+            "autopar prices and plans it, but its runtime and exports train one kind of block; "
+            "use the plan's figures with a framework that runs the model (e.g. Megatron-Core's --moe-layer-freq)")
+
+
 def launch_refusal(plan: Plan) -> str | None:
     """Why ``plan`` must not start (one line), or None: a feature it uses failed on the model's
-    twin, as recorded in the plan or, for a plan made without verification, as verified now."""
+    twin, as recorded in the plan or, for a plan made without verification, as verified now;
+    a model that leads with blocks of another kind (``lead_refusal``)."""
     known = plan.refusal()
     if known:
         return known
     spec = parse_model_spec(plan.model)
+    lead = lead_refusal(spec)
+    if lead:
+        return lead
     if plan.verified or not plan.features():
         return None
     if spec.arch not in ("hf", "module"):
@@ -172,7 +197,7 @@ def make_plan(job: Job, pins: Pins = Pins(), time_limit_s: float = 60.0,
         refused += ("cp",)  # autopar's context parallelism replaces the built-in models' attention only
     pins = replace(pins, recipe=job.recipe, refused=refused)
     sol = search(profile, job.hw, job.gpus, job.global_batch, job.dtype, pins, time_limit_s)
-    return plan_from_strategy(job, sol.strategy, sol.estimate, verified, layout), sol
+    return plan_from_strategy(job, sol.strategy, sol.estimate, verified, layout, profile.lead_layers), sol
 
 
 def check_ep(spec: ModelSpec, ep: int, replicas: int | None = None) -> None:

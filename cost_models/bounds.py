@@ -34,10 +34,19 @@ def least_memory_costs(model: ModelProfile, hw: HardwareProfile, strat: Strategy
     no member, whatever its recompute modes.
 
     The rows are assembled as ``estimate.stage_costs`` assembles them (tests/test_solver.py
-    checks they are equal), without its time model: a fraction of its cost."""
+    checks they are equal), without its time model: a fraction of its cost. The model's
+    leading blocks (``ModelProfile.lead``, on the first stage in one mode the group may vary)
+    add their states, their least activations (full recompute keeps the least) and no
+    workspace: each term at its least over the modes."""
     s = replace(strat, schedule="1f1b", virtual_stages=1, recompute="none", stage_layers=(),
                 stage_recompute=())
     first, last = memory.first_params(model, s), memory.last_params(model, s)
+    lead_static = lead_act = lead_host = 0.0
+    if model.lead is not None:
+        n = model.lead_layers
+        lead_static = n * memory.layer_state_bytes(model.lead, s).total
+        lead_act = n * min(memory.block_act_bytes(model.lead, s, r) for r in RECOMPUTE)
+        lead_host = n * memory.layer_host_bytes(model.lead, s)
     return StageCosts(
         pp=s.mesh.pp, nominal=0, mode_time_s=(0.0,) * len(RECOMPUTE), first_time_s=0.0,
         last_time_s=0.0, p2p_time_s=0.0, mode_dp_time_s=(0.0,) * len(RECOMPUTE),
@@ -45,13 +54,13 @@ def least_memory_costs(model: ModelProfile, hw: HardwareProfile, strat: Strategy
         layer_static_bytes=memory.layer_state_bytes(model, s).total,
         mode_act_bytes=tuple(memory.block_act_bytes(model, s, r) for r in RECOMPUTE),
         mode_workspace_bytes=tuple(memory.workspace_bytes(model, s, r) for r in RECOMPUTE),
-        first_static_bytes=memory.state_bytes(first, s).total,
-        first_act_bytes=memory.first_act_bytes(model, s),
+        first_static_bytes=memory.state_bytes(first, s).total + lead_static,
+        first_act_bytes=memory.first_act_bytes(model, s) + lead_act,
         last_static_bytes=memory.state_bytes(last, s).total,
         last_act_bytes=memory.last_act_bytes(model, s),
         inflight=pipeline.inflight(s), buffer_bytes=memory.base_buffer_bytes(model, hw, s),
         sum_weight=0.0, max_weight=0.0,
         layer_host_bytes=memory.layer_host_bytes(model, s),
-        first_host_bytes=memory.host_state_bytes(first, s),
+        first_host_bytes=memory.host_state_bytes(first, s) + lead_host,
         last_host_bytes=memory.host_state_bytes(last, s),
         host_cap_bytes=hw.host_memory_bytes if s.offload else float("inf"))

@@ -86,6 +86,29 @@ class _Parts:
     first: _Piece
     last: _Piece
     p2p_s: float
+    lead: tuple[_Piece, ...] = ()
+    """One leading block of another kind in each recompute mode (``ModelProfile.lead``;
+    empty without them): the first stage runs ``lead_layers`` of them."""
+
+
+def _plus(a: _Piece, b: _Piece, n: float) -> _Piece:
+    """``a`` and ``n`` copies of ``b`` on one device (time, tails, states, activations)."""
+    return _Piece(compute_s=a.compute_s + n * b.compute_s, tp_s=a.tp_s + n * b.tp_s,
+                  dp_exposed_s=a.dp_exposed_s + n * b.dp_exposed_s, dp_tail_s=a.dp_tail_s + n * b.dp_tail_s,
+                  optimizer_s=a.optimizer_s + n * b.optimizer_s,
+                  state=memory.StateBytes(params=a.state.params + n * b.state.params,
+                                          grads=a.state.grads + n * b.state.grads,
+                                          optimizer=a.state.optimizer + n * b.state.optimizer),
+                  act_bytes=a.act_bytes + n * b.act_bytes, host_bytes=a.host_bytes + n * b.host_bytes,
+                  forward_s=a.forward_s + n * b.forward_s, recompute_s=a.recompute_s + n * b.recompute_s)
+
+
+def _first_with_lead(model: ModelProfile, parts: _Parts, strat: Strategy) -> _Piece:
+    """The first stage's fixed piece: the embedding and, in ``strat.lead_mode``, the model's
+    leading blocks of another kind."""
+    if not parts.lead:
+        return parts.first
+    return _plus(parts.first, parts.lead[RECOMPUTE.index(strat.lead_mode)], model.lead_layers)
 
 
 def optimizer_bytes_per_param(rec: memory.StateLayout) -> float:
@@ -418,8 +441,15 @@ def _parts(model: ModelProfile, hw: HardwareProfile, strat: Strategy) -> _Parts:
                                  * memory.state_layout(strat).grad, pair)
         first = replace(first, dp_tail_s=first.dp_tail_s + sync)
         last = replace(last, dp_tail_s=last.dp_tail_s + sync)
+    lead = []
+    if model.lead is not None:  # dense blocks: their own tp and cp exchanges, no experts
+        for mode in RECOMPUTE:
+            s = replace(strat, recompute=mode)
+            lead.append(_block_piece(model.lead, compute.block_times(model.lead, hw, s),
+                                     _comm_sum(block_tp_s(model.lead, hw, s, groups[Axis.TP]),
+                                               block_cp_s(model.lead, hw, s, groups[Axis.CP])), hw, s, rep))
     return _Parts(layers=tuple(layers), passes=tuple(passes), first=first, last=last,
-                  p2p_s=p2p_s(model, strat, groups))
+                  p2p_s=p2p_s(model, strat, groups), lead=tuple(lead))
 
 
 def parts_key(strat: Strategy) -> tuple:
@@ -449,37 +479,50 @@ def stage_costs(model: ModelProfile, hw: HardwareProfile, strat: Strategy,
     passes = parts.passes[RECOMPUTE.index(strat.recompute)]
     sum_w, max_w = pipeline.schedule_weights(strat, pipeline.zb_fill_fraction(
         passes.forward_s, passes.recompute_s, passes.backward_s))
+    first = _first_with_lead(model, parts, strat)
     return StageCosts(
         pp=strat.mesh.pp, nominal=RECOMPUTE.index(strat.recompute),
-        mode_time_s=tuple(p.time_s for p in parts.layers), first_time_s=parts.first.time_s,
+        mode_time_s=tuple(p.time_s for p in parts.layers), first_time_s=first.time_s,
         last_time_s=parts.last.time_s, p2p_time_s=parts.p2p_s,
-        mode_dp_time_s=tuple(p.tail_s for p in parts.layers), first_dp_time_s=parts.first.tail_s,
+        mode_dp_time_s=tuple(p.tail_s for p in parts.layers), first_dp_time_s=first.tail_s,
         last_dp_time_s=parts.last.tail_s,
         layer_static_bytes=parts.layers[0].state.total,
         mode_act_bytes=tuple(p.act_bytes for p in parts.layers),
         mode_workspace_bytes=tuple(memory.workspace_bytes(model, strat, r) for r in RECOMPUTE),
-        first_static_bytes=parts.first.state.total, first_act_bytes=parts.first.act_bytes,
+        first_static_bytes=first.state.total, first_act_bytes=first.act_bytes,
         last_static_bytes=parts.last.state.total, last_act_bytes=parts.last.act_bytes,
         inflight=pipeline.inflight(strat), buffer_bytes=memory.base_buffer_bytes(model, hw, strat),
         sum_weight=sum_w, max_weight=max_w,
-        layer_host_bytes=parts.layers[0].host_bytes, first_host_bytes=parts.first.host_bytes,
+        layer_host_bytes=parts.layers[0].host_bytes, first_host_bytes=first.host_bytes,
         last_host_bytes=parts.last.host_bytes,
-        host_cap_bytes=hw.host_memory_bytes if strat.offload else float("inf"))
+        host_cap_bytes=hw.host_memory_bytes if strat.offload else float("inf"),
+        first_workspace_bytes=lead_workspace_bytes(model, strat))
 
 
-def _stage_pieces(parts: _Parts, s: int, counts: tuple[int, ...], pp: int) -> list[tuple[float, _Piece]]:
-    """(count, piece) of what stage s holding ``counts`` blocks per recompute mode runs."""
+def lead_workspace_bytes(model: ModelProfile, strat: Strategy) -> float:
+    """Recompute workspace of the leading blocks (one block's, in ``strat.lead_mode``) on the
+    first stage, bytes; 0 without them."""
+    if model.lead is None:
+        return 0.0
+    return memory.workspace_bytes(model.lead, strat, strat.lead_mode)
+
+
+def _stage_pieces(parts: _Parts, s: int, counts: tuple[int, ...], pp: int,
+                  first: _Piece | None = None) -> list[tuple[float, _Piece]]:
+    """(count, piece) of what stage s holding ``counts`` blocks per recompute mode runs
+    (``first``: the first stage's fixed piece, leading blocks included; default the embedding)."""
     out = [(float(n), piece) for n, piece in zip(counts, parts.layers) if n]
     if s == 0:
-        out.append((1.0, parts.first))
+        out.append((1.0, first or parts.first))
     if s == pp - 1:
         out.append((1.0, parts.last))
     return out
 
 
-def _stage_memory(parts: _Parts, c: StageCosts, s: int, counts: tuple[int, ...]) -> MemoryBreakdown:
+def _stage_memory(parts: _Parts, c: StageCosts, s: int, counts: tuple[int, ...],
+                  first: _Piece | None = None) -> MemoryBreakdown:
     """Stage s's peak bytes by kind (they add up to ``StageCosts.stage_memory_bytes``)."""
-    pieces = _stage_pieces(parts, s, counts, c.pp)
+    pieces = _stage_pieces(parts, s, counts, c.pp, first)
     k = c.inflight[s]
     return MemoryBreakdown(
         peak_bytes=c.stage_memory_bytes(s, counts),
@@ -487,7 +530,7 @@ def _stage_memory(parts: _Parts, c: StageCosts, s: int, counts: tuple[int, ...])
         grads_bytes=sum(n * p.state.grads for n, p in pieces),
         optimizer_bytes=sum(n * p.state.optimizer for n, p in pieces),
         activations_bytes=k * sum(n * p.act_bytes for n, p in pieces),
-        buffers_bytes=c.buffer_bytes + c.stage_workspace_bytes(counts),
+        buffers_bytes=c.buffer_bytes + c.stage_workspace_bytes(counts) + (c.first_workspace_bytes if s == 0 else 0.0),
         host_bytes=c.stage_host_bytes(s, counts))
 
 
@@ -522,10 +565,11 @@ def stage_details(model: ModelProfile, hw: HardwareProfile, strat: Strategy) -> 
     """Every pipeline rank of ``strat`` (its placement as ``estimate`` reads it), first to last."""
     c = stage_costs(model, hw, strat)
     parts = _parts(model, hw, strat)
+    first = _first_with_lead(model, parts, strat)
     out = []
     for s, load in enumerate(strat.stage_loads(model.layers)):
         counts = c.counts(load)
-        pieces = _stage_pieces(parts, s, counts, strat.mesh.pp)
+        pieces = _stage_pieces(parts, s, counts, strat.mesh.pp, first)
         fwd = sum(k * p.forward_s for k, p in pieces)
         rc = sum(k * p.recompute_s for k, p in pieces)
         out.append(StageDetail(
@@ -536,7 +580,8 @@ def stage_details(model: ModelProfile, hw: HardwareProfile, strat: Strategy) -> 
             dp_comm_s=sum(k * p.dp_exposed_s for k, p in pieces),
             dp_tail_s=sum(k * p.dp_tail_s for k, p in pieces),
             optimizer_s=sum(k * p.optimizer_s for k, p in pieces),
-            memory=_stage_memory(parts, c, s, counts), workspace_bytes=c.stage_workspace_bytes(counts)))
+            memory=_stage_memory(parts, c, s, counts, first),
+            workspace_bytes=c.stage_workspace_bytes(counts) + (c.first_workspace_bytes if s == 0 else 0.0)))
     return tuple(out)
 
 
@@ -558,6 +603,7 @@ def estimate(model: ModelProfile, hw: HardwareProfile, strat: Strategy, *,
     c = stage_costs(model, hw, strat)
     layers = tuple(c.counts(x) for x in strat.stage_loads(model.layers))
     parts = _parts(model, hw, strat)
+    first = _first_with_lead(model, parts, strat)
     step = c.step_time_s(layers)
     m = strat.num_microbatches
 
@@ -565,8 +611,8 @@ def estimate(model: ModelProfile, hw: HardwareProfile, strat: Strategy, *,
     tails = [c.stage_dp_time_s(s, n) for s, n in enumerate(layers)]
     st = max(range(strat.mesh.pp), key=times.__getitem__)
     sd = max(range(strat.mesh.pp), key=tails.__getitem__)
-    crit = _stage_pieces(parts, st, layers[st], strat.mesh.pp)
-    tail = _stage_pieces(parts, sd, layers[sd], strat.mesh.pp)
+    crit = _stage_pieces(parts, st, layers[st], strat.mesh.pp, first)
+    tail = _stage_pieces(parts, sd, layers[sd], strat.mesh.pp, first)
     compute_s = m * sum(k * p.compute_s for k, p in crit)
     tp_s = m * sum(k * p.tp_s for k, p in crit)
     pp_s = m * c.p2p_time_s
@@ -577,7 +623,7 @@ def estimate(model: ModelProfile, hw: HardwareProfile, strat: Strategy, *,
     peaks = [c.stage_memory_bytes(s, n) for s, n in enumerate(layers)]
     hosts = [c.stage_host_bytes(s, n) for s, n in enumerate(layers)]
     sm = max(range(strat.mesh.pp), key=peaks.__getitem__)
-    memory_bd = replace(_stage_memory(parts, c, sm, layers[sm]), host_bytes=max(hosts))
+    memory_bd = replace(_stage_memory(parts, c, sm, layers[sm], first), host_bytes=max(hosts))
 
     flops = model_flops_per_step(model, global_batch)
     per_gpu = flops / (step * strat.devices)

@@ -288,7 +288,8 @@ def base_buffer_bytes(model: ModelProfile, hw: HardwareProfile, strat: Strategy)
     - data-parallel buffers: two 25 MB buckets (ZeRO 1-2, dp > 1; under ZeRO-0 the gradients
       are the buckets), or for ZeRO-3 the
       gathered compute-dtype weights of two blocks (current and prefetched) and the unsharded
-      gradients of one block before its reduce-scatter;
+      gradients of one block before its reduce-scatter (the wider of a repeated and a
+      leading block);
     - with offload under ZeRO 2, the unsharded gradients of one block before their
       reduce-scatter and copy to the host.
     """
@@ -296,7 +297,8 @@ def base_buffer_bytes(model: ModelProfile, hw: HardwareProfile, strat: Strategy)
     total = (hw.reserve_gib + hw.nccl_gib_per_group * communicators(strat)) * 2**30
     if strat.replicas > 1:
         if strat.zero >= 3:
-            total += layer_params(model, strat) * (2 * gather_bytes(strat) + lay.grad)
+            widest = max(layer_params(model, strat), layer_params(model.lead, strat) if model.lead else 0.0)
+            total += widest * (2 * gather_bytes(strat) + lay.grad)
         elif strat.zero > 0:
             total += 2 * DDP_BUCKET_BYTES
             if strat.offload and strat.zero == 2:

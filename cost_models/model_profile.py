@@ -1,7 +1,10 @@
 """What the cost model knows of a model: the tracer's counts, summarised per kind of block.
 
 A model is an embedding (first pipeline stage), ``layers`` identical transformer blocks, and a
-head (final norm, output projection and loss; last stage). Counts are per block and per token at
+head (final norm, output projection and loss; last stage). A model may lead with a few blocks
+of another kind (``lead``: DeepSeek-V2/V3's first dense blocks before the MoE ones): they are
+priced with the first stage, like the embedding, and ``layers`` counts the repeated blocks
+only (a plan's ``stage_layers`` counts both: the leading blocks are its first stage's first). Counts are per block and per token at
 sequence length ``seq``; bytes of activations assume 16-bit activations and 1-byte dropout masks,
 in two accountings: unfused core attention with Megatron's dropout (Korthikanti et al. 2022) and
 a fused attention kernel (``fused_*``), which the execution recipe chooses between.
@@ -68,6 +71,16 @@ class ModelProfile:
     """Tokens an expert takes at most, over its fair share (tokens x topk / experts); 0:
     dropless (every routed token is computed, however uneven)."""
 
+    lead: ModelProfile | None = None
+    """The dense blocks before the repeated ones, as a profile of their own (``layers``: how
+    many; per-block fields as above; no embedding or head), or None. They run on the first
+    pipeline stage, like the embedding (``cost_models.estimate``)."""
+
+    @property
+    def lead_layers(self) -> int:
+        """Leading blocks of another kind (0: every block is one of the ``layers``)."""
+        return self.lead.layers if self.lead is not None else 0
+
     @property
     def moe(self) -> bool:
         return self.experts > 0
@@ -90,7 +103,8 @@ class ModelProfile:
     def params(self) -> int:
         """Total trainable parameters (a tied head counted once)."""
         tied = self.vocab * self.hidden if self.tied else 0
-        return self.embed_params + self.layers * self.block_params + self.head_params - tied
+        lead = self.lead_layers * self.lead.block_params if self.lead is not None else 0
+        return self.embed_params + lead + self.layers * self.block_params + self.head_params - tied
 
     def act_bytes_per_token(self, fused: bool) -> tuple[float, float, float]:
         """(replicated, sharded, attention core) saved bytes per token in one accounting."""
@@ -103,4 +117,6 @@ class ModelProfile:
     def model_flops_per_token(self) -> float:
         """Training FLOPs per token (forward + backward = 3x forward, no recompute)."""
         fwd = self.layers * (self.block_matmul_flops_per_token + self.block_attn_flops_per_token)
+        if self.lead is not None:
+            fwd += self.lead.layers * (self.lead.block_matmul_flops_per_token + self.lead.block_attn_flops_per_token)
         return 3.0 * (fwd + self.head_flops_per_token)

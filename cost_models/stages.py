@@ -7,7 +7,7 @@ blocks with recompute mode r (none, selective, full) costs, per micro-batch and 
     D_s = Σ_r n_{s,r} layer_dp_time_s[r] + [s = 0] first_dp_time_s + [s = p-1] last_dp_time_s
     M_s = buffer_bytes + max_{r: n_{s,r} > 0} workspace_bytes[r]
           + Σ_r n_{s,r} (layer_static_bytes + inflight[s] layer_act_bytes[r])
-          + [s = 0] (first_static_bytes + inflight[0] first_act_bytes)
+          + [s = 0] (first_static_bytes + inflight[0] first_act_bytes + first_workspace_bytes)
           + [s = p-1] (last_static_bytes + inflight[p-1] last_act_bytes)
 
 and, with CPU offload, the host-memory row (offloaded shards, independent of recompute)
@@ -21,7 +21,10 @@ and the step takes
 
 T_s is forward + recompute + backward of one micro-batch, D_s the part of the gradient
 reduction and optimizer step not hidden behind compute, ``workspace_bytes[r]`` what recompute
-mode r rebuilds during one block's backward (0 for none). The schedule sets the weights (for
+mode r rebuilds during one block's backward (0 for none). The "first" terms are the embedding's
+plus those of the model's leading blocks of another kind (``ModelProfile.lead``), whose
+recompute workspace ``first_workspace_bytes`` is added to, not maxed with, the stage's own (a
+bound above the peak by at most one block's workspace, which keeps every M_s linear). The schedule sets the weights (for
 GPipe and 1F1B, sum 1 and max m - 1: the fill and drain pass every stage once, the steady state
 runs at the slowest stage). ``estimate`` and the solver both evaluate exactly these formulas, so
 the solver's optimum is the estimate's optimum.
@@ -75,6 +78,8 @@ class StageCosts:
     last_host_bytes: float = 0.0
     host_cap_bytes: float = float("inf")
     """Host memory per device for offloaded state, bytes (inf without offload)."""
+    first_workspace_bytes: float = 0.0
+    """Recompute workspace of the leading blocks on the first stage, bytes (0 without them)."""
 
     @property
     def layer_time_s(self) -> float:
@@ -117,7 +122,7 @@ class StageCosts:
         k = self.inflight[s]
         m = self.buffer_bytes
         if s == 0:
-            m += self.first_static_bytes + k * self.first_act_bytes
+            m += self.first_static_bytes + k * self.first_act_bytes + self.first_workspace_bytes
         if s == self.pp - 1:
             m += self.last_static_bytes + k * self.last_act_bytes
         return m
@@ -144,7 +149,7 @@ class StageCosts:
         m = self.buffer_bytes + self.stage_workspace_bytes(counts) + sum(
             n * (self.layer_static_bytes + k * a) for n, a in zip(counts, self.mode_act_bytes))
         if s == 0:
-            m += self.first_static_bytes + k * self.first_act_bytes
+            m += self.first_static_bytes + k * self.first_act_bytes + self.first_workspace_bytes
         if s == self.pp - 1:
             m += self.last_static_bytes + k * self.last_act_bytes
         return m

@@ -33,6 +33,9 @@ class Strategy:
     stage_recompute: tuple[tuple[int, ...], ...] = ()
     """Per pipeline stage, its blocks with recompute none, selective and full (``RECOMPUTE``
     order; they sum to ``stage_layers``); empty means every block uses ``recompute``."""
+    lead_recompute: str = ""
+    """Recompute mode of the model's leading blocks of another kind (``ModelProfile.lead``,
+    priced with the first stage; one mode for all of them); "" means ``recompute``."""
     offload: bool = False
     """ZeRO's sharded weights, gradients and optimizer states (fp32 master included) live in
     host memory and the optimizer step runs on the CPU (FSDP2's ``CPUOffloadPolicy``); needs
@@ -63,6 +66,8 @@ class Strategy:
             raise ValueError(f"unknown schedule {self.schedule!r}; use one of {', '.join(SCHEDULES)}")
         if self.recompute not in RECOMPUTE:
             raise ValueError(f"unknown recompute {self.recompute!r}; use one of {', '.join(RECOMPUTE)}")
+        if self.lead_recompute and self.lead_recompute not in RECOMPUTE:
+            raise ValueError(f"unknown lead_recompute {self.lead_recompute!r}; use one of {', '.join(RECOMPUTE)}")
         try:  # names ("pp", ...) become members, in canonical form (cp listed iff cp > 1)
             object.__setattr__(self, "axis_order", parse_order(self.axis_order, self.mesh))
         except ValueError as exc:
@@ -90,6 +95,10 @@ class Strategy:
     def stage_loads(self, layers: int) -> tuple:
         """Each stage's load for ``StageCosts``: per-mode counts, or block counts (even split
         of ``layers`` when ``stage_layers`` is empty)."""
+        placed = sum(map(sum, self.stage_recompute)) if self.stage_recompute else sum(self.stage_layers)
+        if placed and placed != layers:
+            raise ValueError(f"the placement holds {placed} blocks but the model repeats {layers} (leading "
+                             "blocks of another kind are the first stage's, outside stage_layers)")
         if self.stage_recompute:
             return self.stage_recompute
         if self.stage_layers:
@@ -98,6 +107,11 @@ class Strategy:
         if q < 1:
             raise ValueError(f"cannot split {layers} layers over {self.mesh.pp} pipeline stages")
         return tuple(q + (1 if s < r else 0) for s in range(self.mesh.pp))
+
+    @property
+    def lead_mode(self) -> str:
+        """The recompute mode of the leading blocks (``lead_recompute``, else ``recompute``)."""
+        return self.lead_recompute or self.recompute
 
     @property
     def dp_overlap(self) -> bool:

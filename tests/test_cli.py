@@ -292,3 +292,26 @@ def test_ep_pin_reaches_the_plan_is_checked_in_one_line_and_the_plan_runs_here(t
         assert bad.exit_code == 2 and fragment in bad.stderr and len(bad.stderr.strip().splitlines()) == 1, bad.stderr
     est = invoke("estimate", *job, "--ep", "4", "--json")
     assert est.exit_code == 0, est.output
+
+
+def test_leading_dense_blocks_plan_with_every_block_counted_and_are_not_run(tmp_path):
+    """A DeepSeek-shaped model (2 dense blocks, then MoE blocks): the plan's stage_layers count
+    all 6 blocks, the leading ones opening the first stage in one recompute mode; explain
+    re-prices the plan exactly; run, launch and export refuse it in one line."""
+    pytest.importorskip("transformers")
+    from tests.test_trace_hf import DSV3_TINY
+    out = tmp_path / "p.json"
+    res = invoke("plan", "--model", DSV3_TINY, "--cluster", "dgx-h100", "--gpus", "16", "--global-batch", "64",
+                 "--recipe", "megatron-core", "--pp", "2", "--json", "--out", str(out))
+    assert res.exit_code == 0, res.output
+    plan = json.loads(res.stdout)["plan"]
+    assert sum(plan["stage_layers"]) == 4 and plan["stage_layers"][0] >= 3
+    assert len(set(plan["recompute"][:2])) == 1
+    res = invoke("explain", str(out), "--json", "--top-k", "1")
+    assert res.exit_code == 0, res.output
+    assert json.loads(res.stdout)["step_time_s"] == pytest.approx(json.loads(out.read_text())["estimate"]["step_time_s"],
+                                                                   rel=1e-12)
+    for args in (("run", str(out)), ("export", str(out), "--to", "megatron"),
+                 ("launch", str(out), "--out", str(tmp_path))):
+        res = invoke(*args)
+        assert res.exit_code == 2 and "leads with 2 dense blocks" in res.stderr and len(res.stderr.splitlines()) == 1

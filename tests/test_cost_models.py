@@ -540,3 +540,37 @@ def test_moe_terms_experts_over_ep_all_to_all_over_its_tier():
     assert memory.block_act_bytes(model, skewed) > memory.block_act_bytes(model, four)
     capped = dataclasses.replace(model, capacity_factor=1.25)
     assert memory.moe_load(capped, skewed) == 1.25 and memory.moe_load(model, skewed) == 1.5
+
+
+def _as_lead(model: ModelProfile, k: int) -> ModelProfile:
+    """``model`` whose first ``k`` blocks are its leading blocks (the same block, no
+    embedding or head): priced with the first stage instead of placed."""
+    lead = dataclasses.replace(model, name="lead", layers=k, embed_params=0, head_params=0,
+                               head_flops_per_token=0.0, tied=False)
+    return dataclasses.replace(model, layers=model.layers - k, lead=lead)
+
+
+@pytest.mark.parametrize("zero,rc", [(1, "none"), (3, "none"), (1, "full")])
+def test_leading_blocks_cost_what_the_same_blocks_cost_on_the_first_stage(zero, rc):
+    """Leading blocks alike the repeated ones price exactly as those blocks placed first on
+    stage 0: the same step (time, tails, bubble) and model FLOPs; memory the same, except that
+    the leading blocks' recompute workspace adds to the stage's instead of maxing with it (a
+    bound above the peak by one block's workspace, ``cost_models.stages``)."""
+    hw, k = load_profile("dgx-a100-80g"), 3
+    base = Strategy(mesh=Degrees(dp=2, tp=8, pp=4), zero=zero, num_microbatches=8, recompute=rc,
+                    stage_layers=(14, 12, 11, 11))
+    led = dataclasses.replace(base, stage_layers=(11, 12, 11, 11))
+    a = estimate(G22B, hw, base, global_batch=16)
+    b = estimate(_as_lead(G22B, k), hw, led, global_batch=16)
+    assert _as_lead(G22B, k).params == G22B.params
+    assert b.step_time_s == pytest.approx(a.step_time_s, rel=1e-12)
+    assert b.tflops_per_gpu == pytest.approx(a.tflops_per_gpu, rel=1e-12)
+    ws = memory.workspace_bytes(G22B, base) if rc != "none" else 0.0
+    assert b.stage_peak_bytes[0] == pytest.approx(a.stage_peak_bytes[0] + ws, rel=1e-12)
+    assert b.stage_peak_bytes[1:] == pytest.approx(a.stage_peak_bytes[1:], rel=1e-12)
+    # The first stage carries them: taking them away makes it cheaper, and a placement that
+    # counts them again is refused, not priced.
+    none = estimate(dataclasses.replace(G22B, layers=45), hw, led, global_batch=16)
+    assert none.stage_peak_bytes[0] < b.stage_peak_bytes[0] and none.step_time_s < b.step_time_s
+    with pytest.raises(ValueError, match="repeats 45"):
+        estimate(_as_lead(G22B, k), hw, base, global_batch=16)

@@ -456,3 +456,46 @@ def test_optimal_against_exhaustive_enumeration_with_ep():
         checked += 1
         with_ep += sol.strategy.mesh.ep > 1
     assert checked >= 6 and with_ep >= 1
+
+
+def with_lead(model: ModelProfile, k: int, scale: float) -> ModelProfile:
+    """``model`` led by ``k`` dense blocks of ``scale`` times its block's counts (DeepSeek's
+    first dense blocks: wider MLPs than the repeated ones' dense part)."""
+    per = {f.name: getattr(model, f.name) * scale for f in dataclasses.fields(model)
+           if f.name.startswith(("block_", "fused_act_"))}
+    per["block_params"] = int(per["block_params"])
+    lead = dataclasses.replace(model, name="lead", layers=k, embed_params=0, head_params=0,
+                               head_flops_per_token=0.0, tied=False, **per)
+    return dataclasses.replace(model, lead=lead)
+
+
+def test_optimal_against_exhaustive_enumeration_with_leading_blocks():
+    """The brute force over models with leading blocks of another kind on the first stage:
+    every outer candidate (one recompute mode for the leading blocks, each the candidate
+    allows), every placement of the repeated blocks; the memory relaxation of each schedule
+    group stays below every member, whatever the leading blocks' mode."""
+    from cost_models.bounds import least_memory_costs
+    rng = random.Random(16)
+    checked, modes = 0, set()
+    for _ in range(30):
+        model, hw, gpus, batch = random_instance(rng)
+        model = with_lead(model, rng.randint(1, 3), rng.uniform(0.5, 3.0))
+        for cand in outer_candidates(model, hw, gpus, batch, "bf16"):
+            modes.add(cand.strategy.lead_recompute)
+            c = stage_costs(model, hw, cand.strategy)
+            rep = least_memory_costs(model, hw, cand.strategy)
+            for s in range(c.pp):
+                for n in range(model.layers + 1):
+                    for ld in stage_loads(n, cand.modes):
+                        assert rep.stage_memory_bytes(s, ld) <= c.stage_memory_bytes(s, ld) * (1 + 1e-12)
+        expected = brute_force(model, hw, gpus, batch, "bf16")
+        if expected is None:
+            with pytest.raises(UserError, match="does not fit"):
+                search(model, hw, gpus, batch, "bf16")
+            continue
+        sol = search(model, hw, gpus, batch, "bf16")
+        assert sol.optimal and sol.estimate.fits
+        assert sol.estimate.step_time_s == pytest.approx(expected, rel=1e-9)
+        checked += 1
+    assert checked >= 15  # most instances are feasible, so the comparison is not vacuous
+    assert modes == {"none", "selective", "full"}  # the leading blocks' mode is searched

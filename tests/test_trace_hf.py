@@ -196,3 +196,50 @@ def test_inspect_cli_json_and_errors():
     assert info["params"] > 0 and block["activation_bytes_per_token"]["total"] > 0
     bad = runner.invoke(app, ["inspect", "--model", "hf:NoSuchConfig:x=1"])
     assert bad.exit_code == 2 and "Traceback" not in bad.output
+
+
+DSV3_TINY = ("hf:DeepseekV3Config:num_hidden_layers=4,first_k_dense_replace=2,hidden_size=64,num_attention_heads=4,"
+             "num_key_value_heads=4,intermediate_size=96,moe_intermediate_size=32,n_routed_experts=8,"
+             "num_experts_per_tok=2,n_group=2,topk_group=1,q_lora_rank=32,kv_lora_rank=16,qk_nope_head_dim=16,"
+             "qk_rope_head_dim=8,v_head_dim=16,vocab_size=128,seq=32")
+
+
+def test_export_keeps_one_repeat_per_kind_when_a_kind_starts_mid_list():
+    """DeepSeek's decoder list is 2 dense blocks then MoE blocks: the shrunk export keeps
+    model.layers.0 and model.layers.2 under their own names (a renumbered list hid the MoE
+    representative, and the whole 61-layer model was exported: 33 s instead of 2)."""
+    import torch
+    from autopar.trace.capture import export_capture, find_repeated_blocks, outer_groups
+    from autopar.trace.tracer import build_spec_model
+    model, inputs = build_spec_model(parse_model_spec(DSV3_TINY))
+    groups = outer_groups(find_repeated_blocks(model.to(torch.bfloat16)))
+    assert [g[0] for g in groups] == ["model.layers.0", "model.layers.2"]
+    cap = export_capture(model, inputs, groups)
+    seen = {p for n in cap.gm.graph.nodes for p, _ in (n.meta.get("nn_module_stack") or {}).values()}
+    layers = {p for p in seen if p.count(".") == 2 and p.startswith("model.layers.")}
+    assert layers == {"model.layers.0", "model.layers.2"}
+    assert len(model.model.layers) == 4  # the list is restored
+
+
+def test_deepseek_v3_preset_is_671b_with_3_leading_dense_blocks():
+    """The preset's trace (MLA and 256 experts on meta, one block of each kind) is the
+    published 671B: 58 repeated MoE blocks after 3 dense ones priced with the first stage."""
+    profile = profile_spec(PRESETS["deepseek-v3"])
+    assert (profile.layers, profile.lead_layers, profile.experts, profile.topk) == (58, 3, 256, 8)
+    assert profile.lead.ffn == 18432 and profile.lead.experts == 0 and profile.expert_ffn == 2048
+    assert profile.params == pytest.approx(PUBLISHED_PARAMS["deepseek-v3"], rel=0.005)
+    # Active parameters per token (37B published): dense parts, 8 of 256 routed experts.
+    active = (profile.params - profile.layers * profile.expert_params * (1 - 8 / 256))
+    assert active == pytest.approx(37.5e9, rel=0.02)
+
+
+def test_interleaved_block_kinds_are_one_line():
+    spec = parse_model_spec(DSV3_TINY)
+    graph = trace_spec(spec)
+    swapped = type(graph)(**{**{f: getattr(graph, f) for f in graph.__slots__}, "blocks": graph.blocks[::-1]})
+    assert profile_from_graph(swapped, spec).lead_layers == 2  # order read off the names, not the list
+    a, b = graph.blocks
+    mixed = type(a)(**{**{f: getattr(a, f) for f in a.__slots__}, "names": ("model.layers.0", "model.layers.3")})
+    broken = type(graph)(**{**{f: getattr(graph, f) for f in graph.__slots__}, "blocks": (mixed, b)})
+    with pytest.raises(UserError, match="interleaved"):
+        profile_from_graph(broken, spec)

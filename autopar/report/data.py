@@ -168,7 +168,7 @@ def alternatives(model: ModelProfile, hw: HardwareProfile, plan: Plan, strat: St
 def report_data(plan: Plan, model: ModelProfile, hw: HardwareProfile, *, top_k: int = 10,
                 time_limit_s: float = 30.0, measured: Measured | None = None) -> ReportData:
     """Everything the page draws, from the plan and the cost model."""
-    strat = plan.strategy()
+    strat = plan.strategy(lead=model.lead_layers)
     est = estimate(model, hw, strat, global_batch=plan.global_batch)
     details = stage_details(model, hw, strat)
     try:

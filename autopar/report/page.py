@@ -109,7 +109,7 @@ def render(data: ReportData, figures: dict[str, Path]) -> str:
                      "path and the part hidden behind compute (the same collectives priced with nothing "
                      f"overlapped, less the exposed part; overlapped collectives still cost "
                      f"{hw.overlap_penalty:.0%} of their time, counted as exposed).")]
-    per_stage = [[str(s), str(p.strategy().stage_layers[s]),
+    per_stage = [[str(s), str(sum(p.stage_layers[s::p.mesh.pp])),
                   f"{(d.forward_s + d.recompute_s + d.backward_s + d.p2p_s) * 1e3:.4g}",
                   f"{d.forward_s * 1e3:.4g}", f"{d.recompute_s * 1e3:.4g}", f"{d.backward_s * 1e3:.4g}",
                   f"{(d.dp_tail_s + d.optimizer_s) * 1e3:.4g}", f"{d.memory.peak_bytes / GIB:.2f}"]

@@ -139,6 +139,15 @@ def _mode_sets(pins: Pins, schedule: str) -> Iterator[tuple[str, tuple[int, ...]
         yield "none", tuple(range(len(RECOMPUTE)))
 
 
+def _lead_modes(model: ModelProfile, modes: tuple[int, ...]) -> tuple[str, ...]:
+    """Recompute modes of the model's leading blocks of another kind (``ModelProfile.lead``),
+    one for all of them: each mode the candidate's blocks may use ("" without them: the
+    strategy's own)."""
+    if model.lead is None:
+        return ("",)
+    return tuple(RECOMPUTE[i] for i in modes)
+
+
 def _no_better(a: Group, b: Group) -> bool:
     """Group ``a`` is nowhere faster than ``b`` (every collective takes at least as long)."""
     return a.bw_bytes_s <= b.bw_bytes_s and a.p2p_bytes_s <= b.p2p_bytes_s \
@@ -270,7 +279,8 @@ def outer_candidates(model: ModelProfile, hw: HardwareProfile, gpus: int, global
                                     modes = tuple(i for i in modes if RECOMPUTE[i] != "selective")
                                     if not modes or nominal == "selective":
                                         continue
-                                for order, off in itertools.product(orders, _offloads(pins, hw)):
+                                for lead, order, off in itertools.product(
+                                        _lead_modes(model, modes), orders, _offloads(pins, hw)):
                                     if off and runtime_unsupported(
                                             dp=dp * cp, pp=pp, zero=zero, schedule=sched,
                                             virtual_stages=v, offload=True, cp=cp, recipe=recipe):
@@ -279,7 +289,7 @@ def outer_candidates(model: ModelProfile, hw: HardwareProfile, gpus: int, global
                                         mesh=Degrees(dp=dp, cp=cp, tp=tp, pp=pp, ep=ep), zero=zero, micro_batch=b,
                                         num_microbatches=m, schedule=sched, virtual_stages=v,
                                         sequence_parallel=sp, recompute=nominal, dtype=dtype,
-                                        offload=off, axis_order=order, recipe=recipe)
+                                        offload=off, axis_order=order, recipe=recipe, lead_recompute=lead)
                                     yield Candidate(strategy=strat, modes=modes, min_layers=v)
 
 

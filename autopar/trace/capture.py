@@ -146,7 +146,14 @@ def _shrunk(model: nn.Module, groups: list[list[str]]) -> Iterator[None]:
             continue
         parent_name, _, attr = prefix.rpartition(".")
         parent = model.get_submodule(parent_name)
-        small = nn.ModuleList(keep.values()) if isinstance(container, nn.ModuleList) else nn.ModuleDict(keep)
+        if isinstance(container, nn.ModuleList):
+            # Keep each member's own index (model.layers.3 stays model.layers.3), so a block kind
+            # that does not start the list is still found under its name; iteration and slicing
+            # read the values in order, indexing a dropped member fails (and exports it whole).
+            small = nn.ModuleList()
+            small._modules.update(keep)
+        else:
+            small = nn.ModuleDict(keep)
         saved.append((parent, attr, container))
         setattr(parent, attr, small)
     try:

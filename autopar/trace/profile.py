@@ -19,7 +19,7 @@ from functools import lru_cache
 from autopar.layout import Anatomy
 from autopar.spec import ModelSpec
 from autopar.trace.graph import BlockInfo, ModelGraph
-from autopar.trace.shape import priced_block, traced_spec
+from autopar.trace.shape import leading_blocks, traced_spec
 from autopar.trace.anatomy import anatomy
 from autopar.trace.tracer import trace_spec, trace_spec_model
 from cost_models.model_profile import ModelProfile
@@ -36,19 +36,35 @@ def profile_from_graph(graph: ModelGraph, spec: ModelSpec) -> ModelProfile:
     A user module's shape (layers, hidden, heads ...) is read off the graph (``traced_spec``)."""
     if spec.arch == "module":
         spec = traced_spec(graph, spec)
-    block = priced_block(graph)
+    lead, block = leading_blocks(graph)
     tokens = graph.tokens
-    matmul = sum(n.flops for n in block.nodes if n.split)
-    act, fused = block.recipe_activations, block.activations
+    if lead is not None:
+        # The leading dense blocks as a profile of their own: their MLP width is the input of
+        # their last GEMM back to the hidden width (the down projection; read off shapes, not
+        # split labels, which MLA's low-rank pairs confuse); no embedding, no head.
+        downs = [lin.in_features for lin in lead.linears if lin.out_features == spec.hidden]
+        lead = ModelProfile(
+            name=f"{graph.name} {lead.kind} x{lead.count}", layers=lead.count, hidden=spec.hidden,
+            heads=spec.heads, kv_heads=spec.num_kv_heads, ffn=downs[-1] if downs else spec.ffn_hidden, vocab=spec.vocab, seq=spec.seq,
+            tied=False, embed_params=0, head_params=0, head_flops_per_token=0.0,
+            **_block_fields(lead, tokens))
     return ModelProfile(
-        **_moe_fields(block, spec, tokens),
+        **_moe_fields(block, spec, tokens), **_block_fields(block, tokens), lead=lead,
         name=graph.name, layers=block.count, hidden=spec.hidden, heads=spec.heads,
         kv_heads=spec.num_kv_heads, ffn=spec.ffn_hidden, vocab=spec.vocab, seq=spec.seq,
-        tied=spec.tied, block_params=block.params,
+        tied=spec.tied,
         embed_params=sum(n.params for n in graph.pre), head_params=sum(n.params for n in graph.post),
+        head_flops_per_token=sum(n.flops for n in graph.post) / tokens)
+
+
+def _block_fields(block: BlockInfo, tokens: int) -> dict:
+    """The per-block fields of ``ModelProfile`` read off one traced block kind, per token."""
+    matmul = sum(n.flops for n in block.nodes if n.split)
+    act, fused = block.recipe_activations, block.activations
+    return dict(
+        block_params=block.params,
         block_matmul_flops_per_token=matmul / tokens,
         block_attn_flops_per_token=(block.flops - matmul) / tokens,
-        head_flops_per_token=sum(n.flops for n in graph.post) / tokens,
         block_act_bytes_replicated_per_token=act.replicated / tokens,
         block_act_bytes_sharded_per_token=act.sharded / tokens,
         block_act_bytes_attn_per_token=act.attn / tokens,

@@ -35,6 +35,32 @@ def priced_block(graph: ModelGraph) -> BlockInfo:
     return graph.blocks[0]
 
 
+def _position(name: str) -> tuple[str, int] | None:
+    """(container, index) of a block named ``container.<index>`` (a ModuleList member)."""
+    parent, _, index = name.rpartition(".")
+    return (parent, int(index)) if index.isdigit() else None
+
+
+def leading_blocks(graph: ModelGraph) -> tuple[BlockInfo | None, BlockInfo]:
+    """(leading kind or None, repeated kind) of the graph's blocks: one kind, or two kinds of
+    one list where every repeat of a dense kind comes before every repeat of the other
+    (DeepSeek-V2/V3's ``first_k_dense_replace`` dense blocks before the MoE ones); a
+    ``UserError`` naming what else the graph has (interleaved kinds, a third kind)."""
+    if len(graph.blocks) != 2:
+        return None, priced_block(graph)
+    a, b = sorted(graph.blocks, key=lambda blk: [_position(n) or ("", -1) for n in blk.names])
+    pos_a, pos_b = [_position(n) for n in a.names], [_position(n) for n in b.names]
+    ordered = (None not in pos_a and None not in pos_b and len({p[0] for p in pos_a + pos_b}) == 1
+               and max(p[1] for p in pos_a) < min(p[1] for p in pos_b))
+    if not ordered or a.experts:
+        raise UserError(f"the cost model prices one kind of repeated transformer block, after at most a few "
+                        f"dense blocks of another kind (DeepSeek's first_k_dense_replace); {graph.name} has "
+                        f"{a.kind} x{a.count} and {b.kind} x{b.count}"
+                        + (" interleaved" if not ordered else " with experts in the first") + "; use a model "
+                        "whose blocks are alike after its leading dense ones")
+    return a, b
+
+
 def dense_block(graph: ModelGraph) -> BlockInfo:
     """The graph's one kind of repeated block, dense; a ``UserError`` saying what else it is."""
     block = priced_block(graph)
