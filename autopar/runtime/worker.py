@@ -40,7 +40,7 @@ from autopar import checkpoint_dir
 from autopar.plan import load_plan, refuse_code
 from autopar.runtime import checkpoint, phases
 from autopar.runtime.faults import Fault, kill_if
-from autopar.runtime.context import build_context, init_distributed
+from autopar.runtime.context import build_context, check_plan, init_distributed
 from autopar.runtime.state import full_state
 from autopar.runtime.train import Program, TrainConfig, build_program, train
 
@@ -151,17 +151,19 @@ def _profiled(prog: Program, steps: int, cfg: TrainConfig, step: int, sample: in
 
 
 def run_job(job: dict, rank: int) -> list[dict]:
+    trust_code = bool(job.get("trust_code"))
+    plans = [load_plan(run["plan"]) for run in job["runs"]]
+    for plan, run in zip(plans, job["runs"]):  # refused on every rank before any rendezvous:
+        if not trust_code:                      # no rank leaves while another still connects
+            refuse_code(plan, run["plan"])
+        check_plan(plan)
     device = init_distributed(job.get("timeout_s", 300.0))
     data = job.get("data")
     cfg = TrainConfig(lr=job.get("lr", TrainConfig().lr), optimizer=job.get("optimizer", "adamw"),
                       data=Path(data) if data else None)
     out = Path(job["out"]) if job.get("out") else None
-    trust_code = bool(job.get("trust_code"))
     results = []
-    for i, run in enumerate(job["runs"]):
-        plan = load_plan(run["plan"])
-        if not trust_code:
-            refuse_code(plan, run["plan"])
+    for i, (plan, run) in enumerate(zip(plans, job["runs"])):
         ctx = build_context(plan, device)
         prog = build_program(plan, ctx, cfg)
         found = _source(run, rank, trust_code)
