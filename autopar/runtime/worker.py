@@ -152,12 +152,14 @@ def _profiled(prog: Program, steps: int, cfg: TrainConfig, step: int, sample: in
 
 def run_job(job: dict, rank: int) -> list[dict]:
     trust_code = bool(job.get("trust_code"))
+    device = init_distributed(job.get("timeout_s", 300.0))
+    if dist.is_initialized():  # every rank has joined: a refusal below cannot cut one off mid-join
+        dist.barrier()
     plans = [load_plan(run["plan"]) for run in job["runs"]]
-    for plan, run in zip(plans, job["runs"]):  # refused on every rank before any rendezvous:
-        if not trust_code:                      # no rank leaves while another still connects
+    for plan, run in zip(plans, job["runs"]):  # every rank refuses every run it cannot start
+        if not trust_code:
             refuse_code(plan, run["plan"])
         check_plan(plan)
-    device = init_distributed(job.get("timeout_s", 300.0))
     data = job.get("data")
     cfg = TrainConfig(lr=job.get("lr", TrainConfig().lr), optimizer=job.get("optimizer", "adamw"),
                       data=Path(data) if data else None)
