@@ -31,6 +31,7 @@ from autopar.runtime import RunResult, RunSpec, TrainConfig, run_job
 from autopar.runtime.context import ParallelContext
 from autopar.runtime.train import build_program, synthetic_batch, train, train_step
 from autopar.runtime.state import full_state
+from parity import dumped
 
 GPT = "gpt:layers=4,hidden=64,heads=4,vocab=128,seq=16,tied=0"
 GPT_TIED = "gpt:layers=4,hidden=64,heads=4,vocab=131,seq=16,tied=1"  # odd, like GPT-2's 50257: uneven vocab shards
@@ -121,14 +122,6 @@ def reference(model: str, steps: int = STEPS) -> tuple[RunResult, dict[str, torc
 @pytest.fixture(scope="module")
 def references():
     return {m: reference(m) for m in sorted({p.model for p in (*PLANS_4.values(), *PLANS_8.values())})}
-
-
-def dumped(tmp: Path, name: str) -> dict[str, torch.Tensor]:
-    """The full weights a run dumped, merged over the ranks that wrote a share."""
-    state: dict[str, torch.Tensor] = {}
-    for f in sorted(tmp.glob(f"{name}.rank*.pt")):
-        state.update(torch.load(f))
-    return state
 
 
 def _run(plans: dict[str, Plan], tmp: Path) -> dict[str, tuple[RunResult, dict[str, torch.Tensor]]]:

@@ -37,8 +37,8 @@ from autopar.runtime.context_parallel import (
     zigzag_mask,
     zigzag_positions,
 )
-from autopar.runtime.state import full_state
-from autopar.runtime.train import build_program, train
+from autopar.runtime.train import train
+from parity import dumped, single_process
 
 GPT = "gpt:layers=2,hidden=64,heads=4,vocab=128,seq=16,tied=0"
 LLAMA = "llama:layers=2,hidden=64,heads=4,kv_heads=2,ffn=96,vocab=128,seq=16"
@@ -122,33 +122,15 @@ def test_refusals_name_the_fix():
 
 # ---- gloo: parity with one process ----
 
-def _reference(model: str) -> tuple[list[float], dict[str, torch.Tensor], dict[str, torch.Tensor]]:
-    """One process, whole model, the global batch of 4 in one micro-batch: losses, initial and
-    final weights."""
-    plan = make_plan(model, mbs=4, m=1)
-    ctx = ParallelContext(mesh=None, device=torch.device("cpu"))
-    prog = build_program(plan, ctx, CFG)
-    initial = full_state(prog)
-    result = train(plan, STEPS, ctx, CFG, program=prog)
-    return result.losses, initial, full_state(prog)
-
-
 @pytest.fixture(scope="module")
 def references():
-    return {model: _reference(model) for model in (GPT, LLAMA)}
-
-
-def _dumped(tmp: Path, name: str) -> dict[str, torch.Tensor]:
-    state: dict[str, torch.Tensor] = {}
-    for f in sorted(tmp.glob(f"{name}.rank*.pt")):
-        state.update(torch.load(f))
-    return state
+    return {model: single_process(make_plan(model, mbs=4, m=1), STEPS, CFG) for model in (GPT, LLAMA)}
 
 
 def _run(runs: dict[str, Plan], tmp: Path) -> dict[str, tuple[list[float], dict[str, torch.Tensor]]]:
     results = run_job([RunSpec(plan=p, steps=STEPS, dump=True) for p in runs.values()], workdir=tmp, cfg=CFG,
                       timeout_s=900)
-    return {name: (r.losses, _dumped(tmp, f"run{i}.final")) for i, (name, r) in enumerate(zip(runs, results))}
+    return {name: (r.losses, dumped(tmp, f"run{i}.final")) for i, (name, r) in enumerate(zip(runs, results))}
 
 
 @pytest.fixture(scope="module")

@@ -30,7 +30,8 @@ from autopar.plan import Mesh, Plan
 from autopar.runtime import RunSpec, TrainConfig, run_job
 from autopar.runtime.context import ParallelContext
 from autopar.runtime.state import full_state
-from autopar.runtime.train import build_program, train
+from autopar.runtime.train import build_program
+from parity import dumped, single_process
 
 MOE = "moe:layers=2,hidden=64,heads=4,kv_heads=2,ffn=96,vocab=128,seq=16,experts=4,topk=2"
 STEPS = 2
@@ -61,27 +62,9 @@ RUNS_4 = {
 }
 
 
-def _reference() -> tuple[list[float], dict[str, torch.Tensor], dict[str, torch.Tensor]]:
-    """One process, whole model, the global batch of 8 in one micro-batch: losses, initial and
-    final weights."""
-    plan = make_plan(mbs=8, m=1)
-    ctx = ParallelContext(mesh=None, device=torch.device("cpu"))
-    prog = build_program(plan, ctx, CFG)
-    initial = full_state(prog)
-    result = train(plan, STEPS, ctx, CFG, program=prog)
-    return result.losses, initial, full_state(prog)
-
-
 @pytest.fixture(scope="module")
 def reference():
-    return _reference()
-
-
-def _dumped(tmp: Path, name: str) -> dict[str, torch.Tensor]:
-    state: dict[str, torch.Tensor] = {}
-    for f in sorted(tmp.glob(f"{name}.rank*.pt")):
-        state.update(torch.load(f))
-    return state
+    return single_process(make_plan(mbs=8, m=1), STEPS, CFG)
 
 
 def _run(runs: dict[str, tuple[Plan, int]], tmp: Path,
@@ -90,7 +73,7 @@ def _run(runs: dict[str, tuple[Plan, int]], tmp: Path,
     specs = [RunSpec(plan=p, steps=STEPS, dump=True, save=tmp / "ckpt" if name == save else None)
              for name, (p, ep) in runs.items()]
     results = run_job(specs, workdir=tmp, cfg=CFG, timeout_s=900)
-    return {name: (r.losses, _dumped(tmp, f"run{i}.final")) for i, (name, r) in enumerate(zip(runs, results))}
+    return {name: (r.losses, dumped(tmp, f"run{i}.final")) for i, (name, r) in enumerate(zip(runs, results))}
 
 
 SAVED = "dp2 ep2 zero0"
