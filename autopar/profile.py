@@ -9,9 +9,11 @@ sees while the others run. Each rank times (medians of repeats):
 - an element-wise add over 32 MiB arrays (memory bandwidth);
 - the host time of a tiny built-in block's forward and backward, per kernel the cost model
   counts for it (``kernels_per_block``: the per-kernel dispatch floor; on CPU ranks it adds to
-  every pass, ``host_overlaps_device`` false);
+  every pass, ``host_overlaps_device`` false), and what a DTensor parameter adds to an AdamW
+  step (``dtensor_optimizer_us``);
 - all-reduce, reduce-scatter and all-gather over the whole group at message sizes from 4 B to
-  16 MiB, and point-to-point send/recv between pairs.
+  16 MiB (on CPU ranks each right after a block's worth of GEMMs, as a step meets it), and
+  point-to-point send/recv between pairs.
 
 Then a reference transformer (``REFERENCE``: a small GPT, data-parallel over every rank) trains
 a few steps under the new profile and ``autopar.calibrate`` refits its efficiencies to it (the
@@ -19,9 +21,10 @@ GEMM rate inside a training step, the optimizer's and the element-wise throughpu
 host time of small operators lands): micro-benchmarks miss what a real step does between its
 GEMMs. The user's own plans are out of sample; ``autopar calibrate PLAN`` fits one of them.
 
-The collectives are fitted, by non-negative least squares over every size and kind at once,
-to the cost model's own α-β formulas (``cost_models.comm``): t = a(n, bytes)·α + b(n, bytes)/β,
-where a and b are what those formulas give for α = 1 s, β = ∞ and for α = 0, β = 1 B/s. The
+The all-reduces and all-gathers are fitted, by non-negative least squares over every size at
+once, to the cost model's own α-β formulas (``cost_models.comm``): t = a(n, bytes)·α +
+b(n, bytes)/β, where a and b are what those formulas give for α = 1 s, β = ∞ and for α = 0,
+β = 1 B/s; the reduce-scatters give the tier's ``reduce_scatter_factor`` over that law. The
 point-to-point bandwidth is the slope of send/recv time over bytes. Rank 0 writes the profile
 (the shipped format, ``cost_models.hardware``) with each figure's source in its notes.
 """
@@ -58,6 +61,11 @@ DISPATCH_BLOCK = "llama:layers=1,hidden=8,heads=2,kv_heads=2,ffn=16,vocab=8,seq=
 DISPATCH_RECIPE = "autopar"
 SIZES = tuple(4 ** k for k in range(1, 13))
 """Collective message sizes, bytes: 4 B to 16 MiB."""
+OPTIMIZER_TENSORS = 48
+"""Parameter tensors of the optimizer steps timed for ``dtensor_optimizer_us``."""
+BURST_GEMMS = 16
+"""256^3 GEMMs each CPU rank runs before a timed collective (``_in_step``): about 10 ms with 4
+ranks on 2 cores, the order of one block's pass of the small models CPU ranks train."""
 SHAPES = ((512, 128, 384), (512, 128, 512), (512, 512, 128), (2048, 512, 2048), (2048, 2048, 512))
 """(tokens, in, out) of the transformer-shaped GEMMs (b·s through h -> 3h, h -> 4h, 4h -> h)."""
 
@@ -85,6 +93,54 @@ def _block_host_s(device, sync: Callable[[], None]) -> float:
     return _median_time(lambda: block(x).sum().backward(), 50, sync)
 
 
+def _dtensor_step_s(device, world: int, sync: Callable[[], None]) -> float:
+    """What a DTensor parameter adds to an AdamW step over a plain tensor, s per parameter
+    tensor: ``OPTIMIZER_TENSORS`` small tensors (the step's host time dominates), sharded over
+    every rank, against the same as plain tensors. Collective: every rank calls it."""
+    import torch
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Shard, distribute_tensor
+    mesh = init_device_mesh(device.type, (world,))
+
+    def step_s(sharded: bool) -> float:
+        params = []
+        for _ in range(OPTIMIZER_TENSORS):
+            t = torch.zeros(64 * world, device=device)
+            p = torch.nn.Parameter(distribute_tensor(t, mesh, [Shard(0)]) if sharded else t[:64].clone())
+            p.grad = torch.ones_like(p)
+            params.append(p)
+        opt = torch.optim.AdamW(params, lr=1e-3)
+        return _median_time(opt.step, 10, sync)
+
+    return max(0.0, step_s(True) - step_s(False)) / OPTIMIZER_TENSORS
+
+
+def _in_step(device, dtype, sync: Callable[[], None]) -> Callable[[Callable[[], object], int], float]:
+    """A timer of one collective as a training step meets it, s. On CUDA the median time of
+    the call alone (NCCL's kernels run beside the host). On CPU ranks the host runs both the
+    operators and the collective, and a step reaches each collective right after a block's
+    worth of compute (``BURST_GEMMS``) during which the ranks, more than the cores, were
+    time-sliced: they arrive skewed, and each ring step waits for a descheduled peer. So the
+    collective is timed after such a burst on every rank, less the burst's own median time."""
+    import torch
+    if device.type == "cuda":
+        return lambda fn, reps: _median_time(fn, reps, sync)
+    a, b = torch.randn(256, 256, dtype=dtype), torch.randn(256, 256, dtype=dtype)
+
+    def burst() -> None:
+        for _ in range(BURST_GEMMS):
+            torch.mm(a, b)
+
+    def timed(fn: Callable[[], object], reps: int) -> float:
+        def both() -> None:
+            burst()
+            fn()
+        return max(1e-6, _median_time(both, reps, sync) - alone)
+
+    alone = _median_time(burst, 20, sync)
+    return timed
+
+
 def _measure(rank: int, world: int, device, dtype, say: Callable[[str], None]) -> dict:
     """This rank's timings (seconds, bytes, FLOP/s)."""
     import torch
@@ -108,7 +164,10 @@ def _measure(rank: int, world: int, device, dtype, say: Callable[[str], None]) -
     say("dispatch")
     dist.barrier()
     out["dispatch"] = _block_host_s(device, sync) / (3 * load_recipe(DISPATCH_RECIPE).kernels_per_block)
+    dist.barrier()
+    out["dtensor"] = _dtensor_step_s(device, world, sync)
     say("collectives")
+    in_step = _in_step(device, dtype, sync)
     rows = []
     for nbytes in SIZES:
         numel = max(world, nbytes // 4 // world * world)
@@ -116,13 +175,11 @@ def _measure(rank: int, world: int, device, dtype, say: Callable[[str], None]) -
         shard = torch.zeros(numel // world, device=device)
         reps = 20 if nbytes < 2 ** 20 else 5
         dist.barrier()
-        rows.append(("all_reduce", numel * 4, _median_time(lambda: dist.all_reduce(t), reps, sync)))
+        rows.append(("all_reduce", numel * 4, in_step(lambda: dist.all_reduce(t), reps)))
         dist.barrier()
-        rows.append(("reduce_scatter", numel * 4,
-                     _median_time(lambda: dist.reduce_scatter_tensor(shard, t), reps, sync)))
+        rows.append(("reduce_scatter", numel * 4, in_step(lambda: dist.reduce_scatter_tensor(shard, t), reps)))
         dist.barrier()
-        rows.append(("all_gather", numel * 4,
-                     _median_time(lambda: dist.all_gather_into_tensor(t, shard), reps, sync)))
+        rows.append(("all_gather", numel * 4, in_step(lambda: dist.all_gather_into_tensor(t, shard), reps)))
     out["collectives"] = rows
     say("p2p")
     p2p = []
@@ -143,20 +200,28 @@ def _measure(rank: int, world: int, device, dtype, say: Callable[[str], None]) -
     return out
 
 
-def fit_collectives(rows: list[tuple[str, int, float]], world: int) -> tuple[float, float]:
-    """(α s, β bytes/s) of ``rows`` (kind, bytes, seconds) under the cost model's formulas."""
+def fit_collectives(rows: list[tuple[str, int, float]], world: int) -> tuple[float, float, float]:
+    """(α s, β bytes/s, reduce-scatter factor) of ``rows`` (kind, bytes, seconds) under the
+    cost model's formulas: α and β fitted on the all-reduces and all-gathers, the factor the
+    median ratio of each reduce-scatter to its ring formula under them (gloo reduces the whole
+    buffer: about 2; NCCL's ring: about 1)."""
     from cost_models import comm
-    ops = {"all_reduce": comm.all_reduce_s, "reduce_scatter": comm.reduce_scatter_s,
-           "all_gather": comm.all_gather_s}
+    ops = {"all_reduce": comm.all_reduce_s, "all_gather": comm.all_gather_s}
     unit_alpha = comm.Group(size=world, bw_bytes_s=float("inf"), p2p_bytes_s=float("inf"), latency_s=1.0,
                             inter_node=False)
     unit_beta = comm.Group(size=world, bw_bytes_s=1.0, p2p_bytes_s=1.0, latency_s=0.0, inter_node=False)
-    design = np.array([[ops[k](b, unit_alpha), ops[k](b, unit_beta)] for k, b, _ in rows])
-    times = np.array([t for _, _, t in rows])
+    ring = [row for row in rows if row[0] in ops]
+    design = np.array([[ops[k](b, unit_alpha), ops[k](b, unit_beta)] for k, b, _ in ring])
+    times = np.array([t for _, _, t in ring])
     # Relative error is what a plan's estimate feels: weight each row by 1/t.
     weights = 1.0 / np.maximum(times, 1e-9)
     alpha, inv_beta = _nonnegative_lstsq(design * weights[:, None], times * weights)
-    return alpha, 1.0 / max(inv_beta, 1e-30)
+    beta = 1.0 / max(inv_beta, 1e-30)
+    fitted = comm.Group(size=world, bw_bytes_s=beta, p2p_bytes_s=beta, latency_s=alpha, inter_node=False)
+    ratios = [t / comm.reduce_scatter_s(b, fitted) for k, b, t in rows
+              if k == "reduce_scatter" and comm.reduce_scatter_s(b, fitted) > 0]
+    factor = min(10.0, max(0.1, statistics.median(ratios))) if ratios else 1.0
+    return alpha, beta, factor
 
 
 def _nonnegative_lstsq(a: np.ndarray, y: np.ndarray) -> tuple[float, float]:
@@ -192,10 +257,10 @@ def build_profile(results: list[dict], world: int, threads: int, device: str, dt
     peak = med("peak")
     shaped = statistics.median(statistics.median(r["shaped"]) for r in results)
     rows = [row for r in results for row in r["collectives"]]
-    alpha, beta = fit_collectives(rows, world)
+    alpha, beta, rs_factor = fit_collectives(rows, world)
     p2p = _fit_p2p([row for r in results for row in r["p2p"]])
     tier = {"bw_gbps": round(beta / 1e9, 4), "latency_us": round(alpha * 1e6, 2), "efficiency": 1.0,
-            "p2p_bw_gbps": round(p2p / 1e9, 4)}
+            "p2p_bw_gbps": round(p2p / 1e9, 4), "reduce_scatter_factor": round(rs_factor, 3)}
     where = "GPU" if device == "cuda" else f"CPU rank ({threads} thread{'s' if threads > 1 else ''} of {os.cpu_count()} cores)"
     return {
         "name": name,
@@ -210,6 +275,7 @@ def build_profile(results: list[dict], world: int, threads: int, device: str, dt
         "memory_efficiency": 1.0,
         "reserve_gib": 0.0,
         "kernel_dispatch_us": round(med("dispatch") * 1e6, 2),
+        "dtensor_optimizer_us": round(med("dtensor") * 1e6, 2),
         "host_overlaps_device": device == "cuda",
         "launcher": "nccl" if device == "cuda" else "gloo",
         "notes": {
@@ -217,14 +283,20 @@ def build_profile(results: list[dict], world: int, threads: int, device: str, dt
             "peak_tflops": f"median per-rank {dtype} rate of a square GEMM (1024^3 on CPU, 8192^3 on GPU)",
             "matmul_efficiency": f"median rate of the GEMMs {SHAPES} (tokens, in, out) over the peak",
             "hbm_bw_gbps": "median per-rank rate of a 32 MiB element-wise add (3 arrays touched)",
-            "intra_node": (f"all-reduce, reduce-scatter and all-gather over {world} ranks at 4 B..16 MiB, fitted "
-                           "to cost_models.comm's ring formulas (alpha per ring step, bus bandwidth) by "
-                           "non-negative least squares on relative error; p2p_bw_gbps: slope of send/recv "
-                           "time over bytes. inter_node: one machine measured, the same tier"),
+            "intra_node": (f"all-reduce, reduce-scatter and all-gather over {world} ranks at 4 B..16 MiB"
+                           + ("" if device == "cuda" else f", each right after {BURST_GEMMS} 256^3 GEMMs on every "
+                              "rank less their time (as a step meets it: autopar.profile._in_step)")
+                           + "; alpha per ring step and bus bandwidth fitted to cost_models.comm's ring "
+                           "formulas on the all-reduces and all-gathers by non-negative least squares on "
+                           "relative error; reduce_scatter_factor: median ratio of the reduce-scatters to "
+                           "their ring formula; p2p_bw_gbps: slope of send/recv time over bytes. "
+                           "inter_node: one machine measured, the same tier"),
             "memory_gib": "device memory (GPU) or host memory divided by the ranks (CPU)",
             "kernel_dispatch_us": (f"median host time of a forward and backward of {DISPATCH_BLOCK!r}'s block "
                                    f"over 3 x the {DISPATCH_RECIPE} recipe's kernels_per_block"),
             "host_overlaps_device": "CUDA kernels run behind the host; CPU operators on the thread dispatching them",
+            "dtensor_optimizer_us": (f"median over ranks of (an AdamW step of {OPTIMIZER_TENSORS} DTensor parameters "
+                                     f"sharded over the {world} ranks - the same of plain tensors) / {OPTIMIZER_TENSORS}"),
         },
     }
 

@@ -1,6 +1,7 @@
 """Is the planner's pick the fastest plan? Every plan it ranks, measured on this machine.
 
     python benchmarks/plan_quality.py [--ranks 4] [--keep 24] [--steps 10] [--profile cpu-local]
+                                      [--save RUNS.json | --replay RUNS.json]
 
 For each model below (deep-narrow, wide, long-sequence GPTs, whose plans differ), the search
 proves its ``--keep`` best strategies under the profile (``search(keep=…)``: every feasible
@@ -15,11 +16,17 @@ measured (the oracle), plain DDP's and FSDP's over the oracle, and peak memory p
 against measured. Then the profile is refitted (``autopar.calibrate``) on ONE run, the first
 model's pick, and everything is re-predicted with it: the first model's rows are in-sample,
 the others out-of-sample. The calibrated planner's pick is measured too if it is new.
+
+``--save`` writes every measured run (plan, step times, rank summaries); ``--replay`` prices
+those same runs again under ``--profile`` without running anything (the plans measured are
+then the saved ones, not the new profile's ranking): a changed cost model is judged against
+the same measurements.
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import statistics
 import sys
@@ -30,9 +37,9 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from autopar.calibrate import PROFILED, measured, refit  # noqa: E402
-from autopar.plan import Mesh, Plan  # noqa: E402
+from autopar.plan import Mesh, Plan, plan_from_dict  # noqa: E402
 from autopar.profiles import profile_spec  # noqa: E402
-from autopar.runtime import RunSpec, run_job  # noqa: E402
+from autopar.runtime import RunResult, RunSpec, run_job  # noqa: E402
 from autopar.solve import describe, search  # noqa: E402
 from autopar.workflow import plan_from_strategy, read_job  # noqa: E402
 from cost_models import HardwareProfile, estimate, load_profile  # noqa: E402
@@ -60,11 +67,32 @@ def spearman(a: list[float], b: list[float]) -> float:
     return float(np.corrcoef(ra, rb)[0, 1]) if len(a) > 2 else float("nan")
 
 
-def measure(plans: list[Plan], steps: int) -> list[tuple[float, float, dict]]:
-    """(median step s, largest peak bytes over ranks, rank summaries) of each plan."""
-    results = run_job([RunSpec(plan=p, steps=steps, phases=PROFILED) for p in plans], timeout_s=3600)
+def summarise(results: list[RunResult]) -> list[tuple[float, float, RunResult]]:
+    """(median step s, largest peak bytes over ranks, the run) of each run."""
     return [(statistics.median(r.step_times_s[WARMUP:-PROFILED]), max(x["peak_bytes"] for x in r.phases), r)
             for r in results]
+
+
+def measure(plans: list[Plan], steps: int) -> list[tuple[float, float, RunResult]]:
+    """``summarise`` of each plan trained ``steps`` steps, all in one job."""
+    return summarise(run_job([RunSpec(plan=p, steps=steps, phases=PROFILED) for p in plans], timeout_s=3600))
+
+
+def save(path: str, cases: list) -> None:
+    """Every measured run of ``cases``: its plan, step times and rank summaries."""
+    out = [{"label": label, "plans": [json.loads(p.to_json()) for p in plans],
+            "runs": [{"step_times_s": r.step_times_s, "phases": list(r.phases)} for _, _, r in runs]}
+           for label, _, _, plans, runs, _, _, _ in cases]
+    Path(path).write_text(json.dumps(out, indent=1) + "\n")
+
+
+def replayed(path: str) -> dict[str, tuple[list[Plan], list]]:
+    """The saved plans and runs of each model label (``save``)."""
+    data = json.loads(Path(path).read_text())
+    return {case["label"]: ([plan_from_dict(p) for p in case["plans"]],
+                            summarise([RunResult(step_times_s=r["step_times_s"], phases=tuple(r["phases"]))
+                                       for r in case["runs"]]))
+            for case in data}
 
 
 def report(label: str, plans: list[Plan], runs: list, hw: HardwareProfile, model, pick: str,
@@ -98,7 +126,11 @@ def main() -> None:
     parser.add_argument("--keep", type=int, default=24)
     parser.add_argument("--steps", type=int, default=10)
     parser.add_argument("--profile", default="cpu-local")
+    runs_file = parser.add_mutually_exclusive_group()
+    runs_file.add_argument("--save", help="write the measured runs here (JSON)")
+    runs_file.add_argument("--replay", help="price the runs saved here instead of measuring")
     args = parser.parse_args()
+    saved = replayed(args.replay) if args.replay else {}
     print(f"{args.ranks} gloo CPU ranks, profile {args.profile}; load average {os.getloadavg()[0]:.2f} at start")
     cases = []
     for label, model, batch in MODELS:
@@ -110,8 +142,10 @@ def main() -> None:
         ddp, fsdp = (baseline(model, batch, args.ranks, job.spec.seq, job.spec.layers, z, args.profile) for z in (0, 3))
         plans.setdefault(key(ddp), ddp)
         plans.setdefault(key(fsdp), fsdp)
-        listed = list(plans.values())
-        cases.append((label, job, prof, listed, measure(listed, args.steps), pick, key(ddp), key(fsdp)))
+        listed, runs = saved[label] if args.replay else (list(plans.values()), None)
+        cases.append((label, job, prof, listed, runs or measure(listed, args.steps), pick, key(ddp), key(fsdp)))
+    if args.save:
+        save(args.save, cases)
     hw = load_profile(args.profile)
     print("\n== shipped profile")
     for label, job, prof, plans, runs, pick, ddp_key, fsdp_key in cases:
@@ -126,7 +160,7 @@ def main() -> None:
           + "; ".join(f"{f.name} {f.old:.3g} -> {f.new:.3g}" for f in fits))
     for n, (label, job, prof, plans, runs, pick, ddp_key, fsdp_key) in enumerate(cases):
         new = plan_from_strategy(job, search(prof, cal, args.ranks, job.global_batch, "fp32").strategy, None)
-        if key(new) not in [key(p) for p in plans]:
+        if key(new) not in [key(p) for p in plans] and not args.replay:
             plans, runs = plans + [new], runs + measure([new], args.steps)
         print(f"\n{label} ({'in-sample' if n == 0 else 'out-of-sample'})")
         report(label, plans, runs, cal, prof, key(new), ddp_key, fsdp_key)

@@ -39,6 +39,8 @@ class Group:
     latency_s: float
     """α per collective step, s."""
     inter_node: bool
+    rs_factor: float = 1.0
+    """A reduce-scatter's time over the ring formula's (``LinkTier.reduce_scatter_factor``)."""
 
 
 def group(hw: HardwareProfile, size: int, inner: int = 1) -> Group:
@@ -48,12 +50,12 @@ def group(hw: HardwareProfile, size: int, inner: int = 1) -> Group:
     intra_p2p = (intra.p2p_bw_gbps or intra.bw_gbps) * 1e9 * intra.efficiency
     if size * inner <= hw.devices_per_node:
         return Group(size=size, bw_bytes_s=intra_bw, p2p_bytes_s=intra_p2p,
-                     latency_s=intra.latency_us * 1e-6, inter_node=False)
+                     latency_s=intra.latency_us * 1e-6, inter_node=False, rs_factor=intra.reduce_scatter_factor)
     per_node = max(1, min(size, hw.devices_per_node // inner))
     inter_bw = inter.bw_gbps * 1e9 * inter.efficiency
     inter_p2p = (inter.p2p_bw_gbps or inter.bw_gbps) * 1e9 * inter.efficiency
     return Group(size=size, bw_bytes_s=min(intra_bw, per_node * inter_bw), p2p_bytes_s=inter_p2p,
-                 latency_s=inter.latency_us * 1e-6, inter_node=True)
+                 latency_s=inter.latency_us * 1e-6, inter_node=True, rs_factor=inter.reduce_scatter_factor)
 
 
 def axis_groups(hw: HardwareProfile, strat: Strategy) -> dict[Axis, Group]:
@@ -154,16 +156,17 @@ def all_to_all_s(nbytes: float, g: Group) -> float:
 
 
 def reduce_scatter_s(nbytes: float, g: Group) -> float:
-    """Ring reduce-scatter of an ``nbytes`` buffer: (n-1)/n · bytes / bw + (n-1) α."""
+    """Ring reduce-scatter of an ``nbytes`` buffer: (n-1)/n · bytes / bw + (n-1) α, times the
+    tier's ``rs_factor`` (a backend whose reduce-scatter is no ring)."""
+    return g.rs_factor * all_gather_s(nbytes, g)
+
+
+def all_gather_s(nbytes: float, g: Group) -> float:
+    """Ring all-gather producing an ``nbytes`` buffer: (n-1)/n · bytes / bw + (n-1) α."""
     n = g.size
     if n <= 1 or nbytes <= 0:
         return 0.0
     return (n - 1) / n * nbytes / g.bw_bytes_s + (n - 1) * g.latency_s
-
-
-def all_gather_s(nbytes: float, g: Group) -> float:
-    """Ring all-gather producing an ``nbytes`` buffer: same cost as reduce-scatter."""
-    return reduce_scatter_s(nbytes, g)
 
 
 def p2p_s(nbytes: float, g: Group) -> float:

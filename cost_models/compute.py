@@ -277,7 +277,7 @@ def dispatch_s(hw: HardwareProfile, strat: Strategy) -> float:
     return strat.recipe.kernels_per_block * hw.kernel_dispatch_us * 1e-6
 
 
-def _with_host(host_s: float, device_s: float, hw: HardwareProfile) -> float:
+def with_host(host_s: float, device_s: float, hw: HardwareProfile) -> float:
     """A pass of ``device_s`` of kernels dispatched in ``host_s``: the larger where the device
     runs behind the host (``host_overlaps_device``), their sum where it runs on the host, s."""
     return max(host_s, device_s) if hw.host_overlaps_device else host_s + device_s
@@ -293,8 +293,8 @@ def block_times(model: ModelProfile, hw: HardwareProfile, strat: Strategy) -> Pa
     moe = moe_traffic_bytes(model, strat)
     cast_fwd, cast_bwd = cast_fwd + moe, cast_bwd + moe
     host = dispatch_s(hw, strat)
-    fwd = _with_host(host, weights_s + core_s + memory_s(fwd_rest + fwd_core + cast_fwd, hw), hw)
-    bwd = _with_host(2 * host, 2 * weights_s + core_bwd + memory_s(bwd_rest + bwd_core + cast_bwd, hw), hw)
+    fwd = with_host(host, weights_s + core_s + memory_s(fwd_rest + fwd_core + cast_fwd, hw), hw)
+    bwd = with_host(2 * host, 2 * weights_s + core_bwd + memory_s(bwd_rest + bwd_core + cast_bwd, hw), hw)
     mode = strat.recompute_run()
     if mode == "full":
         rc = fwd

@@ -166,7 +166,7 @@ def _block_piece(model: ModelProfile, passes: compute.PassTimes, tp: compute.Pas
     priced as hiding both: optimistic when they share the links), and their optimizer step
     and states count on top."""
     dense = _piece(memory.dense_layer_params(model, strat), passes, tp,
-                   memory.block_act_bytes(model, strat), hw, strat, rep)
+                   memory.block_act_bytes(model, strat), hw, strat, rep, tensors=model.block_param_tensors)
     if not model.moe:
         return dense
     _, edp = comm.expert_groups(hw, strat)
@@ -181,9 +181,36 @@ def _block_piece(model: ModelProfile, passes: compute.PassTimes, tp: compute.Pas
                    forward_s=dense.forward_s + e.forward_s - passes.forward_s)
 
 
+def _dp_hides(strat: Strategy, hw: HardwareProfile) -> bool:
+    """Whether data-parallel collectives can hide behind the passes: the recipe's
+    ``dp_overlap`` on a device that runs behind its host (CUDA streams). Where the host runs
+    the operators (CPU ranks, ``host_overlaps_device`` false) only DDP's bucketed all-reduce
+    (ZeRO 0 with tp = pp = ep = 1: the autopar runtime's DDP) runs beside the backward, on
+    gloo's own thread; FSDP2's all-gathers and reduce-scatters (ZeRO 1-3, and its
+    ``replicate`` under tp, pp or ep) are synchronous there (torch 2.13: no streams on CPU,
+    ``unshard_async_op`` false), the host waits for each."""
+    if not strat.dp_overlap:
+        return False
+    return hw.host_overlaps_device or _ddp(strat)
+
+
+def _ddp(strat: Strategy) -> bool:
+    """Whether the autopar runtime runs ``strat``'s data parallelism on DDP (plain tensors,
+    bucketed all-reduce): ZeRO 0 over whole models (tp = pp = ep = 1)."""
+    return strat.zero == 0 and strat.mesh.tp == 1 and strat.mesh.pp == 1 and strat.mesh.ep == 1
+
+
+def _dtensor_step_s(tensors: int, hw: HardwareProfile, strat: Strategy) -> float:
+    """Host time DTensor parameters add to the optimizer step of ``tensors`` parameter tensors
+    (``ExecutionRecipe.dtensor_parameters``: under FSDP2 or tp; not under DDP or on one
+    device), s."""
+    split = strat.mesh.tp > 1 or (strat.replicas > 1 and not _ddp(strat)) or strat.mesh.ep > 1
+    return tensors * hw.dtensor_optimizer_us * 1e-6 if strat.recipe.dtensor_parameters and split else 0.0
+
+
 def _piece(params: float, passes: compute.PassTimes, tp: compute.PassTimes, act: float,
            hw: HardwareProfile, strat: Strategy, rep: comm.Group, *,
-           reduced_last: bool = False) -> _Piece:
+           reduced_last: bool = False, tensors: int = 0) -> _Piece:
     """Costs of one block (or the embedding/head) holding ``params`` parameters per device.
 
     ZeRO 2/3 collectives run every micro-batch; with ``dp_overlap`` each hides behind the
@@ -192,13 +219,15 @@ def _piece(params: float, passes: compute.PassTimes, tp: compute.PassTimes, act:
     (ZeRO 0 all-reduce, ZeRO 1 reduce-scatter) hides behind the last micro-batch's backward
     of the same piece unless ``reduced_last`` (the embedding's gradient is the last to be
     ready); the all-gather of updated weights (ZeRO 1/2) behind the next forward. Every
-    data-parallel collective runs over ``rep``, the dp x cp group (``comm.replica_group``).
+    data-parallel collective runs over ``rep``, the dp x cp group (``comm.replica_group``);
+    where nothing can hide them, ``_dp_hides``. The optimizer step of its ``tensors`` parameter
+    tensors adds their DTensor dispatch (``_dtensor_step_s``) on the host.
     """
     rec = memory.state_layout(strat)
     grads, weights = params * rec.grad, params * memory.gather_bytes(strat)
     rs, ag = comm.reduce_scatter_s(grads, rep), comm.all_gather_s(weights, rep)
     fwd, bwd = passes.forward_s, passes.recompute_s + passes.backward_s
-    if not strat.dp_overlap:
+    if not _dp_hides(strat, hw):
         fwd = bwd = 0.0
     bwd_window = 0.0 if reduced_last else bwd
     hide = lambda comm_s, window_s: comm.exposed_s(comm_s, window_s, hw)  # noqa: E731
@@ -236,8 +265,9 @@ def _piece(params: float, passes: compute.PassTimes, tp: compute.PassTimes, act:
         else:
             tail += down
     else:
-        opt = compute.optimizer_memory_s(sharded * optimizer_bytes_per_param(rec), hw,
-                                         strat.recipe.fused_optimizer)
+        opt = compute.with_host(_dtensor_step_s(tensors, hw, strat),
+                                compute.optimizer_memory_s(sharded * optimizer_bytes_per_param(rec), hw,
+                                                           strat.recipe.fused_optimizer), hw)
     accum = compute.memory_s(params * (grad_accum_bytes_per_param(rec, strat)
                                        + fsdp_copy_bytes_per_param(strat)), hw)
     return _Piece(compute_s=passes.total_s + accum, tp_s=tp.total_s, dp_exposed_s=exposed, dp_tail_s=tail,
@@ -428,15 +458,14 @@ def _parts(model: ModelProfile, hw: HardwareProfile, strat: Strategy) -> _Parts:
     first = _piece(memory.first_params(model, strat), compute.first_times(model, hw, strat),
                    compute.PassTimes(forward_s=unit, recompute_s=0.0, backward_s=0.0),
                    memory.first_act_bytes(model, strat), hw, strat, rep,
-                   reduced_last=True)
+                   reduced_last=True, tensors=model.embed_param_tensors)
     last = _piece(memory.last_params(model, strat), compute.last_times(model, hw, strat),
                   compute.PassTimes(forward_s=0.0, recompute_s=0.0, backward_s=unit),
-                  memory.last_act_bytes(model, strat), hw, strat, rep)
+                  memory.last_act_bytes(model, strat), hw, strat, rep, tensors=model.head_param_tensors)
     if strat.mesh.pp > 1 and model.tied:
         # The tied embedding and its copy on the last stage sum their gradients after the
         # flush (Megatron's embedding all-reduce), exposed on both stages.
-        pair = comm.Group(size=2, bw_bytes_s=groups[Axis.PP].bw_bytes_s, p2p_bytes_s=groups[Axis.PP].p2p_bytes_s,
-                          latency_s=groups[Axis.PP].latency_s, inter_node=groups[Axis.PP].inter_node)
+        pair = replace(groups[Axis.PP], size=2)
         sync = comm.all_reduce_s(model.vocab * model.hidden / strat.mesh.tp
                                  * memory.state_layout(strat).grad, pair)
         first = replace(first, dp_tail_s=first.dp_tail_s + sync)

@@ -30,6 +30,9 @@ class LinkTier:
     """Fraction of ``bw_gbps`` reached by the collectives the runtime issues (calibrated)."""
     p2p_bw_gbps: float = 0.0
     """Unidirectional point-to-point bandwidth per device, GB/s (0: use ``bw_gbps``)."""
+    reduce_scatter_factor: float = 1.0
+    """A reduce-scatter's time over what the ring formula gives it (1: NCCL's ring; gloo's
+    reduce-scatter reduces the whole buffer, as slow as an all-reduce: about 2, measured)."""
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -79,6 +82,10 @@ class HardwareProfile:
     kernel_dispatch_us: float = 0.0
     """Host time to dispatch one kernel from eager PyTorch (Python, dispatcher, launch), µs:
     a pass of k kernels takes at least k times this (0: never host-bound)."""
+    dtensor_optimizer_us: float = 0.0
+    """Host time a DTensor parameter adds to the optimizer step over a plain tensor's, µs per
+    parameter tensor (DTensor's dispatch of each of the step's operators; 0: not measured).
+    The autopar runtime's parameters are DTensors under FSDP2 and tensor parallelism."""
     host_overlaps_device: bool = True
     """Whether the device runs kernels while the host dispatches the next ones (CUDA streams): a
     pass then takes the larger of its host and device times. False (CPU ranks): each operator
@@ -181,6 +188,7 @@ _RANGES: dict[str, tuple[float, float, str]] = {
     "allocator_headroom": (0.0, 0.99, "(a fraction)"),
     "overlap_penalty": (0.0, 1.0, "(a fraction)"),
     "kernel_dispatch_us": (0.0, 1e6, "µs"),
+    "dtensor_optimizer_us": (0.0, 1e6, "µs"),
     "host_memory_gib": (0.0, 1 << 20, "GiB"),
     "host_link_bw_gbps": (0.0, 1e6, "GB/s"),
     "host_optimizer_gbps": (0.0, 1e6, "GB/s"),
@@ -189,6 +197,7 @@ _RANGES: dict[str, tuple[float, float, str]] = {
     "latency_us": (0.0, 1e7, "µs"),
     "efficiency": (_EFF, 1.0, "(a fraction)"),
     "p2p_bw_gbps": (0.0, 1e6, "GB/s (0: bw_gbps)"),
+    "reduce_scatter_factor": (0.1, 10.0, "(a ratio to the ring formula)"),
 }
 _PEAK = (_LO, 1e6, "TFLOP/s")
 _NODE = 1024

@@ -71,6 +71,13 @@ class ModelProfile:
     """Tokens an expert takes at most, over its fair share (tokens x topk / experts); 0:
     dropless (every routed token is computed, however uneven)."""
 
+    block_param_tensors: int = 0
+    """Parameter tensors of one block (the optimizer steps each on its own; 0: not traced)."""
+    embed_param_tensors: int = 0
+    """Parameter tensors of the embedding side: the tables its lookups read."""
+    head_param_tensors: int = 0
+    """Parameter tensors outside the blocks and the embedding tables (final norm, head)."""
+
     lead: ModelProfile | None = None
     """The dense blocks before the repeated ones, as a profile of their own (``layers``: how
     many; per-block fields as above; no embedding or head), or None. They run on the first

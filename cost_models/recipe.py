@@ -150,6 +150,12 @@ class ExecutionRecipe:
     (its gathered K,V are not kept: the core keeps its local q, k, v and gathers again in the
     backward): recompute none runs and is priced as selective (autopar's all-gather CP,
     ``autopar/runtime/context_parallel.py``); ``Strategy.recompute_run``."""
+    dtensor_parameters: bool = False
+    """The weights are DTensors wherever they are sharded or replicated by FSDP2 (ZeRO 1-3, its
+    ``replicate``) or split by tensor parallelism (torch.distributed's FSDP2 and DTensor TP,
+    as autopar's runtime and torchtitan run them): each parameter's optimizer step goes through
+    DTensor's dispatch (the profile's ``dtensor_optimizer_us`` per tensor). False: plain
+    tensors (Megatron, DeepSpeed, DDP)."""
     kernels_per_block: int = 0
     """Kernels one transformer block's forward launches (backward about twice as many); with
     the profile's ``kernel_dispatch_us``, a pass can be no faster than its host dispatch."""

@@ -574,3 +574,47 @@ def test_leading_blocks_cost_what_the_same_blocks_cost_on_the_first_stage(zero, 
     assert none.stage_peak_bytes[0] < b.stage_peak_bytes[0] and none.step_time_s < b.step_time_s
     with pytest.raises(ValueError, match="repeats 45"):
         estimate(_as_lead(G22B, k), hw, base, global_batch=16)
+
+
+# --- host-executed devices (CPU ranks): what the autopar runtime does there ------------------
+
+CPU = load_profile("cpu-local")
+
+
+def test_reduce_scatter_factor_scales_reduce_scatter_only():
+    g = comm.Group(size=4, bw_bytes_s=1e9, p2p_bytes_s=1e9, latency_s=1e-3, inter_node=False, rs_factor=2.0)
+    ring = dataclasses.replace(g, rs_factor=1.0)
+    assert comm.reduce_scatter_s(1e6, g) == pytest.approx(2 * comm.reduce_scatter_s(1e6, ring))
+    assert comm.all_gather_s(1e6, g) == comm.all_gather_s(1e6, ring)
+    assert comm.all_reduce_s(1e6, g) == comm.all_reduce_s(1e6, ring)
+    tier = dataclasses.replace(CPU.intra_node, reduce_scatter_factor=3.0)
+    assert comm.group(dataclasses.replace(CPU, intra_node=tier), 4).rs_factor == 3.0
+
+
+def _cpu_step(hw, zero: int, tp: int = 1) -> float:
+    from autopar.spec import parse_model_spec
+    from autopar.trace.profile import profile_spec
+    model = profile_spec(parse_model_spec("gpt:layers=4,hidden=128,heads=4,vocab=512,seq=64,tied=0"))
+    strat = Strategy(recipe=load_recipe("autopar"), mesh=Degrees(dp=4 // tp, tp=tp), zero=zero, micro_batch=4,
+                     num_microbatches=1, recompute="none", dtype="fp32")
+    return estimate(model, hw, strat, global_batch=16 // tp).step_time_s
+
+
+def test_fsdp_collectives_are_exposed_where_the_host_runs_the_operators():
+    """On CPU ranks FSDP2's all-gathers and reduce-scatters are synchronous: ZeRO 2 costs
+    its collectives on top of DDP; behind CUDA streams they would hide."""
+    streams = dataclasses.replace(CPU, host_overlaps_device=True, dtensor_optimizer_us=0.0)
+    host = dataclasses.replace(CPU, dtensor_optimizer_us=0.0)
+    assert _cpu_step(host, 2) - _cpu_step(host, 0) > 4 * 2 * 3 * CPU.intra_node.latency_us * 1e-6
+    assert _cpu_step(streams, 2) - _cpu_step(streams, 0) < 0.5 * (_cpu_step(host, 2) - _cpu_step(host, 0))
+
+
+def test_dtensor_parameters_add_their_dispatch_to_the_optimizer_step():
+    """FSDP2 and tp weights are DTensors (the autopar recipe): each parameter tensor's step
+    pays ``dtensor_optimizer_us``; DDP's plain tensors do not."""
+    base = dataclasses.replace(CPU, dtensor_optimizer_us=0.0)
+    slow = dataclasses.replace(CPU, dtensor_optimizer_us=1000.0)
+    tensors = 4 * 16 + 2 + 3  # gpt blocks have 16 parameter tensors; 2 embedding tables; norm + head 3
+    assert _cpu_step(slow, 0) == _cpu_step(base, 0)
+    assert _cpu_step(slow, 1) - _cpu_step(base, 1) == pytest.approx(tensors * 1e-3, rel=0.01)
+    assert _cpu_step(slow, 0, tp=2) > _cpu_step(base, 0, tp=2) + 0.5 * tensors * 1e-3

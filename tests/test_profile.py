@@ -16,15 +16,17 @@ from cost_models import comm, load_profile
 runner = CliRunner()
 
 
-@pytest.mark.parametrize("alpha,beta,world", [(150e-6, 0.7e9, 4), (5e-6, 150e9, 8), (1e-3, 2e9, 2)])
-def test_fit_recovers_alpha_and_beta_of_the_cost_models_formulas(alpha, beta, world):
-    g = comm.Group(size=world, bw_bytes_s=beta, p2p_bytes_s=beta, latency_s=alpha, inter_node=False)
+@pytest.mark.parametrize("alpha,beta,world,rs", [(150e-6, 0.7e9, 4, 1.0), (5e-6, 150e9, 8, 1.0),
+                                                  (1e-3, 2e9, 2, 2.0), (700e-6, 1e9, 4, 1.7)])
+def test_fit_recovers_alpha_beta_and_reduce_scatter_factor_of_the_cost_models_formulas(alpha, beta, world, rs):
+    g = comm.Group(size=world, bw_bytes_s=beta, p2p_bytes_s=beta, latency_s=alpha, inter_node=False, rs_factor=rs)
     rows = [(kind, b, f(b, g) * (1 + 0.02 * ((i % 3) - 1)))  # ±2 % noise
             for i, b in enumerate(SIZES)
             for kind, f in (("all_reduce", comm.all_reduce_s), ("reduce_scatter", comm.reduce_scatter_s),
                             ("all_gather", comm.all_gather_s))]
-    a, b = fit_collectives(rows, world)
+    a, b, f = fit_collectives(rows, world)
     assert math.isclose(a, alpha, rel_tol=0.05) and math.isclose(b, beta, rel_tol=0.05)
+    assert math.isclose(f, rs, rel_tol=0.05)
 
 
 @pytest.mark.slow

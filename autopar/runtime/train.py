@@ -259,15 +259,21 @@ def _local_rows(plan: Plan, ctx: ParallelContext, t: torch.Tensor) -> torch.Tens
 
 
 def _step_no_pipeline(prog: Program, x: torch.Tensor, y: torch.Tensor) -> float:
-    """Gradient accumulation over the micro-batches; returns the sum of micro-batch losses."""
+    """Gradient accumulation over the micro-batches; returns the sum of micro-batch losses.
+    Under ZeRO 1/2 (FSDP2 without resharding after forward) the gathered weights are kept
+    until the last micro-batch's backward: one all-gather per step, as the cost model prices
+    it, not one per micro-batch."""
     plan, (module,) = prog.plan, prog.modules
     m = plan.num_microbatches
     total = 0.0
     ddp = isinstance(module, nn.parallel.DistributedDataParallel)
     for i, (xb, yb) in enumerate(zip(x.chunk(m), y.chunk(m))):
-        sync = i == m - 1 or parallelize.sync_every_microbatch(plan)
+        last = i == m - 1
+        sync = last or parallelize.sync_every_microbatch(plan)
         if isinstance(module, FSDPModule):
             module.set_requires_gradient_sync(sync)
+            if plan.zero_stage in (1, 2):  # weights stay gathered until the last backward
+                module.set_reshard_after_backward(last)
         with module.no_sync() if ddp and not sync else contextlib.nullcontext(), _vocab_parallel(plan):
             with _autocast(plan, prog.ctx):
                 loss = cross_entropy(module(xb), yb)

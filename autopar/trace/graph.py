@@ -111,6 +111,8 @@ class BlockInfo:
     fed_by_row: tuple[str, ...] = ()
     """Modules of the first repeat whose input is a row-parallel GEMM's output (Gemma-2's
     post-norms): with sequence parallelism they stay on sequence shards."""
+    param_tensors: int = 0
+    """Parameter tensors of one repeat (an optimizer steps each on its own)."""
 
     @property
     def count(self) -> int:
@@ -156,6 +158,8 @@ class ModelGraph:
     embeddings: tuple[str, ...] = ()
     """Parameter names of the tables read by embedding lookups outside the blocks, in order; a
     table shared with a GEMM (a tied head) has the name it has in ``linears``."""
+    param_tensors: int = 0
+    """Distinct trainable parameter tensors of the whole model."""
 
     @property
     def tokens(self) -> int:

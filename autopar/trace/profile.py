@@ -54,7 +54,10 @@ def profile_from_graph(graph: ModelGraph, spec: ModelSpec) -> ModelProfile:
         kv_heads=spec.num_kv_heads, ffn=spec.ffn_hidden, vocab=spec.vocab, seq=spec.seq,
         tied=spec.tied,
         embed_params=sum(n.params for n in graph.pre), head_params=sum(n.params for n in graph.post),
-        head_flops_per_token=sum(n.flops for n in graph.post) / tokens)
+        head_flops_per_token=sum(n.flops for n in graph.post) / tokens,
+        embed_param_tensors=len(graph.embeddings),
+        head_param_tensors=max(0, graph.param_tensors - len(graph.embeddings)
+                               - sum(b.param_tensors * b.count for b in graph.blocks)))
 
 
 def _block_fields(block: BlockInfo, tokens: int) -> dict:
@@ -63,6 +66,7 @@ def _block_fields(block: BlockInfo, tokens: int) -> dict:
     act, fused = block.recipe_activations, block.activations
     return dict(
         block_params=block.params,
+        block_param_tensors=block.param_tensors,
         block_matmul_flops_per_token=matmul / tokens,
         block_attn_flops_per_token=(block.flops - matmul) / tokens,
         block_act_bytes_replicated_per_token=act.replicated / tokens,

@@ -122,6 +122,7 @@ def trace_module(model: nn.Module, example: torch.Tensor | tuple[torch.Tensor, .
         blocks.append(BlockInfo(
             kind=type(block).__name__, names=names,
             params=sum(p.numel() for p in block.parameters()),
+            param_tensors=len(list(block.parameters())),
             param_bytes=sum(p.numel() * p.element_size() for p in block.parameters()),
             nodes=tuple(measured.nodes[rep]), activations=measured.activations(rep),
             recipe_activations=recipe.activations(rep), linears=linears,
@@ -138,6 +139,7 @@ def trace_module(model: nn.Module, example: torch.Tensor | tuple[torch.Tensor, .
         nodes=top, pre_nodes=measured.pre_nodes, blocks=tuple(blocks),
         params=sum(p.numel() for p in model.parameters()),
         param_bytes=sum(p.numel() * p.element_size() for p in model.parameters()),
+        param_tensors=len(list(model.parameters())),
         top_activations=measured.activations(""),
         vocab_parallel=tuple(sorted(vocab_mods)), linears=tuple(measured.linears[""]),
         embeddings=tuple(measured.embeddings))
