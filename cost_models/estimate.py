@@ -278,6 +278,15 @@ def _piece(params: float, passes: compute.PassTimes, tp: compute.PassTimes, act:
                   recompute_s=passes.recompute_s + tp.recompute_s)
 
 
+def _vocab_parallel_loss_s(model: ModelProfile, strat: Strategy, g: comm.Group) -> float:
+    """The vocab-parallel cross-entropy's forward exchanges under tp > 1: three all-reduces of
+    one fp32 value per token (the logits' maximum, the sum of their exponentials, the target
+    logit: Megatron's ``_VocabParallelCrossEntropy``, torch's ``loss_parallel``); latency-bound."""
+    if strat.mesh.tp == 1:
+        return 0.0
+    return 3 * comm.all_reduce_s(strat.tokens(model.seq) * 4.0, g)
+
+
 def _tp_unit_s(model: ModelProfile, strat: Strategy, g: comm.Group) -> float:
     """One tensor-parallel exchange of a micro-batch's hidden states (b s h elements): an
     all-reduce, or with SP an all-gather plus a reduce-scatter (the same bus volume)."""
@@ -460,7 +469,8 @@ def _parts(model: ModelProfile, hw: HardwareProfile, strat: Strategy) -> _Parts:
                    memory.first_act_bytes(model, strat), hw, strat, rep,
                    reduced_last=True, tensors=model.embed_param_tensors)
     last = _piece(memory.last_params(model, strat), compute.last_times(model, hw, strat),
-                  compute.PassTimes(forward_s=0.0, recompute_s=0.0, backward_s=unit),
+                  compute.PassTimes(forward_s=_vocab_parallel_loss_s(model, strat, groups[Axis.TP]),
+                                    recompute_s=0.0, backward_s=unit),
                   memory.last_act_bytes(model, strat), hw, strat, rep, tensors=model.head_param_tensors)
     if strat.mesh.pp > 1 and model.tied:
         # The tied embedding and its copy on the last stage sum their gradients after the

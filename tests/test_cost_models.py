@@ -618,3 +618,12 @@ def test_dtensor_parameters_add_their_dispatch_to_the_optimizer_step():
     assert _cpu_step(slow, 0) == _cpu_step(base, 0)
     assert _cpu_step(slow, 1) - _cpu_step(base, 1) == pytest.approx(tensors * 1e-3, rel=0.01)
     assert _cpu_step(slow, 0, tp=2) > _cpu_step(base, 0, tp=2) + 0.5 * tensors * 1e-3
+
+
+def test_vocab_parallel_loss_costs_three_small_all_reduces_under_tp():
+    """Megatron's vocab-parallel cross-entropy and torch's loss_parallel all-reduce the logits'
+    maximum, sum of exponentials and target logit: one fp32 value per token each."""
+    g = comm.Group(size=2, bw_bytes_s=1e9, p2p_bytes_s=1e9, latency_s=1e-3, inter_node=False)
+    tp2 = Strategy(recipe=MC, mesh=Degrees(tp=2), micro_batch=4)
+    assert estimate_mod._vocab_parallel_loss_s(G22B, tp2, g) == pytest.approx(3 * comm.all_reduce_s(4 * 2048 * 4.0, g))
+    assert estimate_mod._vocab_parallel_loss_s(G22B, Strategy(recipe=MC, mesh=Degrees(dp=2)), g) == 0.0

@@ -70,13 +70,20 @@ def _block_tp_plans(anat: Anatomy, sp: bool) -> list[dict]:
     in turn (a pre-norm gets two styles)."""
     plan: dict = {name: ColwiseParallel() for name in anat.column}
     plan.update({name: RowwiseParallel(output_layouts=Shard(1) if sp else Replicate()) for name in anat.row})
-    if not sp:
-        return [plan]
     pre = [name for name in anat.norms if name not in anat.post_norms]
+    if not sp:
+        # The pre-norm's output enters its sub-layer as a replicated DTensor, so the column
+        # GEMMs reading it (q, k, v; gate, up) sum their input gradients as one partial
+        # DTensor: one all-reduce per sub-layer in the backward, not one per GEMM. Not in a
+        # mixture-of-experts block, whose router and experts take plain tensors.
+        if anat.experts:
+            return [plan]
+        return [plan, {name: PrepareModuleOutput(output_layouts=Replicate(), desired_output_layouts=Replicate(),
+                                                 use_local_output=False) for name in pre}]
     plan.update({name: SequenceParallel() for name in pre})
     plan.update({name: SequenceParallel(use_local_output=True) for name in anat.post_norms})
     gather = {name: PrepareModuleOutput(output_layouts=Shard(1), desired_output_layouts=Replicate(),
-                                        use_local_output=True) for name in pre}
+                                        use_local_output=False) for name in pre}
     return [plan, gather]
 
 
