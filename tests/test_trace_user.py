@@ -78,13 +78,15 @@ def test_minGPT_attention_core_is_found_by_structure():
 def test_nanoGPT_prices_as_the_builtin_gpt_of_its_shape():
     """nanoGPT is GPT-2 with biases: the cost model's view equals the built-in GPT's of the same
     shape in every count, but for the Megatron-recipe activations (gpt specs price Megatron's
-    dropout 0.1; a user module its own dropout, here 0)."""
+    dropout 0.1; a user module its own dropout, here 0) and its parameter tensors: nanoGPT
+    packs q, k, v into one ``c_attn`` (weight and bias: 12 tensors a block against 16)."""
     user = profile_spec(parse_model_spec(NANO))
     spec = parse_model_spec("gpt:layers=4,hidden=64,heads=4,vocab=128,seq=16,tied=1")
     builtin = profile_spec(spec)
     recipe = {f.name for f in dataclasses.fields(user) if f.name.startswith("block_act_bytes")}
+    assert (user.block_param_tensors, builtin.block_param_tensors) == (12, 16)
     for f in dataclasses.fields(user):
-        if f.name not in recipe | {"name"}:
+        if f.name not in recipe | {"name", "block_param_tensors"}:
             assert getattr(user, f.name) == getattr(builtin, f.name), f.name
 
 
