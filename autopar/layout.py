@@ -54,14 +54,16 @@ class Anatomy:
     """The MoE routers (gates) of a block, relative to it: replicated, never split."""
 
 
-def expert_parallel_unsupported(*, ep: int, dp: int, pp: int, sequence_parallel: bool, moe: bool,
+def expert_parallel_unsupported(*, ep: int, dp: int, sequence_parallel: bool, moe: bool,
                                 experts: int = 0, user_module: bool = False) -> str | None:
     """Why autopar's runtime cannot run a model (``moe``: it has MoE blocks, of ``experts``
     experts each, 0 if not known yet) with expert-parallel degree ``ep``, or None. Pure data
     (the planner may call it). What is refused has no parity proof yet: expert parallelism
     regroups the dp ranks (ep divides dp) and shards whole experts (ep divides their number);
     MoE layers run on whole sequences, so not under sequence parallelism; and expert parallelism
-    is proved without pipelining and on HF/``moe:`` models only (``tests/test_runtime_ep.py``)."""
+    is proved on HF/``moe:`` models only (``tests/test_runtime_ep.py``). Pipelining composes
+    with it under every schedule: an ep group's ranks regroup dp, so they share a pipeline
+    stage and run the same micro-batches in the same order, and the all-to-alls pair up."""
     if moe and sequence_parallel:
         return ("sequence parallelism does not shard mixture-of-experts layers in autopar's runtime yet; "
                 "use --no-sp")
@@ -73,8 +75,6 @@ def expert_parallel_unsupported(*, ep: int, dp: int, pp: int, sequence_parallel:
         return f"ep={ep} must divide dp={dp} (the expert layers regroup the dp ranks into ep x dp/ep)"
     if experts and experts % ep:
         return f"ep={ep} must divide the {experts} experts of each layer"
-    if pp > 1:
-        return f"expert parallelism (ep={ep}) is not proved under pipelining (pp={pp}) yet; use pp = 1 or ep = 1"
     if user_module:
         return f"expert parallelism (ep={ep}) runs HF transformers and moe: models, not a module of your own; use ep = 1"
     return None

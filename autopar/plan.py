@@ -387,14 +387,14 @@ def runtime_unsupported(*, dp: int, pp: int, zero: int, schedule: str, virtual_s
     so under its recipe cp x pp is refused (other recipes' programs, run through ``autopar
     export``, compose them). Expert parallelism (``ep``; ``moe``: the model has
     mixture-of-experts blocks) is planned under every recipe; autopar's own program runs what
-    ``autopar.layout.expert_parallel_unsupported`` allows (ep regroups dp, no pipelining, no
-    sequence parallelism of MoE layers), without context parallelism beside it."""
+    ``autopar.layout.expert_parallel_unsupported`` allows (ep regroups dp, under any pipeline
+    schedule, no sequence parallelism of MoE layers), without context parallelism beside it."""
     rec = recipe or load_recipe()
     if rec.name == DEFAULT_RECIPE and (ep != 1 or moe):
         from autopar.layout import expert_parallel_unsupported
         if ep > 1 and cp > 1:
             return f"expert parallelism (ep={ep}) with context parallelism (cp={cp}) is not proved in autopar's runtime; use one"
-        reason = expert_parallel_unsupported(ep=ep, dp=dp, pp=pp, sequence_parallel=sequence_parallel, moe=moe)
+        reason = expert_parallel_unsupported(ep=ep, dp=dp, sequence_parallel=sequence_parallel, moe=moe)
         if reason:
             return reason
     if cp != 1 and not rec.has_context_parallel:

@@ -458,6 +458,22 @@ def test_optimal_against_exhaustive_enumeration_with_ep():
     assert checked >= 6 and with_ep >= 1
 
 
+def test_ep_with_pipelining_is_searched_as_the_runtime_runs_it():
+    """Under autopar's recipe the search emits ep x pp (its runtime composes them under every
+    schedule: ``tests/test_runtime_ep.py``), and only what that runtime's predicate lets run."""
+    from autopar.plan import runtime_unsupported
+    model = moe_profile(layers=4, hidden=512, heads=8, experts=4, topk=2, seq=512)
+    hw = load_profile("dgx-h100")
+    cands = [c.strategy for c in outer_candidates(model, hw, 8, 16, "bf16")]
+    both = {c.schedule for c in cands if c.mesh.ep > 1 and c.mesh.pp > 1}
+    assert both >= {"1f1b", "interleaved", "zero-bubble"}
+    for c in cands:
+        m = c.mesh
+        assert runtime_unsupported(dp=m.dp * m.cp, pp=m.pp, zero=c.zero, schedule=c.schedule,
+                                   virtual_stages=c.virtual_stages, cp=m.cp, ep=m.ep, offload=c.offload,
+                                   moe=True, sequence_parallel=c.sequence_parallel) is None, c
+
+
 def with_lead(model: ModelProfile, k: int, scale: float) -> ModelProfile:
     """``model`` led by ``k`` dense blocks of ``scale`` times its block's counts (DeepSeek's
     first dense blocks: wider MLPs than the repeated ones' dense part)."""

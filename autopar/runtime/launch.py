@@ -61,9 +61,8 @@ def _check_experts(plan: Plan) -> None:
         if ep == 1:
             return
         moe = True
-    reason = expert_parallel_unsupported(ep=ep, dp=plan.mesh.dp, pp=plan.mesh.pp,
-                                         sequence_parallel=plan.sequence_parallel, moe=moe, experts=spec.experts,
-                                         user_module=spec.arch == "module")
+    reason = expert_parallel_unsupported(ep=ep, dp=plan.mesh.dp, sequence_parallel=plan.sequence_parallel,
+                                         moe=moe, experts=spec.experts, user_module=spec.arch == "module")
     if reason:
         raise UserError(reason)
 

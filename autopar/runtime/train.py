@@ -142,9 +142,8 @@ def build_program(plan: Plan, ctx: ParallelContext, cfg: TrainConfig = TrainConf
         raise ValueError(f"the plan places {plan.num_layers} layers but {spec.name} has {len(anat.blocks)}; "
                          "make the plan for this model with autopar plan")
     ep = plan.mesh.ep
-    reason = expert_parallel_unsupported(ep=ep, dp=plan.mesh.dp, pp=plan.mesh.pp,
-                                         sequence_parallel=plan.sequence_parallel, moe=bool(anat.experts),
-                                         user_module=source is not None)
+    reason = expert_parallel_unsupported(ep=ep, dp=plan.mesh.dp, sequence_parallel=plan.sequence_parallel,
+                                         moe=bool(anat.experts), user_module=source is not None)
     if reason:
         raise ValueError(reason)
     if ep > 1 and plan.mesh.cp > 1:
