@@ -167,7 +167,9 @@ def _transformer_config(text: str, **override):
               recompute_granularity=a.recompute_granularity, recompute_method=a.recompute_method,
               recompute_num_layers=a.recompute_num_layers, bf16=a.bf16, fp16=a.fp16, params_dtype=dtype,
               pipeline_dtype=dtype, normalization=a.normalization or "LayerNorm", gated_linear_unit=a.swiglu,
-              add_bias_linear=not a.disable_bias_linear, num_moe_experts=a.num_experts, moe_router_topk=a.moe_router_topk or 2)
+              add_bias_linear=not a.disable_bias_linear, num_moe_experts=a.num_experts, moe_router_topk=a.moe_router_topk or 2,
+              expert_model_parallel_size=a.expert_model_parallel_size or 1,
+              expert_tensor_parallel_size=a.expert_tensor_parallel_size)
     if a.recompute_modules:
         kw["recompute_modules"] = a.recompute_modules
     return TransformerConfig(**{**kw, **override})
@@ -314,7 +316,7 @@ def test_when_the_nearest_settings_do_not_fit_recompute_is_added_until_they_do(p
 
 
 def test_targets_refuse_what_has_no_nearest_setting():
-    with pytest.raises(UserError, match="ep=2"):
+    with pytest.raises(UserError, match="ep=2 but gpt2 has no routed experts; re-plan with --ep 1"):
         export_plan(dataclasses.replace(PLANS["dp"], mesh=Mesh(dp=PLANS["dp"].mesh.dp, ep=2)), "megatron")
     with pytest.raises(UserError, match="name the file like a Python module"):
         export_plan(PLANS["dp"], "torchtitan", "my-config.py")
@@ -386,3 +388,111 @@ def test_model_family_maps_to_each_builder(pricer):
     assert "TIED = 2, 64, 4, 4, 256, 100, True" in titan.content.replace("LAYERS, DIM, HEADS, KV_HEADS, FFN, VOCAB, ", "")
     llama = export_plan(PLANS["tp-sp"], "megatron", pricer=pricer).content
     assert "--group-query-attention \\\n    --num-query-groups 8" in llama and "--swiglu" in llama
+
+
+# ---- expert parallelism -------------------------------------------------------------------------------
+
+MOE = "moe:layers=4,hidden=256,heads=8,kv_heads=2,ffn=512,vocab=1024,seq=512,experts=8,topk=2"
+
+
+def moe_plan(**kw) -> Plan:
+    """A tiny Mixtral-style plan: 8 devices as dp 4 x tp 2, ep 4 over the dp ranks."""
+    base = dict(model=MOE, seq_len=512, mesh=Mesh(dp=4, tp=2, ep=4), global_batch=32, micro_batch_size=2,
+                num_microbatches=4, zero_stage=1, sequence_parallel=True, stage_layers=(4,), recompute=("none",) * 4)
+    return plan(**{**base, **kw})
+
+
+@pytest.mark.parametrize("recipe, expert_tp, zero", [("megatron-core", 2, 3), ("autopar", 1, 1)])
+def test_megatron_writes_expert_parallelism_and_reads_it_back(pricer, recipe, expert_tp, zero):
+    from autopar.export import megatron
+    p = moe_plan(recipe=recipe, zero_stage=zero)
+    result = export_plan(p, "megatron", pricer=pricer)
+    assert not result.gaps and result.plan == p
+    _, a = megatron.read_arguments(result.content)
+    # ep as planned; expert TP is tp where the recipe splits each expert's GEMMs over tp, else 1
+    assert (a.num_experts, a.expert_model_parallel_size, a.expert_tensor_parallel_size) == (8, 4, expert_tp)
+    assert "    --expert-model-parallel-size 4 \\\n    --expert-tensor-parallel-size " in result.content
+    assert a.sequence_parallel and not a.use_torch_fsdp2  # Megatron-LM refuses torch FSDP2 with EP
+    assert a.use_megatron_fsdp == (zero == 3)
+    read = read_back("megatron", result.content, p.num_layers)
+    assert read.ep == 4 and read.mismatches(Settings.of(p)) == {}
+    assert read_back("megatron", result.content.replace("--expert-model-parallel-size 4", "--expert-model-parallel-size 2"),
+                     p.num_layers).mismatches(Settings.of(p)) == {"ep": (2, 4)}
+
+
+def test_megatron_writes_no_expert_parallelism_for_ep_1(pricer):
+    from autopar.export import megatron
+    p = moe_plan(mesh=Mesh(dp=4, tp=2))
+    result = export_plan(p, "megatron", pricer=pricer)
+    _, a = megatron.read_arguments(result.content)
+    assert a.expert_model_parallel_size is None and a.num_experts == 8
+    assert read_back("megatron", result.content, p.num_layers).ep == 1
+
+
+def test_megatron_moe_under_tp_gets_sequence_parallelism_as_a_priced_gap(pricer):
+    p = moe_plan(sequence_parallel=False)
+    result = export_plan(p, "megatron", pricer=pricer)
+    (gap,) = result.gaps
+    assert gap.setting == "sequence_parallel" and gap.nearest == "--sequence-parallel" and gap.nearest_cost.step_time_s
+    assert result.plan.sequence_parallel and "    --sequence-parallel \\\n" in result.content
+    assert read_back("megatron", result.content, p.num_layers).mismatches(Settings.of(result.plan)) == {}
+
+
+@pytest.mark.parametrize("changes, fragment", [
+    (dict(model=MOE.replace("experts=8", "experts=6"), mesh=Mesh(dp=8, ep=4), micro_batch_size=1,
+          sequence_parallel=False),
+     "ep=4 but .* has 6 routed experts: Megatron's --expert-model-parallel-size must divide --num-experts; "
+     "re-plan with an --ep that divides 6"),
+    (dict(recipe="megatron-core", mesh=Mesh(dp=4, tp=2, ep=8)),  # expert TP 2 x ep 8 > 8 devices
+     "expert grid needs .* = 2 x 8 x 1 to divide the 8 devices; re-plan with an --ep that divides dp x cp = 4"),
+])
+def test_megatron_refuses_an_ep_megatron_rejects_in_one_line(changes, fragment):
+    with pytest.raises(UserError, match=fragment) as exc:
+        export_plan(moe_plan(**changes), "megatron")
+    assert "\n" not in str(exc.value)
+
+
+@pytest.mark.parametrize("target", ["deepspeed", "accelerate", "torchtitan"])
+def test_other_targets_refuse_ep_naming_the_megatron_export(target):
+    with pytest.raises(UserError, match=f"ep=4: the {target} export does not write expert parallelism; "
+                                        "export it with --to megatron") as exc:
+        export_plan(moe_plan(), target)
+    assert "\n" not in str(exc.value)
+
+
+def test_torchtitan_refuses_a_moe_rather_than_writing_a_dense_llama():
+    with pytest.raises(UserError, match="8 routed experts: the torchtitan export writes torchtitan's dense Llama 3 "
+                                        "decoder; export it with --to megatron"):
+        export_plan(moe_plan(mesh=Mesh(dp=4, tp=2)), "torchtitan")
+
+
+def test_megatron_core_accepts_the_expert_parallel_export(pricer):
+    pytest.importorskip("megatron.core", reason="megatron-core is not installed (pip install 'autopar[test]')")
+    result = export_plan(moe_plan(recipe="megatron-core"), "megatron", pricer=pricer)
+    cfg = _transformer_config(result.content)
+    assert (cfg.num_moe_experts, cfg.expert_model_parallel_size, cfg.expert_tensor_parallel_size) == (8, 4, 2)
+    with pytest.raises(ValueError, match="num_moe_experts must be non None"):  # megatron-core reads the ep
+        _transformer_config(result.content, num_moe_experts=None)
+
+
+def test_the_twin_of_a_mixture_of_experts_keeps_its_experts():
+    from autopar.export.common import Family, Shape, llama_twin
+    from autopar.spec import parse_model_spec
+    shape = Shape(family=Family.OTHER, layers=4, hidden=256, heads=8, kv_heads=2, ffn=512, vocab=1024, seq=512,
+                  max_positions=512, tied=False, experts=8, topk=2)
+    spec = parse_model_spec(llama_twin(shape))
+    assert (spec.experts, spec.topk) == (8, 2)
+    assert parse_model_spec(llama_twin(dataclasses.replace(shape, experts=0, topk=0))).experts == 0
+
+
+def test_an_hf_mixtral_exports_to_megatron_as_itself(pricer):
+    pytest.importorskip("transformers")
+    mixtral = ("hf:MixtralConfig:num_hidden_layers=2,hidden_size=128,num_attention_heads=4,num_key_value_heads=2,"
+               "intermediate_size=256,vocab_size=512,max_position_embeddings=256,num_local_experts=4,"
+               "num_experts_per_tok=2")
+    p = moe_plan(model=mixtral, seq_len=256, mesh=Mesh(dp=8, ep=4), micro_batch_size=1, sequence_parallel=False,
+                 stage_layers=(2,), recompute=("none",) * 2)
+    result = export_plan(p, "megatron", pricer=pricer)
+    assert not result.gaps  # Mixtral's block is Megatron's Llama-style block with routed experts
+    assert "--num-experts 4" in result.content and "--swiglu" in result.content
+    assert "--expert-model-parallel-size 4" in result.content

@@ -42,7 +42,8 @@ class Family(str, Enum):
     """Anything else (an HF class outside those two, a user module): only its shape is known."""
 
 
-_HF_FAMILIES = {"LlamaConfig": Family.LLAMA, "MistralConfig": Family.LLAMA, "GPT2Config": Family.GPT}
+_HF_FAMILIES = {"LlamaConfig": Family.LLAMA, "MistralConfig": Family.LLAMA, "MixtralConfig": Family.LLAMA,
+                "GPT2Config": Family.GPT}
 """HF config classes whose block one of the two families reproduces exactly."""
 
 
@@ -86,10 +87,13 @@ def model_shape(plan: Plan) -> Shape:
 
 def llama_twin(shape: Shape) -> str:
     """A ``llama:`` spec with ``shape``'s dimensions: the nearest model a target that builds
-    only Llama-style blocks can train, and a spec the cost model can price."""
+    only Llama-style blocks can train, and a spec the cost model can price (Mixtral-style, with
+    the same routed experts and top-k, when ``shape`` has experts: a dense twin could not take
+    the plan's ep)."""
+    moe = f",experts={shape.experts},topk={shape.topk}" if shape.experts else ""
     return (f"llama:layers={shape.layers},hidden={shape.hidden},heads={shape.heads},"
             f"kv_heads={shape.kv_heads},ffn={shape.ffn},vocab={shape.vocab},seq={shape.max_positions},"
-            f"tied={int(shape.tied)}")
+            f"tied={int(shape.tied)}{moe}")
 
 
 def twin_options(plan: Plan, shape: Shape, nearest: str) -> list[Option]:
@@ -386,6 +390,8 @@ class Settings:
     tp: int | None = None
     pp: int | None = None
     cp: int | None = None
+    ep: int | None = None
+    """Expert-parallel degree (a regrouping of the dp x cp ranks, in devices per expert group)."""
     zero: int | None = None
     offload: bool | None = None
     micro_batch_size: int | None = None
@@ -405,7 +411,7 @@ class Settings:
     @classmethod
     def of(cls, plan: Plan) -> Settings:
         pp = plan.mesh.pp
-        return cls(gpus=plan.gpus, dp=plan.mesh.dp, tp=plan.mesh.tp, pp=pp, cp=plan.mesh.cp,
+        return cls(gpus=plan.gpus, dp=plan.mesh.dp, tp=plan.mesh.tp, pp=pp, cp=plan.mesh.cp, ep=plan.mesh.ep,
                    zero=plan.zero_stage if plan.mesh.dp > 1 else 0, offload=plan.offload, micro_batch_size=plan.micro_batch_size,
                    num_microbatches=plan.num_microbatches, global_batch=plan.global_batch,
                    schedule=plan.schedule if pp > 1 else None, virtual_stages=plan.virtual_stages if pp > 1 else 1,

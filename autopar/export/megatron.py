@@ -5,8 +5,16 @@ main, where most are generated from ``TransformerConfig``'s fields). What Megatr
 express: GPipe and zero-bubble schedules (it runs 1F1B, interleaved with virtual stages),
 interleaving with one chunk per rank, recompute mixes other than the same number of fully
 recomputed blocks in every chunk (``--recompute-method block``) or one mode everywhere, mesh
-orders other than tp innermost with pp outside or inside dp, and Transformer Engine's
-``--tp-comm-overlap`` without sequence parallelism.
+orders other than tp innermost with pp outside or inside dp, Transformer Engine's
+``--tp-comm-overlap`` without sequence parallelism, and mixture-of-experts layers under tensor
+parallelism without sequence parallelism (``MoELayer`` refuses to train so).
+
+Expert parallelism: ``--expert-model-parallel-size`` is the plan's ep and
+``--expert-tensor-parallel-size`` the recipe's expert TP (tp, or 1 when the experts are not split
+over tp). Megatron lays the expert layers out as its own grid, etp x ep x edp x pp over the same
+devices (``parallel_state.initialize_model_parallel``); with expert TP 1 and tp > 1 its ep groups
+take the tp ranks first, each routing its own sequence shard, where autopar's runtime replicates
+the experts' work over tp: the same experts per device, less expert compute than priced.
 """
 
 from __future__ import annotations
@@ -31,9 +39,14 @@ _MESH_ORDERS = ((Axis.PP, Axis.DP, Axis.CP, Axis.TP), (Axis.DP, Axis.PP, Axis.CP
 
 def adapt(a: Adapter, shape: Shape) -> None:
     """Replace what Megatron cannot express by the nearest setting it can."""
+    _check_experts(a.plan, shape, a.recipe)
     if shape.family == Family.OTHER:
         a.gap("model", shape.source, "Megatron's GPT builder makes GPT-2-style or Llama-style blocks, not "
               "this architecture", twin_options(a.plan, shape, "a Llama-style model of the same shape ({spec})"))
+    if shape.experts and a.plan.mesh.tp > 1 and not a.plan.sequence_parallel:
+        a.gap("sequence_parallel", False, "Megatron's MoE layers train under tensor parallelism only with "
+              "sequence parallelism", [Option(nearest="--sequence-parallel",
+                                              plan=replace_plan(a.plan, sequence_parallel=True))])
     if a.plan.mesh.pp > 1:
         _schedule(a)
     order_gap(a, "Megatron places tp innermost and pp outside or inside dp", "the default order tp-cp-ep-dp-pp",
@@ -46,6 +59,31 @@ def adapt(a: Adapter, shape: Shape) -> None:
         recipe = _replace_recipe(a.recipe, tp_comm_overlap=False)
         a.gap("recipe.tp_comm_overlap", True, "--tp-comm-overlap needs --sequence-parallel",
               [Option(nearest="no --tp-comm-overlap", plan=a.plan, recipe=recipe)])
+
+
+def expert_tp(plan: Plan, recipe: ExecutionRecipe) -> int:
+    """``--expert-tensor-parallel-size`` (devices each expert's GEMMs split over): tp when the
+    recipe splits the experts like the dense MLP (``expert_tensor_parallel``), else 1."""
+    return plan.mesh.tp if recipe.expert_tensor_parallel else 1
+
+
+def _check_experts(plan: Plan, shape: Shape, recipe: ExecutionRecipe) -> None:
+    """Refuse, in one line naming the fix, an ep that Megatron-LM's ``validate_args`` (ep
+    divides ``--num-experts``) or its expert grid (etp x ep x pp divides the devices) rejects."""
+    ep, m = plan.mesh.ep, plan.mesh
+    if ep == 1:
+        return
+    if not shape.experts:
+        raise UserError(f"the plan has ep={ep} but {shape.source} has no routed experts; re-plan with --ep 1")
+    if shape.experts % ep:
+        raise UserError(f"the plan has ep={ep} but {shape.source} has {shape.experts} routed experts: Megatron's "
+                        f"--expert-model-parallel-size must divide --num-experts; re-plan with an --ep that divides "
+                        f"{shape.experts}")
+    etp = expert_tp(plan, recipe)
+    if plan.gpus % (etp * ep * m.pp):
+        raise UserError(f"the plan has ep={ep}: Megatron's expert grid needs --expert-tensor-parallel-size x "
+                        f"--expert-model-parallel-size x --pipeline-model-parallel-size = {etp} x {ep} x {m.pp} "
+                        f"to divide the {plan.gpus} devices; re-plan with an --ep that divides dp x cp = {m.dp * m.cp}")
 
 
 def _replace_recipe(recipe: ExecutionRecipe, **changes: object) -> ExecutionRecipe:
@@ -137,7 +175,7 @@ def _dp_overlap(plan: Plan, recipe: ExecutionRecipe) -> bool:
 
 
 def _fsdp2_allowed(plan: Plan, shape: Shape) -> bool:
-    return plan.mesh.pp == 1 and not shape.tied and plan.dtype != "fp16"
+    return plan.mesh.pp == 1 and plan.mesh.ep == 1 and not shape.tied and plan.dtype != "fp16"
 
 
 def _pipeline_flags(plan: Plan) -> list[str]:
@@ -182,6 +220,10 @@ def arguments(plan: Plan, shape: Shape, recipe: ExecutionRecipe) -> list[str]:
     args += ["--tensor-model-parallel-size", str(m.tp)]
     if m.tp > 1 and plan.sequence_parallel:
         args.append("--sequence-parallel")
+    if m.ep > 1:
+        args += ["--expert-model-parallel-size", str(m.ep)]
+    if shape.experts:
+        args += ["--expert-tensor-parallel-size", str(expert_tp(plan, recipe))]
     args += _pipeline_flags(plan)
     if m.cp > 1:
         args += ["--context-parallel-size", str(m.cp)]
@@ -236,10 +278,10 @@ def _group(args: list[str]) -> list[list[str]]:
 _INT_FLAGS = ("--num-layers", "--hidden-size", "--num-attention-heads", "--num-query-groups", "--ffn-hidden-size",
               "--seq-length", "--max-position-embeddings", "--num-experts", "--moe-router-topk",
               "--tensor-model-parallel-size", "--pipeline-model-parallel-size", "--context-parallel-size",
-              "--expert-model-parallel-size", "--num-virtual-stages-per-pipeline-rank",
-              "--num-layers-per-virtual-pipeline-stage", "--decoder-first-pipeline-num-layers",
-              "--decoder-last-pipeline-num-layers", "--micro-batch-size", "--global-batch-size",
-              "--recompute-num-layers")
+              "--expert-model-parallel-size", "--expert-tensor-parallel-size",
+              "--num-virtual-stages-per-pipeline-rank", "--num-layers-per-virtual-pipeline-stage",
+              "--decoder-first-pipeline-num-layers", "--decoder-last-pipeline-num-layers", "--micro-batch-size",
+              "--global-batch-size", "--recompute-num-layers")
 _STR_FLAGS = ("--pipeline-model-parallel-layout", "--recompute-granularity", "--recompute-method",
               "--data-parallel-sharding-strategy", "--position-embedding-type", "--normalization",
               "--attention-backend", "--ckpt-format")
@@ -307,8 +349,8 @@ def parse(text: str) -> Settings:
         zero = 2 if a.torch_fsdp2_no_reshard_after_forward else 3
     if a.use_megatron_fsdp:
         zero = {"optim": 1, "optim_grads": 2, "optim_grads_params": 3}[a.data_parallel_sharding_strategy]
-    return Settings(gpus=gpus, dp=dp, tp=tp, pp=pp, cp=cp, zero=zero if dp > 1 else 0, offload=a.optimizer_cpu_offload,
-                    micro_batch_size=a.micro_batch_size,
+    return Settings(gpus=gpus, dp=dp, tp=tp, pp=pp, cp=cp, ep=a.expert_model_parallel_size or 1,
+                    zero=zero if dp > 1 else 0, offload=a.optimizer_cpu_offload, micro_batch_size=a.micro_batch_size,
                     num_microbatches=derive_batch(dp, a.micro_batch_size, a.global_batch_size),
                     global_batch=a.global_batch_size,
                     schedule=None if pp == 1 else ("interleaved" if v > 1 else "1f1b"), virtual_stages=v,

@@ -15,7 +15,9 @@ gradient-accumulation steps (``global_batch_size``) without.
 What it cannot express: ZeRO-1 (FSDP2 always shards gradients), fp16, autopar's selective
 recompute (torchtitan's selective AC is op-level: it saves matmul and attention outputs and
 recomputes the rest), per-block recompute mixes, mesh orders other than pp > dp > cp > tp, and
-blocks other than Llama's (RMSNorm, SwiGLU, RoPE).
+blocks other than Llama's (RMSNorm, SwiGLU, RoPE). A mixture of experts is refused, not replaced:
+the module builds the dense Llama 3 decoder, and a dense twin would be another model (expert
+parallelism is refused before, in ``export_plan``).
 """
 
 from __future__ import annotations
@@ -39,6 +41,9 @@ _MULTI = {"Interleaved1F1B", "InterleavedZeroBubble"}
 
 
 def adapt(a: Adapter, shape: Shape) -> None:
+    if shape.experts:
+        raise UserError(f"{shape.source} has {shape.experts} routed experts: the torchtitan export writes "
+                        "torchtitan's dense Llama 3 decoder; export it with --to megatron")
     if shape.family != Family.LLAMA:
         a.gap("model", shape.source, "torchtitan 0.3 trains its own model definitions; the nearest is its "
               "Llama 3 decoder", twin_options(a.plan, shape, "torchtitan's Llama 3 decoder at the same shape ({spec})"))
