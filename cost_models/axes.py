@@ -48,6 +48,8 @@ class Axis(StrEnum):
     ranks (``REGROUPED``), not a mesh dimension of its own."""
 
 
+_NAMES: tuple[str, ...] = tuple(a.value for a in Axis)
+
 REGROUPED: frozenset[Axis] = frozenset({Axis.EP})
 """Axes that regroup the ranks of other axes instead of multiplying them: no device count,
 no place in a rank order."""
@@ -63,6 +65,7 @@ OPTIONAL: frozenset[Axis] = frozenset({Axis.CP})
 """Axes an order may leave out while their degree is 1 (added after plans listed pp, dp, tp)."""
 
 _REQUIRED = tuple(a for a in MESH_AXES if a not in OPTIONAL)
+_OPTIONAL = tuple(a for a in MESH_AXES if a in OPTIONAL)
 
 
 def parse_order(names: Iterable[str], degrees: Degrees | None = None) -> tuple[Axis, ...]:
@@ -73,21 +76,23 @@ def parse_order(names: Iterable[str], degrees: Degrees | None = None) -> tuple[A
     names = tuple(names)
     if not all(isinstance(n, str) for n in names):
         raise ValueError(f"must list {', '.join(_REQUIRED)} once each (names), outermost first")
-    optional = None if degrees is None else frozenset(a for a in OPTIONAL if degrees[a] > 1)
+    optional = None if degrees is None else tuple(degrees[a] > 1 for a in _OPTIONAL)
     return _parse_order(names, optional)
 
 
 @lru_cache(maxsize=1024)
-def _parse_order(names: tuple[str, ...], optional: frozenset[Axis] | None) -> tuple[Axis, ...]:
-    """``parse_order`` of ``names`` when exactly the optional axes ``optional`` have degree > 1
-    (None: not canonicalised); cached, as every Strategy parses its order."""
+def _parse_order(names: tuple[str, ...], optional: tuple[bool, ...] | None) -> tuple[Axis, ...]:
+    """``parse_order`` of ``names`` when the optional axes (``_OPTIONAL`` order) have degree
+    > 1 where ``optional`` says (None: not canonicalised); cached, as every Strategy parses
+    its order."""
     valid = {a.value for a in MESH_AXES}
     if len(set(names)) != len(names) or not set(names) <= valid \
             or not {a.value for a in _REQUIRED} <= set(names):
         raise ValueError(f"must list {', '.join(_REQUIRED)} once each (and {', '.join(sorted(OPTIONAL))} "
                          "where its degree is above 1), outermost first")
     order = tuple(Axis(n) for n in names)
-    return order if optional is None else canonical_order(order, Degrees(**{a.value: 2 for a in optional}))
+    return order if optional is None else canonical_order(
+        order, Degrees(**{a.value: 2 for a, above in zip(_OPTIONAL, optional) if above}))
 
 
 def canonical_order(order: Iterable[Axis], degrees: Degrees) -> tuple[Axis, ...]:
@@ -117,7 +122,11 @@ class Degrees:
     """Expert-parallel degree: a regrouping of the dp x cp ranks (not in ``size``)."""
 
     def __getitem__(self, axis: Axis) -> int:
-        return getattr(self, axis.value)
+        return getattr(self, axis)  # a StrEnum member is its name
+
+    def values(self) -> tuple[int, ...]:
+        """Every axis's degree, in ``Axis`` order."""
+        return tuple(getattr(self, name) for name in _NAMES)
 
     @property
     def size(self) -> int:

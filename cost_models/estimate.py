@@ -498,6 +498,66 @@ def parts_key(strat: Strategy) -> tuple:
             strat.dtype, strat.fp8, strat.recipe, strat.offload, strat.axis_order)
 
 
+def _cached_parts(model: ModelProfile, hw: HardwareProfile, strat: Strategy, cache: dict | None) -> _Parts:
+    """``_parts`` of ``strat`` as 1F1B with one chunk, shared through ``cache`` by ``parts_key``."""
+    key = parts_key(strat)
+    parts = cache.get(key) if cache is not None else None
+    if parts is None:
+        parts = _parts(model, hw, replace(strat, schedule="1f1b", virtual_stages=1))
+        if cache is not None:
+            cache[key] = parts
+    return parts
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class TimeFloor:
+    """The time coefficients of ``StageCosts`` shared by the strategies with one ``parts_key``
+    (any schedule, chunks, nominal and leading-block recompute), each at its least over the
+    leading blocks' modes: what a lower bound on all of their step times reads. Seconds."""
+
+    mode_time_s: tuple[float, ...]
+    mode_dp_time_s: tuple[float, ...]
+    first_time_s: float
+    first_dp_time_s: float
+    last_time_s: float
+    last_dp_time_s: float
+    p2p_chunk_s: float
+    """Pipeline sends per micro-batch and model chunk."""
+    zb_fill: tuple[float, ...]
+    """The zero-bubble fill fraction with each nominal recompute mode (``RECOMPUTE`` order)."""
+
+
+def time_floor(model: ModelProfile, hw: HardwareProfile, strat: Strategy,
+               cache: dict | None = None) -> TimeFloor:
+    """``TimeFloor`` of ``strat``'s ``parts_key`` (``cache`` as in ``stage_costs``)."""
+    parts = _cached_parts(model, hw, strat, cache)
+    first_t, first_d = parts.first.time_s, parts.first.tail_s
+    if parts.lead:  # the first stage adds lead_layers leading blocks, linearly (``_plus``)
+        first_t += model.lead_layers * min(p.time_s for p in parts.lead)
+        first_d += model.lead_layers * min(p.tail_s for p in parts.lead)
+    return TimeFloor(mode_time_s=tuple(p.time_s for p in parts.layers),
+                     mode_dp_time_s=tuple(p.tail_s for p in parts.layers),
+                     first_time_s=first_t, first_dp_time_s=first_d, last_time_s=parts.last.time_s,
+                     last_dp_time_s=parts.last.tail_s, p2p_chunk_s=parts.p2p_s,
+                     zb_fill=tuple(pipeline.zb_fill_fraction(p.forward_s, p.recompute_s, p.backward_s)
+                                   for p in parts.passes))
+
+
+def compute_floor_s(model: ModelProfile, hw: HardwareProfile, strat: Strategy) -> float:
+    """Σ_s T_s at its least over what compute does not read (ZeRO, offload, dp, pp, the axis
+    order, the schedule, the placement and every recompute mode): every block's, the
+    embedding's, the head's and the leading blocks' forward and backward compute per
+    micro-batch, no communication, seconds. ``T_s`` adds communication, gradient
+    accumulation and recompute to these passes (``_piece``), never less."""
+    def passes_s(p: compute.PassTimes) -> float:
+        return p.forward_s + p.backward_s
+    total = (model.layers * passes_s(compute.block_times(model, hw, strat))
+             + passes_s(compute.first_times(model, hw, strat)) + passes_s(compute.last_times(model, hw, strat)))
+    if model.lead is not None:
+        total += model.lead_layers * passes_s(compute.block_times(model.lead, hw, strat))
+    return total
+
+
 def stage_costs(model: ModelProfile, hw: HardwareProfile, strat: Strategy,
                 cache: dict | None = None) -> StageCosts:
     """All coefficients of the fixed outer strategy (the placement in ``strat`` is ignored).
@@ -507,12 +567,7 @@ def stage_costs(model: ModelProfile, hw: HardwareProfile, strat: Strategy,
     ``cache`` (a dict the caller owns) shares the per-piece costs between strategies that
     differ only in schedule, chunks or nominal recompute (``parts_key``).
     """
-    key = parts_key(strat)
-    parts = cache.get(key) if cache is not None else None
-    if parts is None:
-        parts = _parts(model, hw, replace(strat, schedule="1f1b", virtual_stages=1))
-        if cache is not None:
-            cache[key] = parts
+    parts = _cached_parts(model, hw, strat, cache)
     if pipeline.chunks(strat) > 1:
         parts = replace(parts, p2p_s=parts.p2p_s * pipeline.chunks(strat))
     passes = parts.passes[RECOMPUTE.index(strat.recompute)]

@@ -34,12 +34,17 @@ def zb_fill_fraction(forward_s: float, recompute_s: float, backward_s: float) ->
 
 def schedule_weights(strat: Strategy, zb_fill: float = 1 / 3) -> tuple[float, float]:
     """(sum_weight, max_weight) of StageCosts for the strategy's schedule."""
-    m = strat.num_microbatches
-    if strat.mesh.pp == 1:
+    return weights(strat.schedule, strat.mesh.pp, strat.num_microbatches, chunks(strat), zb_fill)
+
+
+def weights(schedule: str, pp: int, m: int, chunks: int, zb_fill: float = 1 / 3) -> tuple[float, float]:
+    """(sum_weight, max_weight) of ``schedule`` over ``pp`` stages with ``m`` micro-batches
+    and ``chunks`` model chunks per stage (``schedule_weights`` without a Strategy)."""
+    if pp == 1:
         return 1.0, m - 1.0  # no pipeline: m micro-batches back to back, whatever f
-    if strat.schedule == "interleaved":
-        f = 1.0 / chunks(strat)
-    elif strat.schedule == "zero-bubble":
+    if schedule == "interleaved":
+        f = 1.0 / chunks
+    elif schedule == "zero-bubble":
         f = zb_fill
     else:
         f = 1.0

@@ -54,12 +54,12 @@ class Strategy:
     what overlaps; default ``autopar``, the program autopar's runtime generates."""
 
     def __post_init__(self) -> None:
-        for axis in Axis:
-            if self.mesh[axis] < 1:
-                raise ValueError(f"{axis} must be >= 1, got {self.mesh[axis]}")
-        for name in ("micro_batch", "num_microbatches", "virtual_stages"):
-            if getattr(self, name) < 1:
-                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if min(self.mesh.values()) < 1:
+            axis = next(a for a in Axis if self.mesh[a] < 1)
+            raise ValueError(f"{axis} must be >= 1, got {self.mesh[axis]}")
+        if min(self.micro_batch, self.num_microbatches, self.virtual_stages) < 1:
+            name = next(n for n in ("micro_batch", "num_microbatches", "virtual_stages") if getattr(self, n) < 1)
+            raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
         if self.zero not in (0, 1, 2, 3):
             raise ValueError(f"zero stage must be 0, 1, 2 or 3, got {self.zero}")
         if self.schedule not in SCHEDULES:

@@ -10,13 +10,14 @@ from dataclasses import dataclass, replace
 from autopar.errors import UserError
 from autopar.solve.core import solve_placement, stage_upper_bounds
 from autopar.solve.infeasible import does_not_fit, no_candidate_reason
-from autopar.solve.space import Candidate, Pins, axis_orders, order_free_hardware, outer_candidates
+from autopar.solve.space import (Candidate, Family, Pins, axis_orders, order_free_hardware, outer_candidates,
+                                outer_families)
 from autopar.solve.tables import (StageTables, bottleneck, greedy, least_total,
                                   single_mode_least_step, stage_tables)
 from cost_models import HardwareProfile, ModelProfile, StageCosts, Strategy, estimate, stage_costs
 from cost_models.bounds import least_memory_costs
-from cost_models.estimate import parts_key
-from cost_models.pipeline import chunks
+from cost_models.estimate import compute_floor_s, parts_key, time_floor
+from cost_models.pipeline import chunks, weights
 from cost_models.axes import DEFAULT_ORDER
 from cost_models.strategy import RECOMPUTE, Estimate
 
@@ -31,8 +32,10 @@ ENUMERATION_S = 60.0
 """Least time the outer candidates may take to enumerate and bound, whatever the time limit
 (a search cut by its limit still bounds every candidate, for its gap); past it and the time
 limit the space is refused, naming the pins that shrink it."""
-LATER = 1 << 40
+LATER = 1 << 60
 """Added to the fixed order of a candidate in a non-default axis order: ties keep Megatron's."""
+MEMBER_BITS = 20
+"""A family's members take the fixed orders ``(index << MEMBER_BITS) + 1 + j``."""
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -42,6 +45,18 @@ class _OtherOrders:
 
     twin: int
     orders: tuple[tuple[str, ...], ...]
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class _Members:
+    """A heap item standing for the members of a family (``space.Family``) in every kept axis
+    order, keyed by a bound valid for each (``_family_bound``); costed only when popped."""
+
+    orders: tuple[tuple[str, ...], ...]
+    """The other kept axis orders of the family's degrees."""
+    bounded: bool = False
+    """Keyed by ``_family_bound`` (after its memory check); before, by the compute floor
+    of its degrees, micro-batch and SP (``estimate.compute_floor_s``), valid for all."""
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -159,16 +174,17 @@ def placed_strategy(strat: Strategy, loads: tuple[tuple[int, ...], ...]) -> Stra
 
 def _order_free_base(model: ModelProfile, hw: HardwareProfile, strat: Strategy,
                      cache: dict) -> StageCosts:
-    """``strat``'s costs as 1F1B with each axis in its best group, by ``parts_key`` up to the
-    order (``space.order_free_hardware``)."""
+    """``strat``'s costs as 1F1B with each axis in its best group (``space.order_free_hardware``),
+    shared by the strategies with its ``parts_key`` and leading-block mode up to the order
+    (``cache`` holds them and their per-piece costs)."""
     # (candidates come in Megatron's order: no copy of the strategy just to name the key)
-    key = parts_key(strat if strat.axis_order == strat.mesh.default_order()
-                    else replace(strat, axis_order=DEFAULT_ORDER))
+    key = (parts_key(strat if strat.axis_order == strat.mesh.default_order()
+                     else replace(strat, axis_order=DEFAULT_ORDER)), strat.lead_mode)
     base = cache.get(key)
     if base is None:
         hw_b, order = order_free_hardware(hw, strat.mesh)
         base = stage_costs(model, hw_b, replace(strat, axis_order=order, schedule="1f1b",
-                                                virtual_stages=1))
+                                                virtual_stages=1), cache)
         cache[key] = base
     return base
 
@@ -198,60 +214,133 @@ def _order_free_costs(model: ModelProfile, hw: HardwareProfile, strat: Strategy,
                    last_dp_time_s=base.last_dp_time_s)
 
 
+def _family_bound(model: ModelProfile, hw: HardwareProfile, fam: Family, cache: dict,
+                  free_cache: dict | None) -> float:
+    """The memory-blind bound (``lower_bound`` with no cap) of every member of ``fam`` at
+    once: its time coefficients at their least over the leading blocks' modes
+    (``estimate.TimeFloor``; an offload member is never faster than its twin without), the
+    schedule weights and p2p at each member's chunks. With ``free_cache`` (the degrees have
+    other kept axis orders) the coefficients are the order-free ones, so the bound holds in
+    every order."""
+    st = fam.base
+    if free_cache is None:
+        f = time_floor(model, hw, st, cache)
+    else:
+        hw_b, order = order_free_hardware(hw, st.mesh)
+        f = time_floor(model, hw_b, replace(st, axis_order=order, schedule="1f1b", virtual_stages=1),
+                       free_cache)
+    pp, m, layers = st.mesh.pp, st.num_microbatches, model.layers
+    times = f.first_time_s + f.last_time_s + layers * min(f.mode_time_s[r] for r in fam.modes)
+    dp = (f.first_dp_time_s + f.last_dp_time_s + layers * min(f.mode_dp_time_s[r] for r in fam.modes)) / pp
+    zb = f.zb_fill[RECOMPUTE.index(st.recompute)]
+    best = float("inf")
+    for v in {v for v, _, _ in fam.members}:
+        k = v if st.schedule == "interleaved" else 1
+        sum_w, max_w = weights(st.schedule, pp, m, k, zb)
+        t = times + pp * f.p2p_chunk_s * k
+        best = min(best, sum_w * t + max_w * t / pp + dp)
+    return best
+
+
+@dataclass(kw_only=True, slots=True)
+class _Space:
+    """What the search learns about the candidates as it opens families: the cost caches,
+    by schedule group whether its memory relaxation fits (``_group_fits``), each candidate's
+    memory-blind bound by strategy (an offload candidate borrows its twin's), its order-free
+    one, and the other kept axis orders of each degrees."""
+
+    cache: dict
+    free_cache: dict
+    fits: dict
+    """By schedule group, whether its memory relaxation (with ``modes`` under ``cap``) fits."""
+    modes: tuple[int, ...]
+    cap: float
+    twins: dict
+    free: dict
+    orders_of: dict
+
+
 def _ordered(model: ModelProfile, hw: HardwareProfile, gpus: int, global_batch: int,
              dtype: str, pins: Pins, cap: float,
-             deadline: float = float("inf")) -> tuple[list[tuple[float, int, Candidate, object]], int, dict, dict]:
-    """Every outer candidate with its memory-blind bound (``lower_bound`` with no cap) and
-    fixed order, how many there are (other axis orders included), and the cost caches.
-    Candidates of a schedule group that fits nowhere (``_group_fits``) are counted, not
-    kept. Offload candidates borrow
-    the bound of their twin without offload (no ``StageCosts`` yet: None) and are costed when
-    popped. Unless the order is pinned, a candidate whose degrees have other kept axis orders
-    (``space.axis_orders``) is followed by one ``_OtherOrders`` item, with the order-free bound
-    of its twin without offload; its orders are costed only when it is popped."""
-    scored, cache, base_cache, twins, free, orders_of = [], {}, {}, {}, {}, {}
-    fits = {}  # by schedule group: whether its memory relaxation holds the model
+             deadline: float = float("inf")) -> tuple[list[tuple[float, int, Family, _Members]], int, _Space]:
+    """Every family of outer candidates (``space.outer_families``) with a bound valid for its
+    members in every axis order (the compute floor, ``_Members.bounded``) and its fixed
+    order, and how many candidates there are (other axis orders included). When its bound
+    comes up a family is checked for memory and bounded (``_bound_family``), and when that
+    bound comes up, opened (``_open``)."""
     modes = tuple(range(len(RECOMPUTE))) if pins.recompute is None \
         else (RECOMPUTE.index(pins.recompute),)
+    space = _Space(cache={}, free_cache={}, fits={}, twins={}, free={}, orders_of={}, modes=modes, cap=cap)
+    scored, floors = [], {}
     total = 0
-    for order, cand in enumerate(outer_candidates(model, hw, gpus, global_batch, dtype, pins)):
-        if order % 1024 == 1023 and time.perf_counter() > deadline:
-            raise UserError(f"the strategy space has over {order:,} candidates, more than can be enumerated "
+    for f, fam in enumerate(outer_families(model, hw, gpus, global_batch, dtype, pins)):
+        if f % 256 == 255 and time.perf_counter() > deadline:
+            raise UserError(f"the strategy space has over {total:,} candidates, more than can be enumerated "
                             f"in --time-limit (at least {ENUMERATION_S:g} s); pin some dimensions (--tp, --pp, "
                             "--vpp, --mbs, --zero) or raise --time-limit")
-        st = cand.strategy
-        degrees = st.mesh
+        others: tuple = ()
         if pins.axis_order is None:
-            if degrees not in orders_of:
-                orders_of[degrees] = tuple(axis_orders(hw, degrees)[1:])
-            total += 1 + len(orders_of[degrees])
-        else:
-            total += 1
-        group = (st.mesh, st.micro_batch, st.zero, st.sequence_parallel, st.offload)
-        if group not in fits:
-            fits[group] = _group_fits(model, hw, st, modes, cap)
-        if not fits[group]:
+            if fam.mesh not in space.orders_of:
+                space.orders_of[fam.mesh] = tuple(axis_orders(hw, fam.mesh)[1:])
+            others = space.orders_of[fam.mesh]
+        total += len(fam.members) * (1 + len(others))
+        key = (fam.mesh, fam.micro_batch, fam.sequence_parallel)
+        if key not in floors:  # w(v) Σ_s T_s >= (m / pp) Σ_s T_s for every schedule and v
+            floors[key] = fam.num_microbatches / fam.mesh.pp * compute_floor_s(model, hw, fam.base)
+        scored.append((floors[key], f << MEMBER_BITS, fam, _Members(orders=others)))
+    return scored, total, space
+
+
+def _bound_family(model: ModelProfile, hw: HardwareProfile, fam: Family, item: _Members,
+                  space: _Space) -> float:
+    """``_family_bound`` of ``fam``; ``inf`` when none of its schedule groups fits
+    (``_group_fits``: in no axis order)."""
+    st = fam.base
+    if not any(_fits(model, hw, space, st if off == st.offload else replace(st, offload=off))
+               for off in {off for _, _, off in fam.members}):
+        return float("inf")
+    return _family_bound(model, hw, fam, space.cache, space.free_cache if item.orders else None)
+
+
+def _fits(model: ModelProfile, hw: HardwareProfile, space: _Space, strat: Strategy) -> bool:
+    """``_group_fits`` of ``strat``'s schedule group, once per group."""
+    group = (strat.mesh, strat.micro_batch, strat.zero, strat.sequence_parallel, strat.offload)
+    if group not in space.fits:
+        space.fits[group] = _group_fits(model, hw, strat, space.modes, space.cap)
+    return space.fits[group]
+
+
+def _open(model: ModelProfile, hw: HardwareProfile, fam: Family, item: _Members, lb: float,
+          order: int, space: _Space, scored: list, heap: list) -> None:
+    """Push the members of ``fam`` (popped with bound ``lb`` at fixed order ``order``), each
+    with its memory-blind bound (an offload member its twin's, costed only when popped) and,
+    when its degrees have other kept axis orders, one ``_OtherOrders`` item behind their
+    order-free bound."""
+    for j, cand in enumerate(fam.candidates()):
+        st = cand.strategy
+        if not _fits(model, hw, space, st):
             continue  # no member of its schedule group fits, in any axis order
         twin = replace(st, offload=False) if st.offload else st
-        if st.offload and twin in twins:
+        if st.offload and twin in space.twins:
             # Offload is never faster than its twin without it (CPU optimizer step, PCIe
             # copies on top), so the twin's bound holds; its own costs wait until popped.
-            scored.append((twins[twin], order, cand, None))
+            scored.append((space.twins[twin], order + 1 + j, cand, None))
             key = twin
         else:
-            c = stage_costs(model, hw, st, cache)
-            scored.append((lower_bound(c, model.layers, cand.modes), order, cand, c))
-            twins[st] = scored[-1][0]
+            c = stage_costs(model, hw, st, space.cache)
+            scored.append((lower_bound(c, model.layers, cand.modes), order + 1 + j, cand, c))
+            space.twins[st] = scored[-1][0]
             key = st
-        if pins.axis_order is not None:
-            continue
-        if orders_of[degrees]:
-            if key not in free:
-                free[key] = min(twins[key], _order_free_blind(
-                    _order_free_base(model, hw, st, base_cache), st, c, model.layers, cand.modes))
-            scored.append((free[key], LATER + 8 * order, cand,
-                           _OtherOrders(twin=len(scored) - 1, orders=orders_of[degrees])))
-    return scored, total, cache, base_cache
+        heapq.heappush(heap, (max(lb, scored[-1][0]), order + 1 + j, None, len(scored) - 1))
+        if item.orders:
+            if key not in space.free:
+                kc = c if key is st else stage_costs(model, hw, key, space.cache)
+                space.free[key] = min(space.twins[key], _order_free_blind(
+                    _order_free_base(model, hw, key, space.free_cache), key, kc, model.layers, cand.modes))
+            scored.append((space.free[key], LATER + 8 * (order + 1 + j), cand,
+                           _OtherOrders(twin=len(scored) - 1, orders=item.orders)))
+            heapq.heappush(heap, (max(lb, space.free[key]), LATER + 8 * (order + 1 + j), None,
+                                  len(scored) - 1))
 
 
 def _group_fits(model: ModelProfile, hw: HardwareProfile, strat: Strategy,
@@ -328,8 +417,9 @@ def search(model: ModelProfile, hw: HardwareProfile, gpus: int, global_batch: in
     ``keep`` > 1 also proves the ``keep`` best outer candidates (``Solution.alternatives``)."""
     start = time.perf_counter()
     cap = hw.memory_bytes
-    scored, total, cache, free_cache = _ordered(model, hw, gpus, global_batch, dtype, pins,
-                                                cap, start + max(time_limit_s, ENUMERATION_S))
+    scored, total, space = _ordered(model, hw, gpus, global_batch, dtype, pins,
+                                    cap, start + max(time_limit_s, ENUMERATION_S))
+    cache, free_cache = space.cache, space.free_cache
     if total == 0:
         raise UserError(no_candidate_reason(model, hw, gpus, global_batch, pins))
     found: list[tuple[float, int, Strategy]] = []  # sorted best first, at most ``keep``
@@ -339,7 +429,8 @@ def search(model: ModelProfile, hw: HardwareProfile, gpus: int, global_batch: in
     # gradients stay whole under accumulation): their table bound and placement are computed once.
     tabled: dict[tuple, _Refined] = {}
     placements: dict[tuple, tuple[tuple[tuple[int, ...], ...], float] | None] = {}
-    # Best-first over (bound, order): a candidate is first popped with its memory-blind bound,
+    # Best-first over (bound, order): a family is popped with its bound and opened into its
+    # members (``_open``); a candidate is first popped with its memory-blind bound,
     # pushed back with its LP memory-aware one, then with its table bound (τ*), and solved
     # when popped a third time.
     heap = [(lb, order, None, i) for i, (lb, order, _, _) in enumerate(scored)]
@@ -358,6 +449,13 @@ def search(model: ModelProfile, hw: HardwareProfile, gpus: int, global_batch: in
             break
         heapq.heappop(heap)
         _, _, cand, c = scored[i]
+        if isinstance(c, _Members):
+            if c.bounded:
+                _open(model, hw, cand, c, lb, order, space, scored, heap)
+            else:
+                scored[i] = (lb, order, cand, replace(c, bounded=True))
+                heapq.heappush(heap, (max(lb, _bound_family(model, hw, cand, c, space)), order, None, i))
+            continue
         if isinstance(c, _OtherOrders):
             # The other axis orders of a candidate, as one candidate costed under the order-free
             # profile: refined like the others (memory reads no order), then expanded.

@@ -238,11 +238,53 @@ def _offloads(pins: Pins, hw: HardwareProfile) -> list[bool]:
     return _choices(pins.offload, [False, True] if hw.supports_offload else [False])
 
 
-def outer_candidates(model: ModelProfile, hw: HardwareProfile, gpus: int, global_batch: int,
-                     dtype: str, pins: Pins = Pins()) -> Iterator[Candidate]:
-    """Every outer candidate the runtime can run, in a fixed order."""
+@dataclass(frozen=True, kw_only=True, slots=True)
+class Family:
+    """Outer candidates that share every cost coefficient but the pipeline's (chunks), the
+    leading blocks' recompute mode and offload (``cost_models.estimate.TimeFloor``): one
+    ``parts_key`` up to offload, one schedule and nominal mode. The search bounds them together
+    and makes their strategies only when that bound comes up (``search``)."""
+
+    mesh: Degrees
+    zero: int
+    micro_batch: int
+    num_microbatches: int
+    schedule: str
+    sequence_parallel: bool
+    recompute: str
+    """The nominal recompute mode (``Strategy.recompute``)."""
+    dtype: str
+    recipe: ExecutionRecipe
+    axis_order: tuple[Axis, ...]
+    modes: tuple[int, ...]
+    members: tuple[tuple[int, str, bool], ...]
+    """(virtual stages, lead recompute, offload) of each member, in the fixed order."""
+
+    def strategy(self, v: int, lead: str, offload: bool) -> Strategy:
+        """The member with ``v`` virtual stages, leading-block mode ``lead`` and ``offload``."""
+        return Strategy(mesh=self.mesh, zero=self.zero, micro_batch=self.micro_batch,
+                        num_microbatches=self.num_microbatches, schedule=self.schedule, virtual_stages=v,
+                        sequence_parallel=self.sequence_parallel, recompute=self.recompute, dtype=self.dtype,
+                        offload=offload, axis_order=self.axis_order, recipe=self.recipe, lead_recompute=lead)
+
+    @property
+    def base(self) -> Strategy:
+        """The first member."""
+        return self.strategy(*self.members[0])
+
+    def candidates(self) -> Iterator[Candidate]:
+        """The members, in order."""
+        for v, lead, off in self.members:
+            yield Candidate(strategy=self.strategy(v, lead, off), modes=self.modes, min_layers=v)
+
+
+def outer_families(model: ModelProfile, hw: HardwareProfile, gpus: int, global_batch: int,
+                   dtype: str, pins: Pins = Pins()) -> Iterator[Family]:
+    """Every outer candidate the runtime can run, in families (``Family``), in a fixed order."""
     recipe = pins.recipe or load_recipe()
     refused = set(pins.refused)
+    order = tuple(pins.axis_order or DEFAULT_ORDER)
+    offloads = _offloads(pins, hw)
     for tp in _choices(pins.tp, _divisors(gpus)):
         if hw.devices_per_node % tp or model.heads % tp or model.kv_heads % tp or gpus % tp \
                 or (tp > 1 and "tp" in refused):
@@ -254,43 +296,53 @@ def outer_candidates(model: ModelProfile, hw: HardwareProfile, gpus: int, global
             dp = gpus // (tp * cp * pp)
             if (pins.dp is not None and dp != pins.dp) or global_batch % dp:
                 continue
-            orders = [tuple(pins.axis_order or DEFAULT_ORDER)]
             for ep, b in ((e, b) for e in ep_degrees(model, dp * cp, pins)
                           for b in _choices(pins.micro_batch, _divisors(global_batch // dp))):
                 m, rem = divmod(global_batch // dp, b)
                 if rem or (pp > 1 and m < pp):
                     continue
+                mesh = Degrees(dp=dp, cp=cp, tp=tp, pp=pp, ep=ep)
                 for zero in _choices(pins.zero, [0, 1, 2, 3] if dp * cp > 1 else [0]):
                     if zero and "dp" in refused:
                         continue
+                    schedules: dict[str, list[int]] = {}
                     for sched, v in _schedules(pins, pp, m, model.layers):
-                        if runtime_unsupported(dp=dp * cp, pp=pp, zero=zero, schedule=sched,
-                                               virtual_stages=v, cp=cp, recipe=recipe):
-                            continue
+                        if not runtime_unsupported(dp=dp * cp, pp=pp, zero=zero, schedule=sched,
+                                                   virtual_stages=v, cp=cp, recipe=recipe):
+                            schedules.setdefault(sched, []).append(v)
+                    for sched, chunk_counts in schedules.items():
+                        # (v, offload) pairs the runtime runs: offload is checked once per v
+                        offs = [(v, off) for v in chunk_counts for off in offloads if not (off and runtime_unsupported(
+                            dp=dp * cp, pp=pp, zero=zero, schedule=sched, virtual_stages=v, offload=True, cp=cp,
+                            recipe=recipe))]
                         for sp in _choices(pins.sequence_parallel, [False, True] if tp > 1 else [False]):
                             if sp and (tp == 1 or "sp" in refused):
                                 continue  # SP splits what TP replicates: nothing at tp = 1
-                            if (ep > 1 or model.moe) and runtime_unsupported(
-                                    dp=dp * cp, pp=pp, zero=zero, schedule=sched, virtual_stages=v, cp=cp,
-                                    ep=ep, recipe=recipe, moe=model.moe, sequence_parallel=sp):
-                                continue
+                            vs = {v for v in chunk_counts if not ((ep > 1 or model.moe) and runtime_unsupported(
+                                dp=dp * cp, pp=pp, zero=zero, schedule=sched, virtual_stages=v, cp=cp,
+                                ep=ep, recipe=recipe, moe=model.moe, sequence_parallel=sp))}
                             for nominal, modes in _mode_sets(pins, sched):
                                 if "selective" in refused:
                                     modes = tuple(i for i in modes if RECOMPUTE[i] != "selective")
                                     if not modes or nominal == "selective":
                                         continue
-                                for lead, order, off in itertools.product(
-                                        _lead_modes(model, modes), orders, _offloads(pins, hw)):
-                                    if off and runtime_unsupported(
-                                            dp=dp * cp, pp=pp, zero=zero, schedule=sched,
-                                            virtual_stages=v, offload=True, cp=cp, recipe=recipe):
-                                        continue
-                                    strat = Strategy(
-                                        mesh=Degrees(dp=dp, cp=cp, tp=tp, pp=pp, ep=ep), zero=zero, micro_batch=b,
-                                        num_microbatches=m, schedule=sched, virtual_stages=v,
-                                        sequence_parallel=sp, recompute=nominal, dtype=dtype,
-                                        offload=off, axis_order=order, recipe=recipe, lead_recompute=lead)
-                                    yield Candidate(strategy=strat, modes=modes, min_layers=v)
+                                leads = _lead_modes(model, modes)
+                                members = tuple((v, lead, off) for v, off in offs if v in vs for lead in leads)
+                                if members and len(leads) > 1:  # in order: v, then lead, then offload
+                                    members = tuple(sorted(members, key=lambda x: (x[0], leads.index(x[1]), x[2])))
+                                if members:
+                                    yield Family(mesh=mesh, zero=zero, micro_batch=b, num_microbatches=m,
+                                                 schedule=sched, sequence_parallel=sp, recompute=nominal,
+                                                 dtype=dtype, recipe=recipe, axis_order=order, modes=modes,
+                                                 members=members)
+
+
+def outer_candidates(model: ModelProfile, hw: HardwareProfile, gpus: int, global_batch: int,
+                     dtype: str, pins: Pins = Pins()) -> Iterator[Candidate]:
+    """Every outer candidate the runtime can run, in a fixed order (``outer_families``'
+    members)."""
+    for fam in outer_families(model, hw, gpus, global_batch, dtype, pins):
+        yield from fam.candidates()
 
 
 def candidates(model: ModelProfile, hw: HardwareProfile, gpus: int, global_batch: int,
