@@ -543,19 +543,31 @@ def time_floor(model: ModelProfile, hw: HardwareProfile, strat: Strategy,
                                    for p in parts.passes))
 
 
-def compute_floor_s(model: ModelProfile, hw: HardwareProfile, strat: Strategy) -> float:
-    """Σ_s T_s at its least over what compute does not read (ZeRO, offload, dp, pp, the axis
-    order, the schedule, the placement and every recompute mode): every block's, the
-    embedding's, the head's and the leading blocks' forward and backward compute per
-    micro-batch, no communication, seconds. ``T_s`` adds communication, gradient
-    accumulation and recompute to these passes (``_piece``), never less."""
-    def passes_s(p: compute.PassTimes) -> float:
-        return p.forward_s + p.backward_s
-    total = (model.layers * passes_s(compute.block_times(model, hw, strat))
-             + passes_s(compute.first_times(model, hw, strat)) + passes_s(compute.last_times(model, hw, strat)))
+def pass_floor(model: ModelProfile, hw: HardwareProfile, strat: Strategy) -> tuple[float, float]:
+    """(Σ_s T_s at its least over what it does not read, the zero-bubble fill fraction at its
+    least): Σ_s T_s over every block's, the embedding's, the head's and the leading blocks'
+    forward and backward compute per micro-batch with their tp, cp and ep exchanges (seconds;
+    ``T_s`` adds recompute, gradient accumulation and ZeRO's exposed collectives to these,
+    never less, ``_piece``); the fill fraction without recompute. Neither reads ZeRO,
+    offload, dp, pp, the schedule, the placement or the recompute modes (the passes' forward
+    and backward do not); the exchanges read ``strat``'s axis order on ``hw``."""
+    groups = comm.axis_groups(hw, strat)
+
+    def block_s(m: ModelProfile) -> tuple[float, compute.PassTimes]:
+        p = compute.block_times(m, hw, strat)
+        x = _comm_sum(block_tp_s(m, hw, strat, groups[Axis.TP]), block_cp_s(m, hw, strat, groups[Axis.CP]))
+        if m is model:
+            x = _comm_sum(x, block_ep_s(m, strat, groups[Axis.EP]))
+        return p.forward_s + p.backward_s + x.forward_s + x.backward_s, p
+
+    block, passes = block_s(model)
+    unit = _tp_unit_s(model, strat, groups[Axis.TP]) if strat.mesh.tp > 1 else 0.0
+    first, last = compute.first_times(model, hw, strat), compute.last_times(model, hw, strat)
+    total = (model.layers * block + first.forward_s + first.backward_s + unit
+             + last.forward_s + last.backward_s + unit + _vocab_parallel_loss_s(model, strat, groups[Axis.TP]))
     if model.lead is not None:
-        total += model.lead_layers * passes_s(compute.block_times(model.lead, hw, strat))
-    return total
+        total += model.lead_layers * block_s(model.lead)[0]
+    return total, pipeline.zb_fill_fraction(passes.forward_s, 0.0, passes.backward_s)
 
 
 def stage_costs(model: ModelProfile, hw: HardwareProfile, strat: Strategy,

@@ -16,7 +16,7 @@ from autopar.solve.tables import (StageTables, bottleneck, greedy, least_total,
                                   single_mode_least_step, stage_tables)
 from cost_models import HardwareProfile, ModelProfile, StageCosts, Strategy, estimate, stage_costs
 from cost_models.bounds import least_memory_costs
-from cost_models.estimate import compute_floor_s, parts_key, time_floor
+from cost_models.estimate import parts_key, pass_floor, time_floor
 from cost_models.pipeline import chunks, weights
 from cost_models.axes import DEFAULT_ORDER
 from cost_models.strategy import RECOMPUTE, Estimate
@@ -55,8 +55,7 @@ class _Members:
     orders: tuple[tuple[str, ...], ...]
     """The other kept axis orders of the family's degrees."""
     bounded: bool = False
-    """Keyed by ``_family_bound`` (after its memory check); before, by the compute floor
-    of its degrees, micro-batch and SP (``estimate.compute_floor_s``), valid for all."""
+    """Keyed by ``_family_bound`` (after its memory check); before, by ``_floor_bound``."""
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -214,32 +213,45 @@ def _order_free_costs(model: ModelProfile, hw: HardwareProfile, strat: Strategy,
                    last_dp_time_s=base.last_dp_time_s)
 
 
-def _family_bound(model: ModelProfile, hw: HardwareProfile, fam: Family, cache: dict,
-                  free_cache: dict | None) -> float:
-    """The memory-blind bound (``lower_bound`` with no cap) of every member of ``fam`` at
-    once: its time coefficients at their least over the leading blocks' modes
-    (``estimate.TimeFloor``; an offload member is never faster than its twin without), the
-    schedule weights and p2p at each member's chunks. With ``free_cache`` (the degrees have
-    other kept axis orders) the coefficients are the order-free ones, so the bound holds in
-    every order."""
+def _family_bound(model: ModelProfile, hw: HardwareProfile, fam: Family, space: "_Space",
+                  free: bool) -> float:
+    """A bound on the step of every member of ``fam`` at once (``inf`` when none fits): its
+    time coefficients at their least over the leading blocks' modes (``estimate.TimeFloor``;
+    an offload member is never slower to bound than its twin without: its coefficients are
+    no lower), under ``free`` (the degrees have other kept axis orders) the order-free ones,
+    so the bound holds in every order. The larger of the memory-blind ``lower_bound`` at
+    its least over the members' chunks, and ``lower_bound`` within device memory of the
+    schedule groups' least-memory relaxation (``_relaxed``) with the schedule weights and p2p
+    each at their least over the members."""
     st = fam.base
-    if free_cache is None:
-        f = time_floor(model, hw, st, cache)
+    if not free:
+        f = time_floor(model, hw, st, space.cache)
     else:
         hw_b, order = order_free_hardware(hw, st.mesh)
         f = time_floor(model, hw_b, replace(st, axis_order=order, schedule="1f1b", virtual_stages=1),
-                       free_cache)
+                       space.free_cache)
     pp, m, layers = st.mesh.pp, st.num_microbatches, model.layers
     times = f.first_time_s + f.last_time_s + layers * min(f.mode_time_s[r] for r in fam.modes)
     dp = (f.first_dp_time_s + f.last_dp_time_s + layers * min(f.mode_dp_time_s[r] for r in fam.modes)) / pp
     zb = f.zb_fill[RECOMPUTE.index(st.recompute)]
-    best = float("inf")
-    for v in {v for v, _, _ in fam.members}:
-        k = v if st.schedule == "interleaved" else 1
-        sum_w, max_w = weights(st.schedule, pp, m, k, zb)
-        t = times + pp * f.p2p_chunk_s * k
-        best = min(best, sum_w * t + max_w * t / pp + dp)
-    return best
+    chunk_counts = sorted({v if st.schedule == "interleaved" else 1 for v, _, _ in fam.members})
+    ws = [weights(st.schedule, pp, m, k, zb) for k in chunk_counts]
+    blind = min(sw * (times + pp * f.p2p_chunk_s * k) + mw * (times + pp * f.p2p_chunk_s * k) / pp + dp
+                for k, (sw, mw) in zip(chunk_counts, ws))
+    v_min = min(v for v, _, _ in fam.members)
+    bounds = []
+    for off in sorted({off for _, _, off in fam.members}):
+        lc = _relaxed(model, hw, space, st if off == st.offload else replace(st, offload=off))
+        if lc is None:
+            continue
+        c = replace(lc, mode_time_s=f.mode_time_s, first_time_s=f.first_time_s, last_time_s=f.last_time_s,
+                    p2p_time_s=f.p2p_chunk_s * chunk_counts[0], mode_dp_time_s=f.mode_dp_time_s,
+                    first_dp_time_s=f.first_dp_time_s, last_dp_time_s=f.last_dp_time_s,
+                    sum_weight=min(w[0] for w in ws), max_weight=min(w[1] for w in ws))
+        upper = stage_upper_bounds(c, layers, space.cap, fam.modes)
+        if min(upper) >= v_min and sum(upper) >= layers:
+            bounds.append(lower_bound(c, layers, fam.modes, space.cap, upper, min_layers=v_min))
+    return max(blind, min(bounds, default=float("inf")))
 
 
 @dataclass(kw_only=True, slots=True)
@@ -252,7 +264,8 @@ class _Space:
     cache: dict
     free_cache: dict
     fits: dict
-    """By schedule group, whether its memory relaxation (with ``modes`` under ``cap``) fits."""
+    """By schedule group, its least-memory relaxation where it fits (with ``modes`` under
+    ``cap``), else None (``_relaxed``)."""
     modes: tuple[int, ...]
     cap: float
     twins: dict
@@ -264,14 +277,14 @@ def _ordered(model: ModelProfile, hw: HardwareProfile, gpus: int, global_batch: 
              dtype: str, pins: Pins, cap: float,
              deadline: float = float("inf")) -> tuple[list[tuple[float, int, Family, _Members]], int, _Space]:
     """Every family of outer candidates (``space.outer_families``) with a bound valid for its
-    members in every axis order (the compute floor, ``_Members.bounded``) and its fixed
+    members in every axis order (``_floor_bound``) and its fixed
     order, and how many candidates there are (other axis orders included). When its bound
     comes up a family is checked for memory and bounded (``_bound_family``), and when that
     bound comes up, opened (``_open``)."""
     modes = tuple(range(len(RECOMPUTE))) if pins.recompute is None \
         else (RECOMPUTE.index(pins.recompute),)
     space = _Space(cache={}, free_cache={}, fits={}, twins={}, free={}, orders_of={}, modes=modes, cap=cap)
-    scored, floors = [], {}
+    scored, floors, items = [], {}, {}
     total = 0
     for f, fam in enumerate(outer_families(model, hw, gpus, global_batch, dtype, pins)):
         if f % 256 == 255 and time.perf_counter() > deadline:
@@ -285,10 +298,22 @@ def _ordered(model: ModelProfile, hw: HardwareProfile, gpus: int, global_batch: 
             others = space.orders_of[fam.mesh]
         total += len(fam.members) * (1 + len(others))
         key = (fam.mesh, fam.micro_batch, fam.sequence_parallel)
-        if key not in floors:  # w(v) Σ_s T_s >= (m / pp) Σ_s T_s for every schedule and v
-            floors[key] = fam.num_microbatches / fam.mesh.pp * compute_floor_s(model, hw, fam.base)
-        scored.append((floors[key], f << MEMBER_BITS, fam, _Members(orders=others)))
+        if key not in floors:  # the passes' floor in every axis order (``order_free_hardware``)
+            hw_b, order = order_free_hardware(hw, fam.mesh)
+            floors[key] = pass_floor(model, hw_b, replace(fam.base, axis_order=order))
+        if others not in items:
+            items[others] = _Members(orders=others)
+        scored.append((_floor_bound(fam, *floors[key]), f << MEMBER_BITS, fam, items[others]))
     return scored, total, space
+
+
+def _floor_bound(fam: Family, passes_s: float, zb_fill: float) -> float:
+    """A bound on every member of ``fam`` from ``estimate.pass_floor``: the step is at least
+    (sum_weight + max_weight / pp) Σ_s T_s, the weights at their least over the members'
+    chunks (interleaved: the most) and the fill fraction (zero-bubble: no recompute)."""
+    k = fam.members[-1][0] if fam.schedule == "interleaved" else 1  # members go by v
+    sum_w, max_w = weights(fam.schedule, fam.mesh.pp, fam.num_microbatches, k, zb_fill)
+    return (sum_w + max_w / fam.mesh.pp) * passes_s
 
 
 def _bound_family(model: ModelProfile, hw: HardwareProfile, fam: Family, item: _Members,
@@ -299,15 +324,22 @@ def _bound_family(model: ModelProfile, hw: HardwareProfile, fam: Family, item: _
     if not any(_fits(model, hw, space, st if off == st.offload else replace(st, offload=off))
                for off in {off for _, _, off in fam.members}):
         return float("inf")
-    return _family_bound(model, hw, fam, space.cache, space.free_cache if item.orders else None)
+    return _family_bound(model, hw, fam, space, bool(item.orders))
+
+
+def _relaxed(model: ModelProfile, hw: HardwareProfile, space: _Space, strat: Strategy) -> StageCosts | None:
+    """The least-memory relaxation of ``strat``'s schedule group (``bounds.least_memory_costs``),
+    once per group; None when it does not fit (``_group_fits``)."""
+    group = (strat.mesh, strat.micro_batch, strat.zero, strat.sequence_parallel, strat.offload)
+    if group not in space.fits:
+        lc = least_memory_costs(model, hw, strat)
+        space.fits[group] = lc if _group_fits(lc, model.layers, space.modes, space.cap) else None
+    return space.fits[group]
 
 
 def _fits(model: ModelProfile, hw: HardwareProfile, space: _Space, strat: Strategy) -> bool:
     """``_group_fits`` of ``strat``'s schedule group, once per group."""
-    group = (strat.mesh, strat.micro_batch, strat.zero, strat.sequence_parallel, strat.offload)
-    if group not in space.fits:
-        space.fits[group] = _group_fits(model, hw, strat, space.modes, space.cap)
-    return space.fits[group]
+    return _relaxed(model, hw, space, strat) is not None
 
 
 def _open(model: ModelProfile, hw: HardwareProfile, fam: Family, item: _Members, lb: float,
@@ -343,14 +375,13 @@ def _open(model: ModelProfile, hw: HardwareProfile, fam: Family, item: _Members,
                                   len(scored) - 1))
 
 
-def _group_fits(model: ModelProfile, hw: HardwareProfile, strat: Strategy,
-                modes: tuple[int, ...], cap: float) -> bool:
-    """Whether some member of ``strat``'s schedule group (the strategies differing only in
-    schedule, chunks and recompute, ``cost_models.bounds``) may fit: its least-memory
-    relaxation holds the model with blocks in any of ``modes`` and at least one per stage.
+def _group_fits(relaxed: StageCosts, layers: int, modes: tuple[int, ...], cap: float) -> bool:
+    """Whether some member of a schedule group (the strategies differing only in schedule,
+    chunks and recompute, ``cost_models.bounds``) may fit: its least-memory relaxation
+    ``relaxed`` holds the model with blocks in any of ``modes`` and at least one per stage.
     Memory reads no axis order, so False rules the group out in every order."""
-    upper = stage_upper_bounds(least_memory_costs(model, hw, strat), model.layers, cap, modes)
-    return min(upper) >= 1 and sum(upper) >= model.layers
+    upper = stage_upper_bounds(relaxed, layers, cap, modes)
+    return min(upper) >= 1 and sum(upper) >= layers
 
 
 @dataclass(frozen=True, kw_only=True, slots=True, eq=False)

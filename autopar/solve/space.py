@@ -285,6 +285,16 @@ def outer_families(model: ModelProfile, hw: HardwareProfile, gpus: int, global_b
     refused = set(pins.refused)
     order = tuple(pins.axis_order or DEFAULT_ORDER)
     offloads = _offloads(pins, hw)
+    leads_of: dict[tuple[int, ...], tuple[str, ...]] = {}
+    memo: dict[tuple, bool] = {}
+
+    def refuses(**kw) -> bool:
+        """``runtime_unsupported`` under ``recipe``, once per distinct question (it is pure)."""
+        key = tuple(kw.items())
+        if key not in memo:
+            memo[key] = runtime_unsupported(recipe=recipe, **kw) is not None
+        return memo[key]
+
     for tp in _choices(pins.tp, _divisors(gpus)):
         if hw.devices_per_node % tp or model.heads % tp or model.kv_heads % tp or gpus % tp \
                 or (tp > 1 and "tp" in refused):
@@ -307,29 +317,28 @@ def outer_families(model: ModelProfile, hw: HardwareProfile, gpus: int, global_b
                         continue
                     schedules: dict[str, list[int]] = {}
                     for sched, v in _schedules(pins, pp, m, model.layers):
-                        if not runtime_unsupported(dp=dp * cp, pp=pp, zero=zero, schedule=sched,
-                                                   virtual_stages=v, cp=cp, recipe=recipe):
+                        if not refuses(dp=dp * cp, pp=pp, zero=zero, schedule=sched, virtual_stages=v, cp=cp):
                             schedules.setdefault(sched, []).append(v)
                     for sched, chunk_counts in schedules.items():
-                        # (v, offload) pairs the runtime runs: offload is checked once per v
-                        offs = [(v, off) for v in chunk_counts for off in offloads if not (off and runtime_unsupported(
-                            dp=dp * cp, pp=pp, zero=zero, schedule=sched, virtual_stages=v, offload=True, cp=cp,
-                            recipe=recipe))]
+                        # the offloads the runtime runs at each v
+                        offs = {v: tuple(off for off in offloads if not (off and refuses(
+                            dp=dp * cp, pp=pp, zero=zero, schedule=sched, virtual_stages=v, offload=True, cp=cp)))
+                            for v in chunk_counts}
                         for sp in _choices(pins.sequence_parallel, [False, True] if tp > 1 else [False]):
                             if sp and (tp == 1 or "sp" in refused):
                                 continue  # SP splits what TP replicates: nothing at tp = 1
-                            vs = {v for v in chunk_counts if not ((ep > 1 or model.moe) and runtime_unsupported(
+                            vs = [v for v in chunk_counts if not ((ep > 1 or model.moe) and refuses(
                                 dp=dp * cp, pp=pp, zero=zero, schedule=sched, virtual_stages=v, cp=cp,
-                                ep=ep, recipe=recipe, moe=model.moe, sequence_parallel=sp))}
+                                ep=ep, moe=model.moe, sequence_parallel=sp))]
                             for nominal, modes in _mode_sets(pins, sched):
                                 if "selective" in refused:
                                     modes = tuple(i for i in modes if RECOMPUTE[i] != "selective")
                                     if not modes or nominal == "selective":
                                         continue
-                                leads = _lead_modes(model, modes)
-                                members = tuple((v, lead, off) for v, off in offs if v in vs for lead in leads)
-                                if members and len(leads) > 1:  # in order: v, then lead, then offload
-                                    members = tuple(sorted(members, key=lambda x: (x[0], leads.index(x[1]), x[2])))
+                                if modes not in leads_of:
+                                    leads_of[modes] = _lead_modes(model, modes)
+                                members = tuple((v, lead, off) for v in vs for lead in leads_of[modes]
+                                                for off in offs[v])
                                 if members:
                                     yield Family(mesh=mesh, zero=zero, micro_batch=b, num_microbatches=m,
                                                  schedule=sched, sequence_parallel=sp, recompute=nominal,
