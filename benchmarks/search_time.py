@@ -43,6 +43,11 @@ JOBS = [
     ("Turing-530B, 5120 (of 5128) A100, batch 2560", "megatron-529.6b", "dgx-a100-80g", 5120, 2560, None, 2.0),
     ("Llama-3 405B, 16384 H100, 16M tokens", "llama3-405b", "dgx-h100", 16384, 2048, 8192, 2.0),
     ("GPT 1T, 3072 A100", "megatron-1t", "dgx-a100-80g", 3072, 3072, None, 3.0),
+    # The MoE / long-context issue's anchors: Llama-3 405B's 128K stage with cp > 1 (<= 1 s),
+    # a DeepSeek-V3-shaped model on 2,048 H800 (<= 2 s), Mixtral 8x7B on 64 H100 (no target).
+    ("Llama-3 405B, 16384 H100, seq 131072", "llama3-405b", "dgx-h100", 16384, 128, 131072, 1.0),
+    ("DeepSeek-V3 671B, 2048 H800, 61M tokens", "deepseek-v3", "dgx-h800", 2048, 15360, 4096, 2.0),
+    ("Mixtral 8x7B, 64 H100", "mixtral-8x7b", "dgx-h100", 64, 512, None, None),
     ("96-layer Llama-2-7B-shaped GPT, 1024 A100", "gpt:layers=96,hidden=4096,heads=32,vocab=32000,seq=2048",
      "dgx-a100-80g", 1024, 1024, None, None),
 ]
