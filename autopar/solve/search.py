@@ -285,24 +285,25 @@ def _ordered(model: ModelProfile, hw: HardwareProfile, gpus: int, global_batch: 
         else (RECOMPUTE.index(pins.recompute),)
     space = _Space(cache={}, free_cache={}, fits={}, twins={}, free={}, orders_of={}, modes=modes, cap=cap)
     scored, floors, items = [], {}, {}
-    total = 0
+    total, mesh, others = 0, None, ()
     for f, fam in enumerate(outer_families(model, hw, gpus, global_batch, dtype, pins)):
         if f % 256 == 255 and time.perf_counter() > deadline:
             raise UserError(f"the strategy space has over {total:,} candidates, more than can be enumerated "
                             f"in --time-limit (at least {ENUMERATION_S:g} s); pin some dimensions (--tp, --pp, "
                             "--vpp, --mbs, --zero) or raise --time-limit")
-        others: tuple = ()
-        if pins.axis_order is None:
-            if fam.mesh not in space.orders_of:
-                space.orders_of[fam.mesh] = tuple(axis_orders(hw, fam.mesh)[1:])
-            others = space.orders_of[fam.mesh]
+        if fam.mesh is not mesh:  # (families of one degrees and micro-batch come together)
+            mesh, others = fam.mesh, ()
+            if pins.axis_order is None:
+                if mesh not in space.orders_of:
+                    space.orders_of[mesh] = tuple(axis_orders(hw, mesh)[1:])
+                others = space.orders_of[mesh]
+            if others not in items:
+                items[others] = _Members(orders=others)
         total += len(fam.members) * (1 + len(others))
-        key = (fam.mesh, fam.micro_batch, fam.sequence_parallel)
+        key = (mesh, fam.micro_batch, fam.sequence_parallel)
         if key not in floors:  # the passes' floor in every axis order (``order_free_hardware``)
-            hw_b, order = order_free_hardware(hw, fam.mesh)
+            hw_b, order = order_free_hardware(hw, mesh)
             floors[key] = pass_floor(model, hw_b, replace(fam.base, axis_order=order))
-        if others not in items:
-            items[others] = _Members(orders=others)
         scored.append((_floor_bound(fam, *floors[key]), f << MEMBER_BITS, fam, items[others]))
     return scored, total, space
 
