@@ -14,7 +14,7 @@ from autopar.solve.space import (Candidate, Family, Pins, axis_orders, order_fre
                                 outer_families)
 from autopar.solve.tables import (StageTables, bottleneck, greedy, least_total,
                                   single_mode_least_step, stage_tables)
-from cost_models import HardwareProfile, ModelProfile, StageCosts, Strategy, estimate, stage_costs
+from cost_models import Degrees, HardwareProfile, ModelProfile, StageCosts, Strategy, estimate, stage_costs
 from cost_models.bounds import least_memory_costs
 from cost_models.estimate import parts_key, pass_floor, time_floor
 from cost_models.pipeline import chunks, weights
@@ -227,7 +227,7 @@ def _family_bound(model: ModelProfile, hw: HardwareProfile, fam: Family, space: 
     if not free:
         f = time_floor(model, hw, st, space.cache)
     else:
-        hw_b, order = order_free_hardware(hw, st.mesh)
+        hw_b, order = _free_hw(space, hw, st.mesh)
         f = time_floor(model, hw_b, replace(st, axis_order=order, schedule="1f1b", virtual_stages=1),
                        space.free_cache)
     pp, m, layers = st.mesh.pp, st.num_microbatches, model.layers
@@ -271,6 +271,7 @@ class _Space:
     twins: dict
     free: dict
     orders_of: dict
+    free_hw: dict
 
 
 def _ordered(model: ModelProfile, hw: HardwareProfile, gpus: int, global_batch: int,
@@ -283,7 +284,8 @@ def _ordered(model: ModelProfile, hw: HardwareProfile, gpus: int, global_batch: 
     bound comes up, opened (``_open``)."""
     modes = tuple(range(len(RECOMPUTE))) if pins.recompute is None \
         else (RECOMPUTE.index(pins.recompute),)
-    space = _Space(cache={}, free_cache={}, fits={}, twins={}, free={}, orders_of={}, modes=modes, cap=cap)
+    space = _Space(cache={}, free_cache={}, fits={}, twins={}, free={}, orders_of={}, free_hw={},
+                   modes=modes, cap=cap)
     scored, floors, items = [], {}, {}
     total, mesh, others = 0, None, ()
     for f, fam in enumerate(outer_families(model, hw, gpus, global_batch, dtype, pins)):
@@ -302,7 +304,7 @@ def _ordered(model: ModelProfile, hw: HardwareProfile, gpus: int, global_batch: 
         total += len(fam.members) * (1 + len(others))
         key = (mesh, fam.micro_batch, fam.sequence_parallel)
         if key not in floors:  # the passes' floor in every axis order (``order_free_hardware``)
-            hw_b, order = order_free_hardware(hw, mesh)
+            hw_b, order = _free_hw(space, hw, mesh)
             floors[key] = pass_floor(model, hw_b, replace(fam.base, axis_order=order))
         scored.append((_floor_bound(fam, *floors[key]), f << MEMBER_BITS, fam, items[others]))
     return scored, total, space
@@ -326,6 +328,13 @@ def _bound_family(model: ModelProfile, hw: HardwareProfile, fam: Family, item: _
                for off in {off for _, _, off in fam.members}):
         return float("inf")
     return _family_bound(model, hw, fam, space, bool(item.orders))
+
+
+def _free_hw(space: _Space, hw: HardwareProfile, mesh: Degrees) -> tuple[HardwareProfile, tuple]:
+    """``space.order_free_hardware`` of ``mesh``, once per degrees."""
+    if mesh not in space.free_hw:
+        space.free_hw[mesh] = order_free_hardware(hw, mesh)
+    return space.free_hw[mesh]
 
 
 def _relaxed(model: ModelProfile, hw: HardwareProfile, space: _Space, strat: Strategy) -> StageCosts | None:

@@ -288,11 +288,14 @@ def outer_families(model: ModelProfile, hw: HardwareProfile, gpus: int, global_b
     leads_of: dict[tuple[int, ...], tuple[str, ...]] = {}
     memo: dict[tuple, bool] = {}
 
-    def refuses(**kw) -> bool:
-        """``runtime_unsupported`` under ``recipe``, once per distinct question (it is pure)."""
-        key = tuple(kw.items())
+    def refuses(dp: int, pp: int, zero: int, schedule: str, v: int, cp: int, ep: int = 1,
+                offload: bool = False, moe: bool = False, sp: bool = False) -> bool:
+        """``runtime_unsupported`` under ``recipe``, once per distinct question: it is pure."""
+        key = (dp, pp, zero, schedule, v, cp, ep, offload, moe, sp)
         if key not in memo:
-            memo[key] = runtime_unsupported(recipe=recipe, **kw) is not None
+            memo[key] = runtime_unsupported(dp=dp, pp=pp, zero=zero, schedule=schedule, virtual_stages=v,
+                                            cp=cp, ep=ep, offload=offload, recipe=recipe, moe=moe,
+                                            sequence_parallel=sp) is not None
         return memo[key]
 
     for tp in _choices(pins.tp, _divisors(gpus)):
@@ -317,19 +320,18 @@ def outer_families(model: ModelProfile, hw: HardwareProfile, gpus: int, global_b
                         continue
                     schedules: dict[str, list[int]] = {}
                     for sched, v in _schedules(pins, pp, m, model.layers):
-                        if not refuses(dp=dp * cp, pp=pp, zero=zero, schedule=sched, virtual_stages=v, cp=cp):
+                        if not refuses(dp * cp, pp, zero, sched, v, cp):
                             schedules.setdefault(sched, []).append(v)
                     for sched, chunk_counts in schedules.items():
                         # the offloads the runtime runs at each v
-                        offs = {v: tuple(off for off in offloads if not (off and refuses(
-                            dp=dp * cp, pp=pp, zero=zero, schedule=sched, virtual_stages=v, offload=True, cp=cp)))
-                            for v in chunk_counts}
+                        offs = {v: tuple(off for off in offloads
+                                         if not (off and refuses(dp * cp, pp, zero, sched, v, cp, offload=True)))
+                                for v in chunk_counts}
                         for sp in _choices(pins.sequence_parallel, [False, True] if tp > 1 else [False]):
                             if sp and (tp == 1 or "sp" in refused):
                                 continue  # SP splits what TP replicates: nothing at tp = 1
                             vs = [v for v in chunk_counts if not ((ep > 1 or model.moe) and refuses(
-                                dp=dp * cp, pp=pp, zero=zero, schedule=sched, virtual_stages=v, cp=cp,
-                                ep=ep, moe=model.moe, sequence_parallel=sp))]
+                                dp * cp, pp, zero, sched, v, cp, ep=ep, moe=model.moe, sp=sp))]
                             for nominal, modes in _mode_sets(pins, sched):
                                 if "selective" in refused:
                                     modes = tuple(i for i in modes if RECOMPUTE[i] != "selective")
