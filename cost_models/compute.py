@@ -283,6 +283,17 @@ def with_host(host_s: float, device_s: float, hw: HardwareProfile) -> float:
     return max(host_s, device_s) if hw.host_overlaps_device else host_s + device_s
 
 
+def pass_key(strat: Strategy) -> tuple:
+    """Everything of ``strat`` that ``block_times``, ``first_times`` and ``last_times`` read
+    (tests/test_cost_models.py checks that strategies equal in it get equal times): the
+    degrees that split a micro-batch's work, the micro-batch, SP, precision, the recipe and
+    the recompute mode the program runs. They read the device, never the topology (nodes,
+    links), so profiles that differ in links only may share them."""
+    m = strat.mesh
+    return (m.tp, m.cp, m.ep, strat.micro_batch, strat.sequence_parallel, strat.dtype, strat.fp8,
+            strat.recipe, strat.recompute_run())
+
+
 def block_times(model: ModelProfile, hw: HardwareProfile, strat: Strategy) -> PassTimes:
     """One block, one micro-batch, on one tp rank (communication not included)."""
     weights_s, core_s = block_gemm_s(model, hw, strat)

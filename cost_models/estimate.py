@@ -450,14 +450,26 @@ def p2p_s(model: ModelProfile, strat: Strategy, groups: Mapping[Axis, comm.Group
     return pipeline.chunks(strat) * 2 * one
 
 
-def _parts(model: ModelProfile, hw: HardwareProfile, strat: Strategy) -> _Parts:
+def _block_times(model: ModelProfile, hw: HardwareProfile, strat: Strategy, cache: dict | None,
+                 lead: bool = False) -> compute.PassTimes:
+    """``compute.block_times`` of ``model`` (``lead``: the model's leading blocks), shared
+    through ``cache`` by ``compute.pass_key``."""
+    if cache is None:
+        return compute.block_times(model, hw, strat)
+    key = ("passes", lead, compute.pass_key(strat))
+    if key not in cache:
+        cache[key] = compute.block_times(model, hw, strat)
+    return cache[key]
+
+
+def _parts(model: ModelProfile, hw: HardwareProfile, strat: Strategy, cache: dict | None = None) -> _Parts:
     groups = comm.axis_groups(hw, strat)
     rep = comm.replica_group(hw, strat)
     unit = _tp_unit_s(model, strat, groups[Axis.TP]) if strat.mesh.tp > 1 else 0.0
     layers, passes = [], []
     for mode in RECOMPUTE:
         s = replace(strat, recompute=mode)
-        passes.append(compute.block_times(model, hw, s))
+        passes.append(_block_times(model, hw, s, cache))
         layers.append(_block_piece(model, passes[-1],
                                    _comm_sum(_comm_sum(block_tp_s(model, hw, s, groups[Axis.TP]),
                                                        block_cp_s(model, hw, s, groups[Axis.CP])),
@@ -484,7 +496,7 @@ def _parts(model: ModelProfile, hw: HardwareProfile, strat: Strategy) -> _Parts:
     if model.lead is not None:  # dense blocks: their own tp and cp exchanges, no experts
         for mode in RECOMPUTE:
             s = replace(strat, recompute=mode)
-            lead.append(_block_piece(model.lead, compute.block_times(model.lead, hw, s),
+            lead.append(_block_piece(model.lead, _block_times(model.lead, hw, s, cache, lead=True),
                                      _comm_sum(block_tp_s(model.lead, hw, s, groups[Axis.TP]),
                                                block_cp_s(model.lead, hw, s, groups[Axis.CP])), hw, s, rep))
     return _Parts(layers=tuple(layers), passes=tuple(passes), first=first, last=last,
@@ -503,7 +515,7 @@ def _cached_parts(model: ModelProfile, hw: HardwareProfile, strat: Strategy, cac
     key = parts_key(strat)
     parts = cache.get(key) if cache is not None else None
     if parts is None:
-        parts = _parts(model, hw, replace(strat, schedule="1f1b", virtual_stages=1))
+        parts = _parts(model, hw, replace(strat, schedule="1f1b", virtual_stages=1), cache)
         if cache is not None:
             cache[key] = parts
     return parts
@@ -543,18 +555,20 @@ def time_floor(model: ModelProfile, hw: HardwareProfile, strat: Strategy,
                                    for p in parts.passes))
 
 
-def pass_floor(model: ModelProfile, hw: HardwareProfile, strat: Strategy) -> tuple[float, float]:
+def pass_floor(model: ModelProfile, hw: HardwareProfile, strat: Strategy,
+               cache: dict | None = None) -> tuple[float, float]:
     """(Σ_s T_s at its least over what it does not read, the zero-bubble fill fraction at its
     least): Σ_s T_s over every block's, the embedding's, the head's and the leading blocks'
     forward and backward compute per micro-batch with their tp, cp and ep exchanges (seconds;
     ``T_s`` adds recompute, gradient accumulation and ZeRO's exposed collectives to these,
     never less, ``_piece``); the fill fraction without recompute. Neither reads ZeRO,
     offload, dp, pp, the schedule, the placement or the recompute modes (the passes' forward
-    and backward do not); the exchanges read ``strat``'s axis order on ``hw``."""
+    and backward do not); the exchanges read ``strat``'s axis order on ``hw``. ``cache`` as in
+    ``stage_costs``."""
     groups = comm.axis_groups(hw, strat)
 
     def block_s(m: ModelProfile) -> tuple[float, compute.PassTimes]:
-        p = compute.block_times(m, hw, strat)
+        p = _block_times(m, hw, strat, cache, lead=m is not model)
         x = _comm_sum(block_tp_s(m, hw, strat, groups[Axis.TP]), block_cp_s(m, hw, strat, groups[Axis.CP]))
         if m is model:
             x = _comm_sum(x, block_ep_s(m, strat, groups[Axis.EP]))

@@ -627,3 +627,31 @@ def test_vocab_parallel_loss_costs_three_small_all_reduces_under_tp():
     tp2 = Strategy(recipe=MC, mesh=Degrees(tp=2), micro_batch=4)
     assert estimate_mod._vocab_parallel_loss_s(G22B, tp2, g) == pytest.approx(3 * comm.all_reduce_s(4 * 2048 * 4.0, g))
     assert estimate_mod._vocab_parallel_loss_s(G22B, Strategy(recipe=MC, mesh=Degrees(dp=2)), g) == 0.0
+
+
+def test_pass_key_holds_everything_the_pass_times_read():
+    """``compute.pass_key`` (what the search's caches share block times by): strategies equal in
+    it get equal block, embedding and head times whatever their dp, pp, ZeRO, offload,
+    schedule, chunks, axis order and leading-block mode, under a profile and under its
+    order-free twin (links changed, device kept); strategies that differ in it differ."""
+    import itertools
+    from autopar.solve.space import order_free_hardware
+    from tests.test_solver import gpt_profile, moe_profile
+    hw = load_profile("dgx-h100")
+    for model in (moe_profile(layers=4, hidden=1024, heads=8, experts=8, topk=2, seq=2048),
+                  gpt_profile(layers=4, hidden=1024, heads=8, vocab=32000, seq=2048)):
+        times: dict = {}
+        for dp, pp, zero, off, (sched, v), order, lead, tp, sp, b, rc in itertools.product(
+                (2, 4), (1, 2), (0, 3), (False, True), (("1f1b", 1), ("interleaved", 2)), (("pp", "dp", "tp"), ("tp", "dp", "pp")),
+                ("", "full"), (1, 2), (False, True), (1, 2), ("none", "full")):
+            if (sp and tp == 1) or (off and zero == 0):
+                continue
+            st = Strategy(mesh=Degrees(dp=dp, pp=pp, tp=tp, ep=2 if model.moe else 1), zero=zero, offload=off,
+                          schedule=sched if pp > 1 else "1f1b", virtual_stages=v if pp > 1 else 1, axis_order=order,
+                          lead_recompute=lead, sequence_parallel=sp, micro_batch=b, recompute=rc)
+            for h in (hw, order_free_hardware(hw, st.mesh)[0]):
+                got = (compute.block_times(model, h, st), compute.first_times(model, h, st),
+                       compute.last_times(model, h, st))
+                assert times.setdefault(compute.pass_key(st), got) == got, st
+        assert len(times) == 2 * 2 + 2 * 2 * 2  # b x recompute at tp 1, and x SP at tp 2: all differ
+        assert len(set(times.values())) == len(times)

@@ -518,8 +518,8 @@ def test_optimal_against_exhaustive_enumeration_with_leading_blocks():
 
 
 def test_family_bounds_are_below_every_members_optimum_in_every_order():
-    """The search's bounds on a family of candidates (``search._ordered``'s pass floor, then
-    ``_bound_family``: time floors over the leading blocks' modes, the least schedule
+    """The search's bounds on a block and on a family of candidates (``search._ordered``'s and
+    ``_expand_block``'s pass floors, then ``_bound_family``: time floors over the leading blocks' modes, the least schedule
     weights, the least-memory relaxation within device memory, order-free coefficients where
     other axis orders are kept) are never above the optimum of any of its members in any
     axis order, found by enumerating placements; a family bounded at inf has no member that
@@ -533,16 +533,19 @@ def test_family_bounds_are_below_every_members_optimum_in_every_order():
         if i % 2:
             model = with_lead(model, rng.randint(1, 2), rng.uniform(0.5, 3.0))
         model = dataclasses.replace(model, layers=min(model.layers, 4))
-        scored, _, space = srch._ordered(model, hw, gpus, batch, "bf16", Pins(), hw.memory_bytes)
-        for floor, _, fam, item in scored:
-            bound = srch._bound_family(model, hw, fam, item, space)
-            for cand in fam.candidates():
-                for order in (cand.strategy.axis_order, *item.orders):
-                    member = dataclasses.replace(cand, strategy=dataclasses.replace(cand.strategy, axis_order=order))
-                    best = candidate_optimum(model, hw, member)
-                    if best is None:
-                        continue
-                    assert floor <= best * (1 + 1e-12) and bound <= best * (1 + 1e-12), (fam, order)
-                    checked += 1
-                    tight += bound >= 0.9 * best
+        blocks, _, space = srch._ordered(model, hw, gpus, batch, "bf16", Pins(), hw.memory_bytes)
+        for first, order, block, pending in blocks:
+            families: list = []
+            srch._expand_block(model, hw, block, pending, 0.0, order, space, families, [])
+            for floor, _, fam, item in families:
+                bound = srch._bound_family(model, hw, fam, item, space)
+                for cand in fam.candidates():
+                    for axes in (cand.strategy.axis_order, *item.orders):
+                        member = dataclasses.replace(cand, strategy=dataclasses.replace(cand.strategy, axis_order=axes))
+                        best = candidate_optimum(model, hw, member)
+                        if best is None:
+                            continue
+                        assert max(first, floor, bound) <= best * (1 + 1e-12), (fam, axes)
+                        checked += 1
+                        tight += bound >= 0.9 * best
     assert checked > 500 and tight > checked // 4  # not vacuous, and the bounds bite

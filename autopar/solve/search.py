@@ -10,8 +10,8 @@ from dataclasses import dataclass, replace
 from autopar.errors import UserError
 from autopar.solve.core import solve_placement, stage_upper_bounds
 from autopar.solve.infeasible import does_not_fit, no_candidate_reason
-from autopar.solve.space import (Candidate, Family, Pins, axis_orders, order_free_hardware, outer_candidates,
-                                outer_families)
+from autopar.solve.space import (Block, Candidate, Family, Pins, axis_orders, block_families,
+                                family_signature, order_free_hardware, outer_blocks, outer_candidates)
 from autopar.solve.tables import (StageTables, bottleneck, greedy, least_total,
                                   single_mode_least_step, stage_tables)
 from cost_models import Degrees, HardwareProfile, ModelProfile, StageCosts, Strategy, estimate, stage_costs
@@ -20,6 +20,7 @@ from cost_models.estimate import parts_key, pass_floor, time_floor
 from cost_models.pipeline import chunks, weights
 from cost_models.axes import DEFAULT_ORDER
 from cost_models.strategy import RECOMPUTE, Estimate
+from cost_models.recipe import load_recipe
 
 TIE = 1e-12
 """Relative difference below which two step times tie (the earlier candidate wins)."""
@@ -32,10 +33,12 @@ ENUMERATION_S = 60.0
 """Least time the outer candidates may take to enumerate and bound, whatever the time limit
 (a search cut by its limit still bounds every candidate, for its gap); past it and the time
 limit the space is refused, naming the pins that shrink it."""
-LATER = 1 << 60
+LATER = 1 << 62
 """Added to the fixed order of a candidate in a non-default axis order: ties keep Megatron's."""
 MEMBER_BITS = 20
-"""A family's members take the fixed orders ``(index << MEMBER_BITS) + 1 + j``."""
+"""A family's members take the fixed orders ``family's order + 1 + j``."""
+BLOCK_BITS = MEMBER_BITS + 12
+"""A block's families take the fixed orders ``(index << BLOCK_BITS) + (j << MEMBER_BITS)``."""
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -272,42 +275,75 @@ class _Space:
     free: dict
     orders_of: dict
     free_hw: dict
+    memo: dict
+    """The runtime predicate's answers (``space.block_families``)."""
+    pins: Pins
+    dtype: str
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class _Pending:
+    """A heap item standing for the families of a block (``space.Block``) not made yet, keyed
+    by ``pass_floor`` at its least over SP times m / pp (every schedule's weights are at least
+    that), valid for all of them in every axis order; opened by ``_expand_block``."""
+
+    orders: tuple[tuple[str, ...], ...]
+    floors: tuple[tuple[bool, tuple[float, float]], ...]
+    """(SP, ``pass_floor``) for each SP its families may have."""
 
 
 def _ordered(model: ModelProfile, hw: HardwareProfile, gpus: int, global_batch: int,
              dtype: str, pins: Pins, cap: float,
-             deadline: float = float("inf")) -> tuple[list[tuple[float, int, Family, _Members]], int, _Space]:
-    """Every family of outer candidates (``space.outer_families``) with a bound valid for its
-    members in every axis order (``_floor_bound``) and its fixed
-    order, and how many candidates there are (other axis orders included). When its bound
-    comes up a family is checked for memory and bounded (``_bound_family``), and when that
-    bound comes up, opened (``_open``)."""
+             deadline: float = float("inf")) -> tuple[list[tuple[float, int, Block, _Pending]], int, _Space]:
+    """Every block of outer candidates (``space.outer_blocks``) with a bound valid for its
+    candidates in every axis order (``_Pending``) and its fixed order, and how many candidates
+    there are (other axis orders included; counted once per ``space.family_signature``).
+    When its bound comes up a block is made into families (``_expand_block``), each bounded by
+    ``_floor_bound``; when that comes up a family is checked for memory and bounded
+    (``_bound_family``), and when that bound comes up, opened (``_open``)."""
     modes = tuple(range(len(RECOMPUTE))) if pins.recompute is None \
         else (RECOMPUTE.index(pins.recompute),)
     space = _Space(cache={}, free_cache={}, fits={}, twins={}, free={}, orders_of={}, free_hw={},
-                   modes=modes, cap=cap)
-    scored, floors, items = [], {}, {}
-    total, mesh, others = 0, None, ()
-    for f, fam in enumerate(outer_families(model, hw, gpus, global_batch, dtype, pins)):
-        if f % 256 == 255 and time.perf_counter() > deadline:
+                   modes=modes, cap=cap, memo={}, pins=pins, dtype=dtype)
+    recipe = pins.recipe or load_recipe()
+    scored, counts = [], {}
+    total = 0
+    for i, block in enumerate(outer_blocks(model, hw, gpus, global_batch, pins)):
+        if i % 64 == 63 and time.perf_counter() > deadline:
             raise UserError(f"the strategy space has over {total:,} candidates, more than can be enumerated "
                             f"in --time-limit (at least {ENUMERATION_S:g} s); pin some dimensions (--tp, --pp, "
                             "--vpp, --mbs, --zero) or raise --time-limit")
-        if fam.mesh is not mesh:  # (families of one degrees and micro-batch come together)
-            mesh, others = fam.mesh, ()
-            if pins.axis_order is None:
-                if mesh not in space.orders_of:
-                    space.orders_of[mesh] = tuple(axis_orders(hw, mesh)[1:])
-                others = space.orders_of[mesh]
-            if others not in items:
-                items[others] = _Members(orders=others)
-        total += len(fam.members) * (1 + len(others))
-        key = (mesh, fam.micro_batch, fam.sequence_parallel)
-        if key not in floors:  # the passes' floor in every axis order (``order_free_hardware``)
-            hw_b, order = _free_hw(space, hw, mesh)
-            floors[key] = pass_floor(model, hw_b, replace(fam.base, axis_order=order))
-        scored.append((_floor_bound(fam, *floors[key]), f << MEMBER_BITS, fam, items[others]))
+        mesh, others = block.mesh, ()
+        if pins.axis_order is None:
+            if mesh not in space.orders_of:
+                space.orders_of[mesh] = tuple(axis_orders(hw, mesh)[1:])
+            others = space.orders_of[mesh]
+        sig = family_signature(block)
+        if sig not in counts:
+            counts[sig] = sum(len(f.members) for f in block_families(model, hw, block, dtype, pins, space.memo))
+        if not counts[sig]:
+            continue
+        total += counts[sig] * (1 + len(others))
+        hw_b, order = _free_hw(space, hw, mesh)
+        floors = tuple((sp, pass_floor(model, hw_b, Strategy(
+            mesh=mesh, micro_batch=block.micro_batch, num_microbatches=block.num_microbatches,
+            sequence_parallel=sp, dtype=dtype, axis_order=order, recipe=recipe), space.free_cache))
+            for sp in ((pins.sequence_parallel,) if pins.sequence_parallel is not None
+                       else (False, True) if mesh.tp > 1 else (False,)))
+        bound = block.num_microbatches / mesh.pp * min(f for _, (f, _) in floors)
+        scored.append((bound, i << BLOCK_BITS, block, _Pending(orders=others, floors=floors)))
     return scored, total, space
+
+
+def _expand_block(model: ModelProfile, hw: HardwareProfile, block: Block, item: _Pending, lb: float,
+                  order: int, space: _Space, scored: list, heap: list) -> None:
+    """Push the families of ``block`` (popped with bound ``lb`` at fixed order ``order``), each
+    with its ``_floor_bound``."""
+    floors = dict(item.floors)
+    members = _Members(orders=item.orders)
+    for j, fam in enumerate(block_families(model, hw, block, space.dtype, space.pins, space.memo)):
+        scored.append((_floor_bound(fam, *floors[fam.sequence_parallel]), order + (j << MEMBER_BITS), fam, members))
+        heapq.heappush(heap, (max(lb, scored[-1][0]), scored[-1][1], None, len(scored) - 1))
 
 
 def _floor_bound(fam: Family, passes_s: float, zb_fill: float) -> float:
@@ -490,6 +526,9 @@ def search(model: ModelProfile, hw: HardwareProfile, gpus: int, global_batch: in
             break
         heapq.heappop(heap)
         _, _, cand, c = scored[i]
+        if isinstance(c, _Pending):
+            _expand_block(model, hw, cand, c, lb, order, space, scored, heap)
+            continue
         if isinstance(c, _Members):
             if c.bounded:
                 _open(model, hw, cand, c, lb, order, space, scored, heap)

@@ -278,26 +278,22 @@ class Family:
             yield Candidate(strategy=self.strategy(v, lead, off), modes=self.modes, min_layers=v)
 
 
-def outer_families(model: ModelProfile, hw: HardwareProfile, gpus: int, global_batch: int,
-                   dtype: str, pins: Pins = Pins()) -> Iterator[Family]:
-    """Every outer candidate the runtime can run, in families (``Family``), in a fixed order."""
+@dataclass(frozen=True, kw_only=True, slots=True)
+class Block:
+    """The outer candidates of one degrees and micro-batch: their families
+    (``block_families``) differ in ZeRO, schedule, SP and recompute modes."""
+
+    mesh: Degrees
+    micro_batch: int
+    num_microbatches: int
+
+
+def outer_blocks(model: ModelProfile, hw: HardwareProfile, gpus: int, global_batch: int,
+                 pins: Pins = Pins()) -> Iterator[Block]:
+    """Every (degrees, micro-batch) with outer candidates the runtime can run, in a fixed order
+    (some may have none: ``block_families``)."""
     recipe = pins.recipe or load_recipe()
     refused = set(pins.refused)
-    order = tuple(pins.axis_order or DEFAULT_ORDER)
-    offloads = _offloads(pins, hw)
-    leads_of: dict[tuple[int, ...], tuple[str, ...]] = {}
-    memo: dict[tuple, bool] = {}
-
-    def refuses(dp: int, pp: int, zero: int, schedule: str, v: int, cp: int, ep: int = 1,
-                offload: bool = False, moe: bool = False, sp: bool = False) -> bool:
-        """``runtime_unsupported`` under ``recipe``, once per distinct question: it is pure."""
-        key = (dp, pp, zero, schedule, v, cp, ep, offload, moe, sp)
-        if key not in memo:
-            memo[key] = runtime_unsupported(dp=dp, pp=pp, zero=zero, schedule=schedule, virtual_stages=v,
-                                            cp=cp, ep=ep, offload=offload, recipe=recipe, moe=moe,
-                                            sequence_parallel=sp) is not None
-        return memo[key]
-
     for tp in _choices(pins.tp, _divisors(gpus)):
         if hw.devices_per_node % tp or model.heads % tp or model.kv_heads % tp or gpus % tp \
                 or (tp > 1 and "tp" in refused):
@@ -314,38 +310,78 @@ def outer_families(model: ModelProfile, hw: HardwareProfile, gpus: int, global_b
                 m, rem = divmod(global_batch // dp, b)
                 if rem or (pp > 1 and m < pp):
                     continue
-                mesh = Degrees(dp=dp, cp=cp, tp=tp, pp=pp, ep=ep)
-                for zero in _choices(pins.zero, [0, 1, 2, 3] if dp * cp > 1 else [0]):
-                    if zero and "dp" in refused:
-                        continue
-                    schedules: dict[str, list[int]] = {}
-                    for sched, v in _schedules(pins, pp, m, model.layers):
-                        if not refuses(dp * cp, pp, zero, sched, v, cp):
-                            schedules.setdefault(sched, []).append(v)
-                    for sched, chunk_counts in schedules.items():
-                        # the offloads the runtime runs at each v
-                        offs = {v: tuple(off for off in offloads
-                                         if not (off and refuses(dp * cp, pp, zero, sched, v, cp, offload=True)))
-                                for v in chunk_counts}
-                        for sp in _choices(pins.sequence_parallel, [False, True] if tp > 1 else [False]):
-                            if sp and (tp == 1 or "sp" in refused):
-                                continue  # SP splits what TP replicates: nothing at tp = 1
-                            vs = [v for v in chunk_counts if not ((ep > 1 or model.moe) and refuses(
-                                dp * cp, pp, zero, sched, v, cp, ep=ep, moe=model.moe, sp=sp))]
-                            for nominal, modes in _mode_sets(pins, sched):
-                                if "selective" in refused:
-                                    modes = tuple(i for i in modes if RECOMPUTE[i] != "selective")
-                                    if not modes or nominal == "selective":
-                                        continue
-                                if modes not in leads_of:
-                                    leads_of[modes] = _lead_modes(model, modes)
-                                members = tuple((v, lead, off) for v in vs for lead in leads_of[modes]
-                                                for off in offs[v])
-                                if members:
-                                    yield Family(mesh=mesh, zero=zero, micro_batch=b, num_microbatches=m,
-                                                 schedule=sched, sequence_parallel=sp, recompute=nominal,
-                                                 dtype=dtype, recipe=recipe, axis_order=order, modes=modes,
-                                                 members=members)
+                yield Block(mesh=Degrees(dp=dp, cp=cp, tp=tp, pp=pp, ep=ep), micro_batch=b, num_microbatches=m)
+
+
+def block_families(model: ModelProfile, hw: HardwareProfile, block: Block, dtype: str,
+                   pins: Pins = Pins(), memo: dict | None = None) -> Iterator[Family]:
+    """The families of ``block`` the runtime can run, in a fixed order. ``memo`` (a dict the
+    caller owns) keeps the runtime predicate's answers across blocks: it is pure. What they
+    hold reads the block's micro-batch only through the micro-batch count's divisibility by pp
+    (``family_signature``)."""
+    recipe = pins.recipe or load_recipe()
+    refused = set(pins.refused)
+    order = tuple(pins.axis_order or DEFAULT_ORDER)
+    offloads = _offloads(pins, hw)
+    memo = {} if memo is None else memo
+    mesh, b, m = block.mesh, block.micro_batch, block.num_microbatches
+    dp, cp, tp, pp, ep = mesh.dp, mesh.cp, mesh.tp, mesh.pp, mesh.ep
+
+    def refuses(dp: int, pp: int, zero: int, schedule: str, v: int, cp: int, ep: int = 1,
+                offload: bool = False, moe: bool = False, sp: bool = False) -> bool:
+        """``runtime_unsupported`` under ``recipe``, once per distinct question."""
+        key = (dp, pp, zero, schedule, v, cp, ep, offload, moe, sp)
+        if key not in memo:
+            memo[key] = runtime_unsupported(dp=dp, pp=pp, zero=zero, schedule=schedule, virtual_stages=v,
+                                            cp=cp, ep=ep, offload=offload, recipe=recipe, moe=moe,
+                                            sequence_parallel=sp) is not None
+        return memo[key]
+
+    for zero in _choices(pins.zero, [0, 1, 2, 3] if dp * cp > 1 else [0]):
+        if zero and "dp" in refused:
+            continue
+        schedules: dict[str, list[int]] = {}
+        for sched, v in _schedules(pins, pp, m, model.layers):
+            if not refuses(dp * cp, pp, zero, sched, v, cp):
+                schedules.setdefault(sched, []).append(v)
+        for sched, chunk_counts in schedules.items():
+            # the offloads the runtime runs at each v
+            offs = {v: tuple(off for off in offloads
+                             if not (off and refuses(dp * cp, pp, zero, sched, v, cp, offload=True)))
+                    for v in chunk_counts}
+            for sp in _choices(pins.sequence_parallel, [False, True] if tp > 1 else [False]):
+                if sp and (tp == 1 or "sp" in refused):
+                    continue  # SP splits what TP replicates: nothing at tp = 1
+                vs = [v for v in chunk_counts if not ((ep > 1 or model.moe) and refuses(
+                    dp * cp, pp, zero, sched, v, cp, ep=ep, moe=model.moe, sp=sp))]
+                for nominal, modes in _mode_sets(pins, sched):
+                    if "selective" in refused:
+                        modes = tuple(i for i in modes if RECOMPUTE[i] != "selective")
+                        if not modes or nominal == "selective":
+                            continue
+                    members = tuple((v, lead, off) for v in vs for lead in _lead_modes(model, modes)
+                                    for off in offs[v])
+                    if members:
+                        yield Family(mesh=mesh, zero=zero, micro_batch=b, num_microbatches=m,
+                                     schedule=sched, sequence_parallel=sp, recompute=nominal,
+                                     dtype=dtype, recipe=recipe, axis_order=order, modes=modes,
+                                     members=members)
+
+
+def family_signature(block: Block) -> tuple:
+    """What ``block_families`` reads of a block besides its degrees' and micro-batch's own
+    values in the Family fields: blocks with one signature have families of the same
+    members (so the same candidate count)."""
+    pp = block.mesh.pp
+    return block.mesh, pp > 1 and block.num_microbatches % pp == 0
+
+
+def outer_families(model: ModelProfile, hw: HardwareProfile, gpus: int, global_batch: int,
+                   dtype: str, pins: Pins = Pins()) -> Iterator[Family]:
+    """Every outer candidate the runtime can run, in families (``Family``), in a fixed order."""
+    memo: dict = {}
+    for block in outer_blocks(model, hw, gpus, global_batch, pins):
+        yield from block_families(model, hw, block, dtype, pins, memo)
 
 
 def outer_candidates(model: ModelProfile, hw: HardwareProfile, gpus: int, global_batch: int,
