@@ -244,7 +244,7 @@ def _family_bound(model: ModelProfile, hw: HardwareProfile, fam: Family, space: 
     v_min = min(v for v, _, _ in fam.members)
     bounds = []
     for off in sorted({off for _, _, off in fam.members}):
-        lc = _relaxed(model, hw, space, st if off == st.offload else replace(st, offload=off))
+        lc = _relaxed(model, hw, space, fam, off)
         if lc is None:
             continue
         c = replace(lc, mode_time_s=f.mode_time_s, first_time_s=f.first_time_s, last_time_s=f.last_time_s,
@@ -359,9 +359,7 @@ def _bound_family(model: ModelProfile, hw: HardwareProfile, fam: Family, item: _
                   space: _Space) -> float:
     """``_family_bound`` of ``fam``; ``inf`` when none of its schedule groups fits
     (``_group_fits``: in no axis order)."""
-    st = fam.base
-    if not any(_fits(model, hw, space, st if off == st.offload else replace(st, offload=off))
-               for off in {off for _, _, off in fam.members}):
+    if not any(_fits(model, hw, space, fam, off) for off in {off for _, _, off in fam.members}):
         return float("inf")
     return _family_bound(model, hw, fam, space, bool(item.orders))
 
@@ -373,19 +371,20 @@ def _free_hw(space: _Space, hw: HardwareProfile, mesh: Degrees) -> tuple[Hardwar
     return space.free_hw[mesh]
 
 
-def _relaxed(model: ModelProfile, hw: HardwareProfile, space: _Space, strat: Strategy) -> StageCosts | None:
-    """The least-memory relaxation of ``strat``'s schedule group (``bounds.least_memory_costs``),
-    once per group; None when it does not fit (``_group_fits``)."""
-    group = (strat.mesh, strat.micro_batch, strat.zero, strat.sequence_parallel, strat.offload)
+def _relaxed(model: ModelProfile, hw: HardwareProfile, space: _Space, fam: Family,
+             offload: bool) -> StageCosts | None:
+    """The least-memory relaxation of the schedule group of ``fam``'s members with ``offload``
+    (``bounds.least_memory_costs``), once per group; None when it does not fit (``_group_fits``)."""
+    group = (fam.mesh, fam.micro_batch, fam.zero, fam.sequence_parallel, offload)
     if group not in space.fits:
-        lc = least_memory_costs(model, hw, strat)
+        lc = least_memory_costs(model, hw, fam.strategy(1, "", offload))
         space.fits[group] = lc if _group_fits(lc, model.layers, space.modes, space.cap) else None
     return space.fits[group]
 
 
-def _fits(model: ModelProfile, hw: HardwareProfile, space: _Space, strat: Strategy) -> bool:
-    """``_group_fits`` of ``strat``'s schedule group, once per group."""
-    return _relaxed(model, hw, space, strat) is not None
+def _fits(model: ModelProfile, hw: HardwareProfile, space: _Space, fam: Family, offload: bool) -> bool:
+    """``_group_fits`` of the schedule group of ``fam``'s members with ``offload``, once per group."""
+    return _relaxed(model, hw, space, fam, offload) is not None
 
 
 def _open(model: ModelProfile, hw: HardwareProfile, fam: Family, item: _Members, lb: float,
@@ -396,7 +395,7 @@ def _open(model: ModelProfile, hw: HardwareProfile, fam: Family, item: _Members,
     order-free bound."""
     for j, cand in enumerate(fam.candidates()):
         st = cand.strategy
-        if not _fits(model, hw, space, st):
+        if not _fits(model, hw, space, fam, st.offload):
             continue  # no member of its schedule group fits, in any axis order
         twin = replace(st, offload=False) if st.offload else st
         if st.offload and twin in space.twins:
