@@ -273,8 +273,8 @@ def test_ties_between_axis_orders_keep_megatrons():
 def test_schedule_group_memory_relaxation_is_below_every_member():
     """``cost_models.bounds.least_memory_costs``: the memory rows of ``stage_costs`` for the 1F1B
     member, every memory and host row of the relaxation at most the member's, for every stage and every mix of blocks; and a group the search rules
-    out (``search._group_fits``) has no member with a placement within memory (enumerated)."""
-    from autopar.solve.search import _group_fits
+    out (``bounds.group_fits``) has no member with a placement within memory (enumerated)."""
+    from autopar.solve.bounds import group_fits
     from cost_models.bounds import least_memory_costs
     rng = random.Random(11)
     checked = ruled_out = 0
@@ -297,7 +297,7 @@ def test_schedule_group_memory_relaxation_is_below_every_member():
                         assert rep.stage_host_bytes(s, ld) <= c.stage_host_bytes(s, ld) * (1 + 1e-12)
                         assert rep.host_cap_bytes >= c.host_cap_bytes
             checked += 1
-            if _group_fits(rep, L, (0, 1, 2), cap):
+            if group_fits(rep, L, (0, 1, 2), cap):
                 continue
             ruled_out += 1
             # blocks per stage with some mix that fits (memory and host), then any split
@@ -519,12 +519,13 @@ def test_optimal_against_exhaustive_enumeration_with_leading_blocks():
 
 def test_family_bounds_are_below_every_members_optimum_in_every_order():
     """The search's bounds on a block and on a family of candidates (``search._ordered``'s and
-    ``_expand_block``'s pass floors, then ``_bound_family``: time floors over the leading blocks' modes, the least schedule
-    weights, the least-memory relaxation within device memory, order-free coefficients where
+    ``_expand_block``'s pass floors, then ``bounds.bound_family``: time floors over the
+    leading blocks' modes, the least schedule weights, the least-memory relaxation within device memory, order-free coefficients where
     other axis orders are kept) are never above the optimum of any of its members in any
     axis order, found by enumerating placements; a family bounded at inf has no member that
     fits. Models with and without leading blocks of another kind."""
     import importlib
+    from autopar.solve.bounds import bound_family
     srch = importlib.import_module("autopar.solve.search")
     rng = random.Random(23)
     checked = tight = 0
@@ -538,7 +539,7 @@ def test_family_bounds_are_below_every_members_optimum_in_every_order():
             families: list = []
             srch._expand_block(model, hw, block, pending, 0.0, order, space, families, [])
             for floor, _, fam, item in families:
-                bound = srch._bound_family(model, hw, fam, item, space)
+                bound = bound_family(model, hw, fam, bool(item.orders), space)
                 for cand in fam.candidates():
                     for axes in (cand.strategy.axis_order, *item.orders):
                         member = dataclasses.replace(cand, strategy=dataclasses.replace(cand.strategy, axis_order=axes))

@@ -78,7 +78,8 @@ any in another), so identical inputs give an identical plan. ``infeasible`` expl
 
 from autopar.solve.core import Placement, solve_placement
 from autopar.solve.explain import Explanation, describe, explain, explanation_dict
-from autopar.solve.search import Alternative, Solution, lower_bound, placed_strategy, search
+from autopar.solve.bounds import lower_bound
+from autopar.solve.search import Alternative, Solution, placed_strategy, search
 from autopar.solve.space import Candidate, Pins, candidates, outer_candidates
 
 __all__ = ["Alternative", "Candidate", "Explanation", "Pins", "describe", "explain",

@@ -8,17 +8,16 @@ import time
 from dataclasses import dataclass, replace
 
 from autopar.errors import UserError
+from autopar.solve.bounds import (SearchMemo, bound_family, fits, floor_bound, free_hw, lower_bound,
+                                  order_free_base, order_free_blind, order_free_costs)
 from autopar.solve.core import solve_placement, stage_upper_bounds
 from autopar.solve.infeasible import does_not_fit, no_candidate_reason
 from autopar.solve.space import (Block, Candidate, Family, Pins, axis_orders, block_families,
-                                family_signature, order_free_hardware, outer_blocks, outer_candidates)
+                                family_signature, outer_blocks, outer_candidates)
 from autopar.solve.tables import (StageTables, bottleneck, greedy, least_total,
                                   single_mode_least_step, stage_tables)
-from cost_models import Degrees, HardwareProfile, ModelProfile, StageCosts, Strategy, estimate, stage_costs
-from cost_models.bounds import least_memory_costs
-from cost_models.estimate import parts_key, pass_floor, time_floor
-from cost_models.pipeline import chunks, weights
-from cost_models.axes import DEFAULT_ORDER
+from cost_models import HardwareProfile, ModelProfile, StageCosts, Strategy, estimate, stage_costs
+from cost_models.estimate import pass_floor
 from cost_models.strategy import RECOMPUTE, Estimate
 from cost_models.recipe import load_recipe
 
@@ -44,7 +43,7 @@ BLOCK_BITS = MEMBER_BITS + 12
 @dataclass(frozen=True, kw_only=True, slots=True)
 class _OtherOrders:
     """A heap item standing for the other kept axis orders of candidate ``twin`` (its index
-    in Megatron's order), keyed by a bound valid for every order (``_order_free_blind``)."""
+    in Megatron's order), keyed by a bound valid for every order (``order_free_blind``)."""
 
     twin: int
     orders: tuple[tuple[str, ...], ...]
@@ -53,12 +52,12 @@ class _OtherOrders:
 @dataclass(frozen=True, kw_only=True, slots=True)
 class _Members:
     """A heap item standing for the members of a family (``space.Family``) in every kept axis
-    order, keyed by a bound valid for each (``_family_bound``); costed only when popped."""
+    order, keyed by a bound valid for each (``family_bound``); costed only when popped."""
 
     orders: tuple[tuple[str, ...], ...]
     """The other kept axis orders of the family's degrees."""
     bounded: bool = False
-    """Keyed by ``_family_bound`` (after its memory check); before, by ``_floor_bound``."""
+    """Keyed by ``family_bound`` (after its memory check); before, by ``floor_bound``."""
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -87,82 +86,6 @@ class Solution:
     """The best solved candidates, best first (the plan included), when asked for."""
 
 
-def _stage_segments(c: StageCosts, s: int, modes: tuple[int, ...], cap: float,
-                    upper: int) -> list[tuple[float, float]]:
-    """(slope, blocks) pieces of g_s(N), the least T_s block time of N blocks on stage s in
-    the LP relaxation of its memory row (workspace dropped, counts fractional): the lower
-    convex envelope of the rays from the origin to "stage full in mode r", cut at ``upper``."""
-    k = c.inflight[s]
-    room = cap - c.stage_fixed_bytes(s)
-    if room <= 0 or upper <= 0:
-        return []
-    pts = sorted({(room / (c.layer_static_bytes + k * c.mode_act_bytes[r]),
-                   room / (c.layer_static_bytes + k * c.mode_act_bytes[r]) * c.mode_time_s[r])
-                  for r in modes})
-    hull = [(0.0, 0.0)]
-    for x, y in pts:  # lower hull, x increasing; a point with a lower y further right dominates
-        while hull and hull[-1][1] >= y:
-            hull.pop()
-        while len(hull) >= 2 and ((hull[-1][1] - hull[-2][1]) * (x - hull[-2][0])
-                                  >= (y - hull[-2][1]) * (hull[-1][0] - hull[-2][0])):
-            hull.pop()
-        hull.append((x, y))
-    if hull[0] != (0.0, 0.0):
-        hull.insert(0, (0.0, 0.0))
-    segs, left = [], float(upper)
-    for (x0, y0), (x1, y1) in zip(hull, hull[1:]):
-        width = min(x1 - x0, left)
-        if width > 0:
-            segs.append(((y1 - y0) / (x1 - x0), width))
-            left -= width
-    return segs
-
-
-def lower_bound(c: StageCosts, layers: int, modes: tuple[int, ...], cap: float = float("inf"),
-                upper: list[int] | None = None, tau: float = 0.0, total: float = 0.0,
-                min_layers: int = 1) -> float:
-    """A bound on ``step_time_s`` over all placements within ``cap``: Σ_s T_s is at least
-    the fixed parts plus the cheapest L block-units over every stage's LP envelope g_s (for
-    an infinite cap: every block at its fastest mode) and at least ``total`` (the exact least
-    Σ_s T_s of the tables, ``tables.least_total``), the slowest stage at least the mean and
-    at least ``tau`` (the exact bottleneck τ*, ``tables.bottleneck``), and D at least the mean
-    of the fastest-mode tails and at least every stage's own fixed tail plus its fewest blocks
-    (``min_layers``, or what the other stages cannot hold) in the fastest-tail mode.
-    ``inf`` when nothing fits."""
-    # Σ_s T_s(empty) and Σ_s D_s(empty) in closed form (every stage has p2p, one first, one last)
-    fixed = c.pp * c.p2p_time_s + c.first_time_s + c.last_time_s
-    d = min(c.mode_dp_time_s[r] for r in modes)
-    dp = c.first_dp_time_s + c.last_dp_time_s + layers * d
-    if cap == float("inf"):
-        blocks = layers * min(c.mode_time_s[r] for r in modes)
-    else:
-        upper = upper or [layers] * c.pp
-        segs, seen = [], {}
-        for s in range(c.pp):  # stages alike in memory (k_s, fixed bytes, bound) share pieces
-            key = (c.inflight[s], c.stage_fixed_bytes(s), upper[s])
-            if key not in seen:
-                seen[key] = _stage_segments(c, s, modes, cap, upper[s])
-            segs.extend(seen[key])
-        segs.sort()
-        blocks, left = 0.0, float(layers)
-        for slope, width in segs:
-            take = min(width, left)
-            blocks += slope * take
-            left -= take
-            if left <= 0:
-                break
-        if left > 1e-9:
-            return float("inf")
-    times = max(fixed + blocks, total)
-    d_max = dp / c.pp
-    if upper is not None:
-        room = sum(upper)
-        for s in range(c.pp):
-            fewest = max(min_layers, layers - (room - upper[s]))
-            d_max = max(d_max, c.stage_dp_time_s(s, 0) + fewest * d)
-    return c.sum_weight * times + c.max_weight * max(times / c.pp, tau) + d_max
-
-
 def placed_strategy(strat: Strategy, loads: tuple[tuple[int, ...], ...]) -> Strategy:
     """``strat`` with its placement; ``recompute`` becomes the most common mode (kept as is
     for a single-mode placement, which zero-bubble's fill fraction reads)."""
@@ -172,113 +95,6 @@ def placed_strategy(strat: Strategy, loads: tuple[tuple[int, ...], ...]) -> Stra
         else RECOMPUTE[max(range(len(RECOMPUTE)), key=lambda i: (totals[i], -i))]
     return replace(strat, recompute=nominal, stage_layers=tuple(map(sum, loads)),
                    stage_recompute=loads)
-
-
-def _order_free_base(model: ModelProfile, hw: HardwareProfile, strat: Strategy,
-                     cache: dict) -> StageCosts:
-    """``strat``'s costs as 1F1B with each axis in its best group (``space.order_free_hardware``),
-    shared by the strategies with its ``parts_key`` and leading-block mode up to the order
-    (``cache`` holds them and their per-piece costs)."""
-    # (candidates come in Megatron's order: no copy of the strategy just to name the key)
-    key = (parts_key(strat if strat.axis_order == strat.mesh.default_order()
-                     else replace(strat, axis_order=DEFAULT_ORDER)), strat.lead_mode)
-    base = cache.get(key)
-    if base is None:
-        hw_b, order = order_free_hardware(hw, strat.mesh)
-        base = stage_costs(model, hw_b, replace(strat, axis_order=order, schedule="1f1b",
-                                                virtual_stages=1), cache)
-        cache[key] = base
-    return base
-
-
-def _order_free_blind(base: StageCosts, strat: Strategy, c: StageCosts, layers: int,
-                      modes: tuple[int, ...]) -> float:
-    """``lower_bound`` with no cap of ``_order_free_costs`` (the same closed form: every
-    block at its fastest mode, the slowest stage at least the mean, D at least the mean)."""
-    times = (c.pp * base.p2p_time_s * chunks(strat) + base.first_time_s + base.last_time_s
-             + layers * min(base.mode_time_s[r] for r in modes))
-    dp = base.first_dp_time_s + base.last_dp_time_s + layers * min(base.mode_dp_time_s[r]
-                                                                   for r in modes)
-    return c.sum_weight * times + c.max_weight * times / c.pp + dp / c.pp
-
-
-def _order_free_costs(model: ModelProfile, hw: HardwareProfile, strat: Strategy, c: StageCosts,
-                      cache: dict) -> StageCosts:
-    """``c`` (the costs of ``strat``) with the time coefficients of ``strat`` under every axis
-    order at once: each axis in its best group (``space.order_free_hardware``; costs are
-    monotone in the groups), so every bound computed from them holds for every order. Memory
-    and the schedule weights read no order (the weights read compute only) and stay. The
-    coefficients are shared by the strategies with the same ``parts_key`` up to the order."""
-    base = _order_free_base(model, hw, strat, cache)
-    return replace(c, mode_time_s=base.mode_time_s, first_time_s=base.first_time_s,
-                   last_time_s=base.last_time_s, p2p_time_s=base.p2p_time_s * chunks(strat),
-                   mode_dp_time_s=base.mode_dp_time_s, first_dp_time_s=base.first_dp_time_s,
-                   last_dp_time_s=base.last_dp_time_s)
-
-
-def _family_bound(model: ModelProfile, hw: HardwareProfile, fam: Family, space: "_Space",
-                  free: bool) -> float:
-    """A bound on the step of every member of ``fam`` at once (``inf`` when none fits): its
-    time coefficients at their least over the leading blocks' modes (``estimate.TimeFloor``;
-    an offload member is never slower to bound than its twin without: its coefficients are
-    no lower), under ``free`` (the degrees have other kept axis orders) the order-free ones,
-    so the bound holds in every order. The larger of the memory-blind ``lower_bound`` at
-    its least over the members' chunks, and ``lower_bound`` within device memory of the
-    schedule groups' least-memory relaxation (``_relaxed``) with the schedule weights and p2p
-    each at their least over the members."""
-    st = fam.base
-    if not free:
-        f = time_floor(model, hw, st, space.cache)
-    else:
-        hw_b, order = _free_hw(space, hw, st.mesh)
-        f = time_floor(model, hw_b, replace(st, axis_order=order, schedule="1f1b", virtual_stages=1),
-                       space.free_cache)
-    pp, m, layers = st.mesh.pp, st.num_microbatches, model.layers
-    times = f.first_time_s + f.last_time_s + layers * min(f.mode_time_s[r] for r in fam.modes)
-    dp = (f.first_dp_time_s + f.last_dp_time_s + layers * min(f.mode_dp_time_s[r] for r in fam.modes)) / pp
-    zb = f.zb_fill[RECOMPUTE.index(st.recompute)]
-    chunk_counts = sorted({v if st.schedule == "interleaved" else 1 for v, _, _ in fam.members})
-    ws = [weights(st.schedule, pp, m, k, zb) for k in chunk_counts]
-    blind = min(sw * (times + pp * f.p2p_chunk_s * k) + mw * (times + pp * f.p2p_chunk_s * k) / pp + dp
-                for k, (sw, mw) in zip(chunk_counts, ws))
-    v_min = min(v for v, _, _ in fam.members)
-    bounds = []
-    for off in sorted({off for _, _, off in fam.members}):
-        lc = _relaxed(model, hw, space, fam, off)
-        if lc is None:
-            continue
-        c = replace(lc, mode_time_s=f.mode_time_s, first_time_s=f.first_time_s, last_time_s=f.last_time_s,
-                    p2p_time_s=f.p2p_chunk_s * chunk_counts[0], mode_dp_time_s=f.mode_dp_time_s,
-                    first_dp_time_s=f.first_dp_time_s, last_dp_time_s=f.last_dp_time_s,
-                    sum_weight=min(w[0] for w in ws), max_weight=min(w[1] for w in ws))
-        upper = stage_upper_bounds(c, layers, space.cap, fam.modes)
-        if min(upper) >= v_min and sum(upper) >= layers:
-            bounds.append(lower_bound(c, layers, fam.modes, space.cap, upper, min_layers=v_min))
-    return max(blind, min(bounds, default=float("inf")))
-
-
-@dataclass(kw_only=True, slots=True)
-class _Space:
-    """What the search learns about the candidates as it opens families: the cost caches,
-    by schedule group whether its memory relaxation fits (``_group_fits``), each candidate's
-    memory-blind bound by strategy (an offload candidate borrows its twin's), its order-free
-    one, and the other kept axis orders of each degrees."""
-
-    cache: dict
-    free_cache: dict
-    fits: dict
-    """By schedule group, its least-memory relaxation where it fits (with ``modes`` under
-    ``cap``), else None (``_relaxed``)."""
-    modes: tuple[int, ...]
-    cap: float
-    twins: dict
-    free: dict
-    orders_of: dict
-    free_hw: dict
-    memo: dict
-    """The runtime predicate's answers (``space.block_families``)."""
-    pins: Pins
-    dtype: str
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -294,22 +110,22 @@ class _Pending:
 
 def _ordered(model: ModelProfile, hw: HardwareProfile, gpus: int, global_batch: int,
              dtype: str, pins: Pins, cap: float,
-             deadline: float = float("inf")) -> tuple[list[tuple[float, int, Block, _Pending]], int, _Space]:
+             deadline: float = float("inf")) -> tuple[list[tuple[float, int, Block, _Pending]], int, SearchMemo]:
     """Every block of outer candidates (``space.outer_blocks``) with a bound valid for its
     candidates in every axis order (``_Pending``) and its fixed order, and how many candidates
     there are (other axis orders included; counted once per ``space.family_signature``).
     When its bound comes up a block is made into families (``_expand_block``), each bounded by
-    ``_floor_bound``; when that comes up a family is checked for memory and bounded
-    (``_bound_family``), and when that bound comes up, opened (``_open``)."""
+    ``floor_bound``; when that comes up a family is checked for memory and bounded
+    (``bound_family``), and when that bound comes up, opened (``_open``)."""
     modes = tuple(range(len(RECOMPUTE))) if pins.recompute is None \
         else (RECOMPUTE.index(pins.recompute),)
-    space = _Space(cache={}, free_cache={}, fits={}, twins={}, free={}, orders_of={}, free_hw={},
+    space = SearchMemo(cache={}, free_cache={}, fits={}, twins={}, free={}, orders_of={}, free_hw={},
                    modes=modes, cap=cap, memo={}, pins=pins, dtype=dtype)
     recipe = pins.recipe or load_recipe()
     scored, counts = [], {}
     total = 0
     for i, block in enumerate(outer_blocks(model, hw, gpus, global_batch, pins)):
-        if i % 64 == 63 and time.perf_counter() > deadline:
+        if total and time.perf_counter() > deadline:
             raise UserError(f"the strategy space has over {total:,} candidates, more than can be enumerated "
                             f"in --time-limit (at least {ENUMERATION_S:g} s); pin some dimensions (--tp, --pp, "
                             "--vpp, --mbs, --zero) or raise --time-limit")
@@ -324,7 +140,7 @@ def _ordered(model: ModelProfile, hw: HardwareProfile, gpus: int, global_batch: 
         if not counts[sig]:
             continue
         total += counts[sig] * (1 + len(others))
-        hw_b, order = _free_hw(space, hw, mesh)
+        hw_b, order = free_hw(space, hw, mesh)
         floors = tuple((sp, pass_floor(model, hw_b, Strategy(
             mesh=mesh, micro_batch=block.micro_batch, num_microbatches=block.num_microbatches,
             sequence_parallel=sp, dtype=dtype, axis_order=order, recipe=recipe), space.free_cache))
@@ -336,66 +152,25 @@ def _ordered(model: ModelProfile, hw: HardwareProfile, gpus: int, global_batch: 
 
 
 def _expand_block(model: ModelProfile, hw: HardwareProfile, block: Block, item: _Pending, lb: float,
-                  order: int, space: _Space, scored: list, heap: list) -> None:
+                  order: int, space: SearchMemo, scored: list, heap: list) -> None:
     """Push the families of ``block`` (popped with bound ``lb`` at fixed order ``order``), each
-    with its ``_floor_bound``."""
+    with its ``floor_bound``."""
     floors = dict(item.floors)
     members = _Members(orders=item.orders)
     for j, fam in enumerate(block_families(model, hw, block, space.dtype, space.pins, space.memo)):
-        scored.append((_floor_bound(fam, *floors[fam.sequence_parallel]), order + (j << MEMBER_BITS), fam, members))
+        scored.append((floor_bound(fam, *floors[fam.sequence_parallel]), order + (j << MEMBER_BITS), fam, members))
         heapq.heappush(heap, (max(lb, scored[-1][0]), scored[-1][1], None, len(scored) - 1))
 
 
-def _floor_bound(fam: Family, passes_s: float, zb_fill: float) -> float:
-    """A bound on every member of ``fam`` from ``estimate.pass_floor``: the step is at least
-    (sum_weight + max_weight / pp) Σ_s T_s, the weights at their least over the members'
-    chunks (interleaved: the most) and the fill fraction (zero-bubble: no recompute)."""
-    k = fam.members[-1][0] if fam.schedule == "interleaved" else 1  # members go by v
-    sum_w, max_w = weights(fam.schedule, fam.mesh.pp, fam.num_microbatches, k, zb_fill)
-    return (sum_w + max_w / fam.mesh.pp) * passes_s
-
-
-def _bound_family(model: ModelProfile, hw: HardwareProfile, fam: Family, item: _Members,
-                  space: _Space) -> float:
-    """``_family_bound`` of ``fam``; ``inf`` when none of its schedule groups fits
-    (``_group_fits``: in no axis order)."""
-    if not any(_fits(model, hw, space, fam, off) for off in {off for _, _, off in fam.members}):
-        return float("inf")
-    return _family_bound(model, hw, fam, space, bool(item.orders))
-
-
-def _free_hw(space: _Space, hw: HardwareProfile, mesh: Degrees) -> tuple[HardwareProfile, tuple]:
-    """``space.order_free_hardware`` of ``mesh``, once per degrees."""
-    if mesh not in space.free_hw:
-        space.free_hw[mesh] = order_free_hardware(hw, mesh)
-    return space.free_hw[mesh]
-
-
-def _relaxed(model: ModelProfile, hw: HardwareProfile, space: _Space, fam: Family,
-             offload: bool) -> StageCosts | None:
-    """The least-memory relaxation of the schedule group of ``fam``'s members with ``offload``
-    (``bounds.least_memory_costs``), once per group; None when it does not fit (``_group_fits``)."""
-    group = (fam.mesh, fam.micro_batch, fam.zero, fam.sequence_parallel, offload)
-    if group not in space.fits:
-        lc = least_memory_costs(model, hw, fam.strategy(1, "", offload))
-        space.fits[group] = lc if _group_fits(lc, model.layers, space.modes, space.cap) else None
-    return space.fits[group]
-
-
-def _fits(model: ModelProfile, hw: HardwareProfile, space: _Space, fam: Family, offload: bool) -> bool:
-    """``_group_fits`` of the schedule group of ``fam``'s members with ``offload``, once per group."""
-    return _relaxed(model, hw, space, fam, offload) is not None
-
-
 def _open(model: ModelProfile, hw: HardwareProfile, fam: Family, item: _Members, lb: float,
-          order: int, space: _Space, scored: list, heap: list) -> None:
+          order: int, space: SearchMemo, scored: list, heap: list) -> None:
     """Push the members of ``fam`` (popped with bound ``lb`` at fixed order ``order``), each
     with its memory-blind bound (an offload member its twin's, costed only when popped) and,
     when its degrees have other kept axis orders, one ``_OtherOrders`` item behind their
     order-free bound."""
     for j, cand in enumerate(fam.candidates()):
         st = cand.strategy
-        if not _fits(model, hw, space, fam, st.offload):
+        if not fits(model, hw, space, fam, st.offload):
             continue  # no member of its schedule group fits, in any axis order
         twin = replace(st, offload=False) if st.offload else st
         if st.offload and twin in space.twins:
@@ -412,21 +187,12 @@ def _open(model: ModelProfile, hw: HardwareProfile, fam: Family, item: _Members,
         if item.orders:
             if key not in space.free:
                 kc = c if key is st else stage_costs(model, hw, key, space.cache)
-                space.free[key] = min(space.twins[key], _order_free_blind(
-                    _order_free_base(model, hw, key, space.free_cache), key, kc, model.layers, cand.modes))
+                space.free[key] = min(space.twins[key], order_free_blind(
+                    order_free_base(model, hw, key, space.free_cache), key, kc, model.layers, cand.modes))
             scored.append((space.free[key], LATER + 8 * (order + 1 + j), cand,
                            _OtherOrders(twin=len(scored) - 1, orders=item.orders)))
             heapq.heappush(heap, (max(lb, space.free[key]), LATER + 8 * (order + 1 + j), None,
                                   len(scored) - 1))
-
-
-def _group_fits(relaxed: StageCosts, layers: int, modes: tuple[int, ...], cap: float) -> bool:
-    """Whether some member of a schedule group (the strategies differing only in schedule,
-    chunks and recompute, ``cost_models.bounds``) may fit: its least-memory relaxation
-    ``relaxed`` holds the model with blocks in any of ``modes`` and at least one per stage.
-    Memory reads no axis order, so False rules the group out in every order."""
-    upper = stage_upper_bounds(relaxed, layers, cap, modes)
-    return min(upper) >= 1 and sum(upper) >= layers
 
 
 @dataclass(frozen=True, kw_only=True, slots=True, eq=False)
@@ -533,7 +299,7 @@ def search(model: ModelProfile, hw: HardwareProfile, gpus: int, global_batch: in
                 _open(model, hw, cand, c, lb, order, space, scored, heap)
             else:
                 scored[i] = (lb, order, cand, replace(c, bounded=True))
-                heapq.heappush(heap, (max(lb, _bound_family(model, hw, cand, c, space)), order, None, i))
+                heapq.heappush(heap, (max(lb, bound_family(model, hw, cand, bool(c.orders), space)), order, None, i))
             continue
         if isinstance(c, _OtherOrders):
             # The other axis orders of a candidate, as one candidate costed under the order-free
@@ -546,7 +312,7 @@ def search(model: ModelProfile, hw: HardwareProfile, gpus: int, global_batch: in
                 upper = _upper(uppers, c.twin, twin_c, cand, model.layers, cap)
                 if min(upper) < cand.min_layers or sum(upper) < model.layers:
                     continue  # fits in no order
-                ref = _refine(_order_free_costs(model, hw, cand.strategy, twin_c, free_cache),
+                ref = _refine(order_free_costs(model, hw, cand.strategy, twin_c, free_cache),
                               cand, model.layers, cap, ref, upper)
                 heapq.heappush(heap, (max(lb, ref.bound), order, ref, i))
                 continue
