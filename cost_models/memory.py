@@ -109,25 +109,45 @@ def state_bytes(params: float, strat: Strategy) -> StateBytes:
     """Model states of ``params`` parameters (already divided by tp) on one of the
     ``strat.replicas`` (dp x cp) ranks, in device memory (with ``offload``, what stays on the device).
 
-    The weights are sharded by ZeRO-3, or by ZeRO >= 1 where they are the fp32 master; a
-    layout computing on 16-bit copies holds them unsharded under ZeRO 0-2 (and ZeRO-3 when the
-    pipeline keeps them gathered), the gradients are sharded by ZeRO >= 2 unless the pipeline
-    accumulates them unsharded, the optimizer states by ZeRO >= 1.
+    The weights are sharded by ZeRO-3, or by ZeRO >= 1 where they are the fp32 master; the
+    weights computed on are held unsharded under ZeRO 0-2 (and ZeRO-3 when the pipeline keeps
+    them gathered): a layout's 16-bit copy, or where FSDP gathers them (ZeRO >= 1 with the
+    master sharded, ``reshard_after_forward=False``; FSDP2's ``replicate``, ``fsdp_replicate``)
+    a whole copy in the compute dtype, fp32 in fp32 training. The gradients are sharded by
+    ZeRO >= 2 unless the pipeline accumulates them unsharded, the optimizer states by ZeRO >= 1.
     """
     lay, zero, dp = state_layout(strat), strat.zero, strat.replicas
     copy = compute_copy_bytes(strat)
     hold = holds_unsharded(strat)
-    copy_held = copy if (zero < 3 or hold) else 0.0
+    master_sharded = not lay.master_copy and zero >= 1
+    gathered = master_sharded or fsdp_replicate(strat)
+    copy_held = (gather_bytes(strat) if gathered else copy) if (zero < 3 or hold) else 0.0
     if strat.offload:
         return StateBytes(params=(0.0 if zero >= 3 and not hold else params * (copy or lay.weight)),
                           grads=params * lay.grad if zero == 1 or hold else 0.0, optimizer=0.0)
-    master_sharded = not lay.master_copy and zero >= 1
     weight = lay.weight / (dp if zero >= 3 or master_sharded else 1)
     if lay.master_copy and hold:
         weight = lay.weight
     return StateBytes(params=params * (weight + copy_held),
                       grads=params * lay.grad / (dp if zero >= 2 and not hold else 1),
                       optimizer=params * lay.optimizer / (dp if zero >= 1 else 1))
+
+
+def torch_ddp(strat: Strategy) -> bool:
+    """The data-parallel wrapper is torch's DDP with the gradients as views of its buckets:
+    ZeRO 0 over replicas with tp = pp = ep = 1 in a recipe whose program makes every split
+    weight a DTensor and keeps DDP's plain tensors there (``ExecutionRecipe.dtensor_parameters``)."""
+    m = strat.mesh
+    return (strat.recipe.dtensor_parameters and strat.zero == 0 and strat.replicas > 1
+            and m.tp == 1 and m.pp == 1 and m.ep == 1)
+
+
+def fsdp_replicate(strat: Strategy) -> bool:
+    """ZeRO 0 on FSDP2's ``replicate`` (the DTensor recipes where DDP is not run: tp, pp or
+    ep > 1): its unshard copies every weight into a new unsharded parameter (a world of one
+    gathers by copy, ``FSDPParamGroup.wait_for_unshard``), kept until the backward."""
+    return (strat.recipe.dtensor_parameters and strat.zero == 0 and strat.replicas > 1
+            and not torch_ddp(strat))
 
 
 def host_state_bytes(params: float, strat: Strategy) -> float:
@@ -280,30 +300,66 @@ def communicators(strat: Strategy) -> int:
     return 1 + len(strat.mesh.active()) + (2 if strat.mesh.ep > 1 else 0)
 
 
+def torch_pipelining(strat: Strategy) -> bool:
+    """The pipeline runs on ``torch.distributed.pipelining`` (the recipes whose FSDP stages
+    accumulate unsharded through it, ``ExecutionRecipe.pp_unsharded_accumulation``)."""
+    return strat.mesh.pp > 1 and strat.recipe.pp_unsharded_accumulation
+
+
+def recv_buffer_bytes(model: ModelProfile, strat: Strategy) -> float:
+    """``torch.distributed.pipelining``'s receive buffers on one device: every local stage
+    allocates, once, one buffer per micro-batch for the activation it receives and one for
+    the gradient it receives (``PipelineStage._setup_forward_recv_info`` and
+    ``_create_grad_recv_info``), each the stage boundary's b s h (/ tp with SP) activation.
+    Priced for a rank holding the first or the last stage, whose ``2 v - 1`` local stages
+    (``v``: model chunks) receive in both directions but for the end (a middle rank's one more
+    is under what its fewer in-flight micro-batches leave). 0 for other pipelines, which
+    receive into the next activation (Megatron's p2p)."""
+    if not torch_pipelining(strat):
+        return 0.0
+    sp = strat.mesh.tp if strat.sequence_parallel else 1
+    act = act_scale(strat) * 2 * strat.tokens(model.seq) * model.hidden / sp
+    local = strat.virtual_stages if strat.schedule == "interleaved" else 1
+    return (2 * local - 1) * strat.num_microbatches * act
+
+
 def base_buffer_bytes(model: ModelProfile, hw: HardwareProfile, strat: Strategy) -> float:
     """Bytes every device needs besides states, saved activations and recompute workspace:
 
     - hw.reserve_gib (CUDA context, library workspaces) and hw.nccl_gib_per_group per
       communicator;
-    - data-parallel buffers: two 25 MB buckets (ZeRO 1-2, dp > 1; under ZeRO-0 the gradients
-      are the buckets), or for ZeRO-3 the
-      gathered compute-dtype weights of two blocks (current and prefetched) and the unsharded
-      gradients of one block before its reduce-scatter (the wider of a repeated and a
-      leading block);
+    - data-parallel buffers (``widest``: the wider of a repeated and a leading block):
+      ZeRO-3 gathers the compute-dtype weights of two blocks (current and prefetched) and
+      holds one block's unsharded gradients before its reduce-scatter. Below ZeRO-3, a
+      recipe reducing through flat buffers (``fsdp_copies``: FSDP's reduce-scatter, FSDP2's
+      ``replicate`` all-reduce) makes one block's unsharded gradients (gathered weights'
+      dtype) in its backward while freeing that block's activations of the micro-batch
+      (stored or recomputed): what they exceed those by (the copy into the flat buffer, in
+      the reduce dtype, comes once the activations are gone). torch's
+      DDP (``torch_ddp``) keeps the gradients in its buckets, but with more than one
+      micro-batch the accumulating ones (``no_sync`` after ``zero_grad(set_to_none=True)``)
+      are separate tensors until the last backward copies them in: one more copy of them;
+      otherwise two 25 MB buckets (ZeRO 1-2; under ZeRO-0 the gradients are the buckets);
     - with offload under ZeRO 2, the unsharded gradients of one block before their
-      reduce-scatter and copy to the host.
+      reduce-scatter and copy to the host;
+    - the pipeline's receive buffers (``recv_buffer_bytes``).
     """
     lay = state_layout(strat)
     total = (hw.reserve_gib + hw.nccl_gib_per_group * communicators(strat)) * 2**30
     if strat.replicas > 1:
+        widest = max(layer_params(model, strat), layer_params(model.lead, strat) if model.lead else 0.0)
         if strat.zero >= 3:
-            widest = max(layer_params(model, strat), layer_params(model.lead, strat) if model.lead else 0.0)
             total += widest * (2 * gather_bytes(strat) + lay.grad)
+        elif torch_ddp(strat):
+            if strat.num_microbatches > 1:
+                total += model.params * lay.grad
+        elif strat.recipe.fsdp_copies and (strat.zero > 0 or fsdp_replicate(strat)):
+            total += max(0.0, widest * gather_bytes(strat) - block_act_bytes(model, strat, "none"))
         elif strat.zero > 0:
             total += 2 * DDP_BUCKET_BYTES
             if strat.offload and strat.zero == 2:
                 total += layer_params(model, strat) * lay.grad
-    return total
+    return total + recv_buffer_bytes(model, strat)
 
 
 def workspace_bytes(model: ModelProfile, strat: Strategy, recompute: str | None = None) -> float:

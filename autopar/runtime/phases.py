@@ -17,18 +17,30 @@ What no operator covers (Python between ops, waiting for another rank's data, ba
 ``step - (sum of the above)``: the exposed communication and imbalance. On CUDA the operator
 times are device times. Times are seconds per optimizer step; FLOPs per step.
 
-Peak memory on CPU, which has no allocator statistics: the profiler's per-operator allocation
-accounting (``profile_memory``), accumulated in time order, gives the most bytes allocated at
-once beyond what was live when profiling began (``live_bytes``: weights, gradients, optimizer
-state), at operator granularity. On CUDA: the caching allocator's ``max_memory_allocated``.
+Peak memory on CPU, which has no allocator statistics: what was live when profiling began
+(``live_bytes``: weights, gradients, optimizer state and every other tensor Python holds, such as
+the pipeline's receive buffers) plus the most bytes allocated at once beyond it
+(``peak_delta_bytes``). The profiler's own accounting (``profile_memory``) sees only the frees
+on its thread of blocks allocated under it: it misses a gloo worker thread dropping the last
+reference to a collective's buffer (FSDP2's all-gather and reduce-scatter buffers, measured
+2-3x the real peak for ZeRO-3) and the frees of blocks older than the profile (the last step's
+gradients). So ``recording`` turns on c10's ``FLAGS_caffe2_report_cpu_memory_usage``, under
+which the CPU allocator sizes every block and free on every thread, and ``summary`` reads its
+running total off the profiler's allocation events, from the second profiled step on (its start
+is steady state: the same bytes live as when profiling began). On CUDA: the caching
+allocator's ``max_memory_allocated``.
 """
 
 from __future__ import annotations
 
+import ctypes
+import gc
 from contextlib import contextmanager
-from typing import Iterator
+from pathlib import Path
+from typing import Iterable, Iterator
 
 import torch
+from torch._C._profiler import _EventType
 from torch.profiler import ProfilerActivity, profile
 
 GEMM_OPS = frozenset({"aten::mm", "aten::addmm", "aten::bmm", "aten::baddbmm", "aten::_addmm_activation",
@@ -52,16 +64,40 @@ def _local(t: torch.Tensor) -> torch.Tensor:
 
 
 def live_bytes(modules: list[torch.nn.Module], optimizers: list[torch.optim.Optimizer]) -> float:
-    """Bytes of this rank's weights, buffers, gradients and optimizer state (each storage once)."""
-    seen: dict[int, int] = {}
+    """Bytes of this rank's weights, buffers, gradients and optimizer state, and of every other
+    CPU tensor Python holds (pipelining's per-micro-batch receive buffers), each storage once."""
     tensors = [t for m in modules for t in (*m.parameters(), *m.buffers())]
     tensors += [p.grad for m in modules for p in m.parameters() if p.grad is not None]
     tensors += [v for opt in optimizers for state in opt.state.values() for v in state.values()
                 if isinstance(v, torch.Tensor)]
+    gc.collect()
+    held = [t for t in gc.get_objects() if issubclass(type(t), torch.Tensor) and _local(t).device.type == "cpu"]
+    return float(sum(_storages([*tensors, *held]).values()))
+
+
+def _storages(tensors: Iterable[torch.Tensor]) -> dict[int, int]:
+    """Bytes of each distinct storage (by address) under ``tensors`` (DTensors: their shard)."""
+    seen: dict[int, int] = {}
     for t in tensors:
-        storage = _local(t).untyped_storage()
-        seen[storage.data_ptr()] = storage.nbytes()
-    return float(sum(seen.values()))
+        try:  # sparse, meta and other storage-less tensors hold nothing here
+            storage = _local(t).untyped_storage()
+        except (RuntimeError, NotImplementedError):
+            continue
+        if storage.data_ptr():
+            seen[storage.data_ptr()] = storage.nbytes()
+    return seen
+
+
+def _cpu_accounting() -> ctypes.c_bool | None:
+    """c10's ``FLAGS_caffe2_report_cpu_memory_usage`` (``c10/core/CPUAllocator.cpp``): while
+    set, the CPU allocator records every block's size and subtracts it at its free on any
+    thread; None where this build does not export it."""
+    for lib in sorted((Path(torch.__file__).parent / "lib").glob("*c10.*")):
+        try:
+            return ctypes.c_bool.in_dll(ctypes.CDLL(str(lib)), "FLAGS_caffe2_report_cpu_memory_usage")
+        except (OSError, ValueError):
+            continue
+    return None
 
 
 @contextmanager
@@ -69,8 +105,16 @@ def recording(device: torch.device) -> Iterator[profile]:
     """Profile the steps run inside (CPU operators; on CUDA, their kernels too), counting FLOPs."""
     cuda = device.type == "cuda"
     acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
-    with profile(activities=acts, with_flops=True, profile_memory=not cuda) as prof:
-        yield prof
+    flag = None if cuda else _cpu_accounting()
+    was = bool(flag and flag.value)
+    try:
+        with profile(activities=acts, with_flops=True, profile_memory=not cuda) as prof:
+            if flag is not None:
+                flag.value = True
+            yield prof
+    finally:
+        if flag is not None:
+            flag.value = was
 
 
 def summary(prof: profile, steps: int, device: torch.device) -> dict[str, float]:
@@ -92,9 +136,28 @@ def summary(prof: profile, steps: int, device: torch.device) -> dict[str, float]
             out["gemm_flops"] += float(evt.flops or 0)
     out["other"] = max(0.0, out["other"] - nested)
     per_step = {k: v / steps for k, v in out.items()}
-    held = peak = 0.0
-    if not cuda:
-        for evt in sorted(prof.events(), key=lambda e: e.time_range.start):
-            held += evt.cpu_memory_usage if evt.name == "[memory]" else evt.self_cpu_memory_usage
-            peak = max(peak, held)
-    return {**per_step, "peak_delta_bytes": peak}
+    return {**per_step, "peak_delta_bytes": 0.0 if cuda else _peak_delta(prof)}
+
+
+def _walk(nodes: Iterable) -> Iterator:
+    """Every node of the profiler's event tree under ``nodes``, parents first."""
+    for n in nodes:
+        yield n
+        yield from _walk(n.children)
+
+
+def _peak_delta(prof: profile) -> float:
+    """The most bytes the CPU allocator held beyond its level at the start of the second
+    profiled step (the first ``Optimizer.zero_grad`` after an ``Optimizer.step``; the first
+    allocation when one step was profiled), read off its running total at each allocation and
+    free the profiler recorded (``recording``'s accounting)."""
+    nodes = list(_walk(prof.profiler.kineto_results.experimental_event_tree()))
+    allocs = sorted((n for n in nodes if n.tag == _EventType.Allocation), key=lambda n: n.start_time_ns)
+    if not allocs:
+        return 0.0
+    steps = [n.end_time_ns for n in nodes if n.name.startswith("Optimizer.step#")]
+    zeros = [n.start_time_ns for n in nodes if n.name.startswith("Optimizer.zero_grad#")]
+    start = min((t for t in zeros if steps and t > min(steps)), default=allocs[0].start_time_ns)
+    after = [n.extra_fields for n in allocs if n.start_time_ns >= start] or [allocs[-1].extra_fields]
+    base = after[0].total_allocated - after[0].alloc_size
+    return float(max(0, max(f.total_allocated for f in after) - base))

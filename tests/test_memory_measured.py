@@ -1,0 +1,176 @@
+"""Peak memory predicted against measured on the local CPU cluster (issue 14: within 10 %).
+
+``data/memory_measured_cpu.json`` holds the peak of every rank of the 75 plans
+``benchmarks/plan_quality.py`` ranks for its three GPTs (4 gloo ranks, the command is in the
+file), measured by ``autopar.runtime.phases``; each is priced again here under the shipped
+``cpu-local`` profile and the cost model as it is now. The peak compared is the largest over
+ranks (plan_quality's), predicted as the largest stage's.
+
+Two known gaps are asserted as strict xfails, so the day they close this file says so:
+torch's zero-bubble schedule holds far more than ``pipeline.inflight`` prices, and with one
+micro-batch FSDP's gradients do not exist yet at the peak the states count them at.
+The measurement itself is checked in-process (``runtime.phases``: frees on other threads,
+frees of blocks older than the profile, tensors Python holds) and live on 2 ranks.
+"""
+
+from __future__ import annotations
+
+import gc
+import json
+import threading
+from pathlib import Path
+
+import pytest
+import torch
+
+from autopar.plan import Mesh, Plan, plan_from_dict
+from autopar.profiles import profile_spec
+from autopar.runtime import RunSpec, phases, run_job
+from autopar.runtime.parallelize import uses_ddp
+from autopar.spec import parse_model_spec
+from cost_models import estimate, load_profile
+
+DATA = json.loads((Path(__file__).parent / "data" / "memory_measured_cpu.json").read_text())
+HW = load_profile("cpu-local")
+MIB = 2**20
+
+
+def _name(row: dict) -> str:
+    p = row["plan"]
+    m = p["mesh"]
+    return (f"{row['model']} dp{m['dp']} tp{m['tp']} pp{m['pp']} z{p['zero_stage']} mbs{p['micro_batch_size']} "
+            f"m{p['num_microbatches']} {p['schedule']} v{p['virtual_stages']} sp{int(p['sequence_parallel'])} "
+            f"rc{p['recompute'][0][0]}")
+
+
+def _predicted(plan: Plan) -> float:
+    prof = profile_spec(parse_model_spec(plan.model))
+    return max(estimate(prof, HW, plan.strategy(), global_batch=plan.global_batch).stage_peak_bytes)
+
+
+def _zero_bubble(plan: Plan) -> bool:
+    return plan.schedule == "zero-bubble" and plan.mesh.pp > 1
+
+
+def _one_microbatch_fsdp(plan: Plan) -> bool:
+    m = plan.mesh
+    return m.pp == 1 and plan.num_microbatches == 1 and m.dp * m.cp > 1 and not uses_ddp(plan)
+
+
+ROWS = [(plan_from_dict(r["plan"]), r) for r in DATA["rows"]]
+PRICED = [(p, r) for p, r in ROWS if not _zero_bubble(p) and not _one_microbatch_fsdp(p)]
+
+
+def _error(plan: Plan, row: dict) -> float:
+    return _predicted(plan) / max(row["peak_bytes"]) - 1
+
+
+def test_the_data_covers_the_grid():
+    """All 75 plans, with every family the grid has: DDP, FSDP ZeRO 1-3, tp, pipelines."""
+    assert len(ROWS) == 75 and {r["model"] for _, r in ROWS} == {"deep-narrow", "wide", "long-seq"}
+    kinds = {(p.zero_stage, p.mesh.tp > 1, p.mesh.pp > 1, p.schedule) for p, _ in ROWS}
+    assert {(0, False, False, "1f1b"), (3, False, False, "1f1b"), (1, True, False, "1f1b"),
+            (0, False, True, "interleaved"), (2, False, True, "zero-bubble"), (0, False, True, "gpipe")} <= kinds
+    assert len(PRICED) == 20
+
+
+@pytest.mark.parametrize("plan,row", PRICED, ids=[_name(r) for _, r in PRICED])
+def test_peak_within_10_percent_of_measured(plan, row):
+    err = _error(plan, row)
+    assert abs(err) <= 0.10, f"predicted {_predicted(plan) / MIB:.1f} MiB, measured {max(row['peak_bytes']) / MIB:.1f}"
+
+
+def _misses(rows: list) -> list[str]:
+    return [f"{_name(r)}: {_error(p, r):+.0%}" for p, r in rows if abs(_error(p, r)) > 0.10]
+
+
+@pytest.mark.xfail(strict=True, reason="torch's ScheduleInterleavedZeroBubble keeps every stage at min(p, m) "
+                   "micro-batches (stage s: p - s in flight and s whose weight pass is pending, whose graphs "
+                   "stage_backward_input retains) plus the pending passes' output gradients; "
+                   "pipeline.inflight prices it as 1F1B (p - s): the last stage is 30-55 % under")
+def test_zero_bubble_peak_within_10_percent():
+    rows = [(p, r) for p, r in ROWS if _zero_bubble(p)]
+    assert len(rows) == 41
+    assert _misses(rows) == []
+
+
+@pytest.mark.xfail(strict=True, reason="FSDP with one micro-batch: zero_grad(set_to_none=True) freed the "
+                   "gradients and the backward makes them a block at a time after the peak, but "
+                   "state_bytes counts them (test_cost_models pins the states at m = 1): +11-21 % on tp 2")
+def test_one_microbatch_fsdp_peak_within_10_percent():
+    rows = [(p, r) for p, r in ROWS if _one_microbatch_fsdp(p) and not _zero_bubble(p)]
+    assert len(rows) == 14
+    assert _misses(rows) == []
+
+
+# --- the measurement (runtime.phases) ---------------------------------------------------------
+
+def _steps(opt: torch.optim.Optimizer, work) -> None:
+    """Two optimizer steps, each ``zero_grad``, ``work(step)``, ``step`` (what ``summary`` reads
+    the second step's start off)."""
+    for step in range(2):
+        opt.zero_grad(set_to_none=True)
+        work(step)
+        opt.step()
+
+
+def _peak_delta(work, opt: torch.optim.Optimizer) -> float:
+    with phases.recording(torch.device("cpu")) as prof:
+        _steps(opt, work)
+    return phases.summary(prof, 2, torch.device("cpu"))["peak_delta_bytes"]
+
+
+def test_cpu_peak_sees_frees_on_another_thread():
+    """A block whose last reference a worker thread drops (gloo's Work objects do it to FSDP's
+    collective buffers) is freed there: the profiler alone never sees it go."""
+    opt = torch.optim.SGD([torch.nn.Parameter(torch.zeros(4))], lr=0.1)
+    held: list[torch.Tensor] = []
+
+    def work(step: int) -> None:
+        for _ in range(3):
+            held.append(torch.ones(2**21))  # 8 MiB
+            t = threading.Thread(target=held.clear)  # the last reference goes on another thread
+            t.start()
+            t.join()
+
+    delta = _peak_delta(work, opt)
+    assert 8 * MIB <= delta < 9 * MIB  # one block at a time (the profiler's own sum: 24 MiB)
+
+
+def test_cpu_peak_does_not_count_blocks_older_than_the_profile_twice():
+    """The last step's gradients are freed by the first ``zero_grad`` under the profiler, which
+    never saw them allocated: from the second step on, their replacements are counted once."""
+    p = torch.nn.Parameter(torch.zeros(3 * 2**22))  # 48 MiB (larger than any block a test left)
+    opt = torch.optim.SGD([p], lr=0.0)
+    p.grad = torch.ones_like(p)  # a step before the profile
+
+    def work(step: int) -> None:
+        p.grad = torch.ones_like(p)
+
+    assert _peak_delta(work, opt) < MIB  # (the profiler's own sum: 48 MiB)
+
+
+def test_live_bytes_counts_every_tensor_python_holds_once():
+    """Weights, gradients and optimizer state, plus other live CPU tensors (pipelining's receive
+    buffers), each storage once however many views and DTensor wrappers share it."""
+    model = torch.nn.Linear(512, 512)  # 1 MiB + 2 KiB
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    gc.collect()
+    before = phases.live_bytes([model], [opt])
+    buffers = [torch.empty(2**18) for _ in range(3)]  # 3 MiB held elsewhere
+    views = [b[:10] for b in buffers]
+    assert phases.live_bytes([model], [opt]) - before == 3 * MIB
+    del buffers, views
+
+
+def test_live_two_rank_fsdp_peak_matches_the_model():
+    """ZeRO-3 on 2 gloo ranks, 2 micro-batches: measured as ``autopar calibrate`` does and
+    priced within 10 % (17.4 MiB; the profiler's own accounting read 45.6-49.7 MiB)."""
+    model = "gpt:layers=4,hidden=128,heads=4,vocab=256,seq=64,tied=0"
+    plan = Plan(model=model, cluster="cpu-local", gpus=2, global_batch=16, seq_len=64, dtype="fp32",
+                mesh=Mesh(dp=2), zero_stage=3, micro_batch_size=4, num_microbatches=2, schedule="1f1b",
+                stage_layers=(4,), recompute=("none",) * 4)
+    (result,) = run_job([RunSpec(plan=plan, steps=4, phases=2)], timeout_s=300)
+    measured = max(r["peak_bytes"] for r in result.phases)
+    assert len(result.phases) == 2
+    assert abs(_predicted(plan) / measured - 1) <= 0.10, f"measured {measured / MIB:.1f} MiB"
