@@ -34,6 +34,7 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 
 from cost_models.axes import Degrees
+from cost_models.pipeline import torch_pipelining
 from cost_models.hardware import HardwareProfile
 from cost_models.model_profile import ModelProfile
 from cost_models.strategy import Strategy
@@ -298,12 +299,6 @@ def communicators(strat: Strategy) -> int:
     """Collective communicators a rank holds: one per mesh axis of degree > 1, the default
     group, and with ep > 1 the ep and edp groups."""
     return 1 + len(strat.mesh.active()) + (2 if strat.mesh.ep > 1 else 0)
-
-
-def torch_pipelining(strat: Strategy) -> bool:
-    """The pipeline runs on ``torch.distributed.pipelining`` (the recipes whose FSDP stages
-    accumulate unsharded through it, ``ExecutionRecipe.pp_unsharded_accumulation``)."""
-    return strat.mesh.pp > 1 and strat.recipe.pp_unsharded_accumulation
 
 
 def recv_buffer_bytes(model: ModelProfile, strat: Strategy) -> float:

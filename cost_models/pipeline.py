@@ -51,10 +51,19 @@ def weights(schedule: str, pp: int, m: int, chunks: int, zb_fill: float = 1 / 3)
     return f, m - f
 
 
+def torch_pipelining(strat: Strategy) -> bool:
+    """The pipeline runs on ``torch.distributed.pipelining`` (the recipes whose FSDP stages
+    accumulate unsharded through it, ``ExecutionRecipe.pp_unsharded_accumulation``)."""
+    return strat.mesh.pp > 1 and strat.recipe.pp_unsharded_accumulation
+
+
 def inflight(strat: Strategy) -> tuple[float, ...]:
     """Micro-batches (in units of a whole stage's activations) stage s holds at its peak.
 
-    gpipe: all m (pp > 1); 1f1b and zero-bubble: min(p - s, m). interleaved with v chunks:
+    gpipe: all m (pp > 1); 1f1b and zero-bubble: min(p - s, m), but torch's zero-bubble
+    (``ScheduleInterleavedZeroBubble``, ``torch_pipelining``) keeps min(p, m) on every stage:
+    p - s in flight and s whose weight pass is pending, their graphs retained by
+    ``stage_backward_input`` (measured on CPU ranks: tests/test_memory_measured.py). interleaved with v chunks:
     Megatron's warm-up runs 2(p-s-1) + (v-1)p chunk forwards before the first backward, so
     (2(p-s-1) + (v-1)p + 1) chunks of n/v blocks are live: stage 0 holds
     p (1 + (p-1)/(p v)) micro-batches, Korthikanti et al.'s factor (their "m" is v).
@@ -65,6 +74,8 @@ def inflight(strat: Strategy) -> tuple[float, ...]:
         return (1.0,)
     if strat.schedule == "gpipe":
         return tuple(float(m) for _ in range(p))
+    if strat.schedule == "zero-bubble" and torch_pipelining(strat):
+        return tuple(float(min(p, m)) for _ in range(p))
     if v > 1:
         return tuple(min(float(m), (2 * (p - s - 1) + (v - 1) * p + 1) / v) for s in range(p))
     return tuple(float(min(p - s, m)) for s in range(p))
