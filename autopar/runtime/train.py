@@ -282,13 +282,15 @@ def _step_no_pipeline(prog: Program, x: torch.Tensor, y: torch.Tensor) -> float:
 
 
 def _step_pipeline(prog: Program, x: torch.Tensor, y: torch.Tensor) -> float:
-    """One schedule step; the last stage returns the sum of its micro-batch losses."""
+    """One schedule step; the last stage returns the sum of its micro-batch losses. The
+    schedule keeps no outputs (``return_outputs=False``): the last stage would otherwise hold
+    every micro-batch's logits until the step ends."""
     ctx, sched = prog.ctx, prog.schedule
     has_first, has_last = 0 in prog.stage_ids, len(prog.plan.stage_layers) - 1 in prog.stage_ids
     losses: list[torch.Tensor] = []
     with _autocast(prog.plan, ctx), _vocab_parallel(prog.plan):
         sched.step(x if has_first else None, target=y if has_last else None,
-                   losses=losses if has_last else None)
+                   losses=losses if has_last else None, return_outputs=False)
     return float(sum(loss.item() for loss in losses)) if has_last else 0.0
 
 
