@@ -56,7 +56,7 @@ def test_check_plans_use_exactly_their_feature():
 
 
 def test_refused_features_are_never_searched():
-    model, hw = profile_spec(parse_model_spec("llama3-8b")), load_profile("dgx-h100")
+    model, hw = profile_spec(parse_model_spec("llama3-70b")), load_profile("dgx-h100")
     free = search(model, hw, 64, 512, "bf16", Pins()).strategy
     assert free.mesh.tp > 1 or free.mesh.pp > 1, "the test needs a plan that uses model parallelism"
     for refused in (("tp",), ("pp",), ("tp", "pp", "selective"), ("dp",)):
