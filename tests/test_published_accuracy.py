@@ -47,10 +47,15 @@ def test_median_error_over_all_rows_within_5_percent(in_sample):
     assert statistics.median(errors) <= 5.0
 
 
-@pytest.mark.xfail(strict=True, reason="known misses: llm-foundry MPT-70B/30B at micro-batch 1-2 "
-                   "(+19-28 %), MPT-760M/1B rows that disagree with their neighbours in the same "
-                   "table (+20-28 %), NeMo GPT-3 5B (+21 %), torchtitan 405B FP8 on 500 W H100 "
-                   "(-18 %), MT-NLG (-13-15 %); see the issue's closing note")
+@pytest.mark.xfail(strict=True, reason="known misses (positive: predicted too fast): llm-foundry "
+                   "rows that disagree with their own table's neighbours (A100 80GB MPT-760M at seq "
+                   "512/1024 +29/+21 % while seq 2048 and the same shapes on H100 fit; A100 40GB "
+                   "MPT-1B on 32 GPUs +24 % between 16 and 64 GPUs at 55 % MFU; MPT-70B on 64 A100 "
+                   "40GB +28 %) and MPT-30B at seq 8192 on both A100 and H100 (+24/+19 %: per token "
+                   "41 % slower than seq 4096 where attention adds 5 %, at ~71 of 79 GiB priced), "
+                   "NeMo 24.07 FP8 Llama-3 8B / GPT-3 5B (+22/+21 %: the same 8B on 8 H100 runs 18 % "
+                   "faster in Megatron-Bridge 25.11, which shares the megatron-core-te recipe), "
+                   "MT-NLG 420 nodes (-15.0 % in step time)")
 def test_worst_row_within_15_percent(in_sample):
     worst = max(validate.priced(in_sample), key=lambda r: abs(r.error))
     assert abs(worst.error) <= 15.0, f"{worst.source} {worst.row.id}: {worst.error:+.1f} %"
