@@ -26,7 +26,8 @@ def least_memory_costs(model: ModelProfile, hw: HardwareProfile, strat: Strategy
     one chunk, built from ``memory`` alone (the time coefficients are 0: not a time bound).
 
     1F1B keeps the fewest micro-batches in flight on every stage (``pipeline.inflight``):
-    GPipe keeps m ≥ min(p - s, m); zero-bubble (ZB-H1) keeps 1F1B's; interleaved with v ≥ 2
+    GPipe keeps m ≥ min(p - s, m); zero-bubble (ZB-H1) keeps 1F1B's (torch's keeps min(p, m)
+    and defers weight passes, ``pipeline.pending``: more); interleaved with v ≥ 2
     chunks keeps min(m, p + (p - 2s - 1)/v), and p + (p - 2s - 1)/v - (p - s) =
     s + (p - 2s - 1)/v, which is ≥ s ≥ 0 when p - 2s - 1 ≥ 0 and else (v ≥ 2) at least
     s + (p - 2s - 1)/2 = (p - 1)/2 ≥ 0. Every memory term is non-decreasing in the in-flight
@@ -56,7 +57,7 @@ def least_memory_costs(model: ModelProfile, hw: HardwareProfile, strat: Strategy
         mode_workspace_bytes=tuple(memory.workspace_bytes(model, s, r) for r in RECOMPUTE),
         first_static_bytes=memory.state_bytes(first, s).total + lead_static,
         first_act_bytes=memory.first_act_bytes(model, s) + lead_act,
-        last_static_bytes=memory.state_bytes(last, s).total,
+        last_static_bytes=memory.state_bytes(last, s).total + memory.head_gather_bytes(model, s),
         last_act_bytes=memory.last_act_bytes(model, s),
         inflight=pipeline.inflight(s), buffer_bytes=memory.base_buffer_bytes(model, hw, s),
         sum_weight=0.0, max_weight=0.0,

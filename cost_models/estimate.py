@@ -484,6 +484,8 @@ def _parts(model: ModelProfile, hw: HardwareProfile, strat: Strategy, cache: dic
                   compute.PassTimes(forward_s=_vocab_parallel_loss_s(model, strat, groups[Axis.TP]),
                                     recompute_s=0.0, backward_s=unit),
                   memory.last_act_bytes(model, strat), hw, strat, rep, tensors=model.head_param_tensors)
+    if gathered := memory.head_gather_bytes(model, strat):
+        last = replace(last, state=replace(last.state, params=last.state.params + gathered))
     if strat.mesh.pp > 1 and model.tied:
         # The tied embedding and its copy on the last stage sum their gradients after the
         # flush (Megatron's embedding all-reduce), exposed on both stages.
@@ -616,7 +618,19 @@ def stage_costs(model: ModelProfile, hw: HardwareProfile, strat: Strategy,
         layer_host_bytes=parts.layers[0].host_bytes, first_host_bytes=first.host_bytes,
         last_host_bytes=parts.last.host_bytes,
         host_cap_bytes=hw.host_memory_bytes if strat.offload else float("inf"),
-        first_workspace_bytes=lead_workspace_bytes(model, strat))
+        first_workspace_bytes=lead_workspace_bytes(model, strat), **pending_fields(model, strat))
+
+
+def pending_fields(model: ModelProfile, strat: Strategy) -> dict:
+    """The ``StageCosts`` fields of the deferred weight passes (``pipeline.pending``); empty
+    where no stage defers one."""
+    pending = pipeline.pending(strat)
+    if not pending:
+        return {}
+    lead = model.lead_layers * memory.block_wgrad_bytes(model.lead, strat) if model.lead else 0.0
+    return dict(pending=pending, layer_wgrad_bytes=memory.block_wgrad_bytes(model, strat),
+                first_wgrad_bytes=lead, last_wgrad_bytes=memory.head_wgrad_bytes(model, strat),
+                boundary_bytes=memory.boundary_bytes(model, strat))
 
 
 def lead_workspace_bytes(model: ModelProfile, strat: Strategy) -> float:
@@ -649,7 +663,7 @@ def _stage_memory(parts: _Parts, c: StageCosts, s: int, counts: tuple[int, ...],
         params_bytes=sum(n * p.state.params for n, p in pieces),
         grads_bytes=sum(n * p.state.grads for n, p in pieces),
         optimizer_bytes=sum(n * p.state.optimizer for n, p in pieces),
-        activations_bytes=k * sum(n * p.act_bytes for n, p in pieces),
+        activations_bytes=k * sum(n * p.act_bytes for n, p in pieces) + c.stage_pending_bytes(s, counts),
         buffers_bytes=c.buffer_bytes + c.stage_workspace_bytes(counts) + (c.first_workspace_bytes if s == 0 else 0.0),
         host_bytes=c.stage_host_bytes(s, counts))
 

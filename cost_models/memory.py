@@ -106,6 +106,16 @@ class StateBytes:
         return self.params + self.grads + self.optimizer
 
 
+def head_gather_bytes(model: ModelProfile, strat: Strategy) -> float:
+    """The head's weights gathered under ZeRO-3 at the last stage's peak: the loss comes right
+    after their forward and their backward right after it, so every implementation holds them
+    gathered then (FSDP2 groups the final norm and the head and keeps them gathered in between,
+    ``runtime.parallelize``), bytes. 0 where the weights are not sharded or stay gathered."""
+    if strat.zero < 3 or strat.replicas == 1 or holds_unsharded(strat):
+        return 0.0
+    return last_params(model, strat) * gather_bytes(strat)
+
+
 def state_bytes(params: float, strat: Strategy) -> StateBytes:
     """Model states of ``params`` parameters (already divided by tp) on one of the
     ``strat.replicas`` (dp x cp) ranks, in device memory (with ``offload``, what stays on the device).
@@ -295,6 +305,28 @@ def last_act_bytes(model: ModelProfile, strat: Strategy) -> float:
             + tokens * strat.recipe.logits_bytes * model.vocab / strat.mesh.tp)
 
 
+def block_wgrad_bytes(model: ModelProfile, strat: Strategy) -> float:
+    """Output gradients of one block's operators with weights for one micro-batch: what a
+    deferred weight pass keeps (``pipeline.pending``), bytes."""
+    sp = strat.mesh.tp if strat.sequence_parallel else 1
+    return act_scale(strat) * strat.tokens(model.seq) * (
+        model.wgrad_bytes_replicated_per_token / sp + model.wgrad_bytes_sharded_per_token / strat.mesh.tp)
+
+
+def head_wgrad_bytes(model: ModelProfile, strat: Strategy) -> float:
+    """The same for the head: the final norm's output gradient, b s h (/ tp with SP), and the
+    logits', b s V / tp, 16-bit."""
+    sp = strat.mesh.tp if strat.sequence_parallel else 1
+    return act_scale(strat) * 2 * strat.tokens(model.seq) * (model.hidden / sp + model.vocab / strat.mesh.tp)
+
+
+def boundary_bytes(model: ModelProfile, strat: Strategy) -> float:
+    """One stage-boundary activation (or its gradient) of one micro-batch, b s h (/ tp with
+    SP), bytes."""
+    sp = strat.mesh.tp if strat.sequence_parallel else 1
+    return act_scale(strat) * 2 * strat.tokens(model.seq) * model.hidden / sp
+
+
 def communicators(strat: Strategy) -> int:
     """Collective communicators a rank holds: one per mesh axis of degree > 1, the default
     group, and with ep > 1 the ep and edp groups."""
@@ -312,8 +344,7 @@ def recv_buffer_bytes(model: ModelProfile, strat: Strategy) -> float:
     receive into the next activation (Megatron's p2p)."""
     if not torch_pipelining(strat):
         return 0.0
-    sp = strat.mesh.tp if strat.sequence_parallel else 1
-    act = act_scale(strat) * 2 * strat.tokens(model.seq) * model.hidden / sp
+    act = boundary_bytes(model, strat)
     local = strat.virtual_stages if strat.schedule == "interleaved" else 1
     return (2 * local - 1) * strat.num_microbatches * act
 

@@ -71,6 +71,14 @@ class ModelProfile:
     """Tokens an expert takes at most, over its fair share (tokens x topk / experts); 0:
     dropless (every routed token is computed, however uneven)."""
 
+    wgrad_bytes_replicated_per_token: float = 0.0
+    """Bytes per token of the output gradients of one block's parameterised ops outside the
+    column-parallel region (norms, row-parallel GEMMs, router: TP does not split them, SP
+    does), 16-bit: what a deferred weight pass keeps for each micro-batch (torch's
+    zero-bubble W, ``pipeline.pending``). 0: not traced."""
+    wgrad_bytes_sharded_per_token: float = 0.0
+    """The same for the block's column-parallel GEMMs' outputs (split by TP)."""
+
     block_param_tensors: int = 0
     """Parameter tensors of one block (the optimizer steps each on its own; 0: not traced)."""
     embed_param_tensors: int = 0

@@ -79,3 +79,18 @@ def inflight(strat: Strategy) -> tuple[float, ...]:
     if v > 1:
         return tuple(min(float(m), (2 * (p - s - 1) + (v - 1) * p + 1) / v) for s in range(p))
     return tuple(float(min(p - s, m)) for s in range(p))
+
+
+def pending(strat: Strategy) -> tuple[float, ...]:
+    """Micro-batches whose weight pass stage s has deferred at its peak (``()``: none on any).
+
+    torch's zero-bubble schedule (``torch_pipelining``) runs each backward as an input pass
+    (``stage_backward_input``) and a later weight pass; in between, the stage keeps for that
+    micro-batch (``PipelineStage.backward_state``) the output gradient of every operator with
+    weights (the ``param_groups`` hooks), the gradient of its input and its detached output:
+    min(p, m) - min(p - s, m) of them on stage s (the ones ``inflight`` keeps beyond 1F1B's).
+    Other schedules run each backward whole."""
+    p, m = strat.mesh.pp, strat.num_microbatches
+    if p == 1 or strat.schedule != "zero-bubble" or not torch_pipelining(strat):
+        return ()
+    return tuple(float(min(p, m) - min(p - s, m)) for s in range(p))

@@ -6,9 +6,11 @@ blocks with recompute mode r (none, selective, full) costs, per micro-batch and 
     T_s = Σ_r n_{s,r} layer_time_s[r] + [s = 0] first_time_s + [s = p-1] last_time_s + p2p_time_s
     D_s = Σ_r n_{s,r} layer_dp_time_s[r] + [s = 0] first_dp_time_s + [s = p-1] last_dp_time_s
     M_s = buffer_bytes + max_{r: n_{s,r} > 0} workspace_bytes[r]
-          + Σ_r n_{s,r} (layer_static_bytes + inflight[s] layer_act_bytes[r])
+          + Σ_r n_{s,r} (layer_static_bytes + inflight[s] layer_act_bytes[r]
+                         + pending[s] layer_wgrad_bytes)
           + [s = 0] (first_static_bytes + inflight[0] first_act_bytes + first_workspace_bytes)
           + [s = p-1] (last_static_bytes + inflight[p-1] last_act_bytes)
+          + pending[s] ([s > 0] + [s < p-1]) boundary_bytes + [s = p-1] pending[s] last_wgrad_bytes
 
 and, with CPU offload, the host-memory row (offloaded shards, independent of recompute)
 
@@ -30,7 +32,10 @@ runs at the slowest stage). ``estimate`` and the solver both evaluate exactly th
 the solver's optimum is the estimate's optimum.
 
 A stage's load is either an int n (n blocks, all in the strategy's ``recompute`` mode,
-``nominal``) or a tuple of counts per mode in ``RECOMPUTE`` order.
+``nominal``) or a tuple of counts per mode in ``RECOMPUTE`` order. ``pending[s]`` counts the
+micro-batches whose weight pass stage s has deferred (``cost_models.pipeline.pending``; all 0
+but under torch's zero-bubble schedule): each keeps its operators' output gradients, its input
+gradient and its output.
 """
 
 from __future__ import annotations
@@ -80,6 +85,32 @@ class StageCosts:
     """Host memory per device for offloaded state, bytes (inf without offload)."""
     first_workspace_bytes: float = 0.0
     """Recompute workspace of the leading blocks on the first stage, bytes (0 without them)."""
+    pending: tuple[float, ...] = ()
+    """Micro-batches whose weight pass stage s defers (``()``: none on any stage)."""
+    layer_wgrad_bytes: float = 0.0
+    """Output gradients one block keeps per deferred weight pass, bytes."""
+    first_wgrad_bytes: float = 0.0
+    """The same for the leading blocks, all of them (0 without them)."""
+    last_wgrad_bytes: float = 0.0
+    """The same for the head (final norm and logits)."""
+    boundary_bytes: float = 0.0
+    """One stage-boundary activation of one micro-batch (kept as the stage's output and as
+    its input's gradient per deferred weight pass), bytes."""
+
+    def pending_at(self, s: int) -> float:
+        """Deferred weight passes on stage s."""
+        return self.pending[s] if self.pending else 0.0
+
+    def block_bytes(self, s: int, r: int) -> float:
+        """Bytes one block in mode r adds to stage s: its states, ``inflight[s]`` micro-batches'
+        activations and ``pending[s]`` weight passes' output gradients."""
+        return (self.layer_static_bytes + self.inflight[s] * self.mode_act_bytes[r]
+                + self.pending_at(s) * self.layer_wgrad_bytes)
+
+    def memory_key(self, s: int) -> tuple[float, ...]:
+        """What stage s's memory row depends on besides its load: stages with equal keys hold
+        the same blocks within any cap."""
+        return (self.inflight[s], self.pending_at(s), self.stage_fixed_bytes(s))
 
     @property
     def layer_time_s(self) -> float:
@@ -119,13 +150,26 @@ class StageCosts:
 
     def stage_fixed_bytes(self, s: int) -> float:
         """M_s of an empty stage (no blocks, no recompute workspace)."""
-        k = self.inflight[s]
+        k, q = self.inflight[s], self.pending_at(s)
         m = self.buffer_bytes
+        if q:
+            m += q * ((s > 0) + (s < self.pp - 1)) * self.boundary_bytes
         if s == 0:
-            m += self.first_static_bytes + k * self.first_act_bytes + self.first_workspace_bytes
+            m += (self.first_static_bytes + k * self.first_act_bytes + self.first_workspace_bytes
+                  + q * self.first_wgrad_bytes)
         if s == self.pp - 1:
-            m += self.last_static_bytes + k * self.last_act_bytes
+            m += self.last_static_bytes + k * self.last_act_bytes + q * self.last_wgrad_bytes
         return m
+
+    def stage_pending_bytes(self, s: int, load: Load) -> float:
+        """What stage s keeps for its deferred weight passes, bytes (inside ``stage_memory_bytes``)."""
+        q = self.pending_at(s)
+        if not q:
+            return 0.0
+        return q * (sum(self.counts(load)) * self.layer_wgrad_bytes
+                    + ((s > 0) + (s < self.pp - 1)) * self.boundary_bytes
+                    + (self.first_wgrad_bytes if s == 0 else 0.0)
+                    + (self.last_wgrad_bytes if s == self.pp - 1 else 0.0))
 
     def stage_host_bytes(self, s: int, load: Load) -> float:
         """H_s: offloaded state of stage s in host memory, bytes."""
@@ -145,14 +189,9 @@ class StageCosts:
 
     def stage_memory_bytes(self, s: int, load: Load) -> float:
         """M_s: peak bytes on a device of stage s."""
-        k, counts = self.inflight[s], self.counts(load)
-        m = self.buffer_bytes + self.stage_workspace_bytes(counts) + sum(
-            n * (self.layer_static_bytes + k * a) for n, a in zip(counts, self.mode_act_bytes))
-        if s == 0:
-            m += self.first_static_bytes + k * self.first_act_bytes + self.first_workspace_bytes
-        if s == self.pp - 1:
-            m += self.last_static_bytes + k * self.last_act_bytes
-        return m
+        counts = self.counts(load)
+        return (self.stage_fixed_bytes(s) + self.stage_workspace_bytes(counts)
+                + sum(n * self.block_bytes(s, r) for r, n in enumerate(counts) if n))
 
     def step_time_s(self, loads: tuple[Load, ...]) -> float:
         times = [self.stage_time_s(s, n) for s, n in enumerate(loads)]

@@ -163,6 +163,39 @@ def test_inflight_micro_batches_per_schedule():
     assert pipeline.inflight(Strategy(recipe=MC, num_microbatches=8)) == (1,)
 
 
+def test_torch_zero_bubble_defers_weight_passes_and_keeps_their_output_gradients():
+    """torch's zero-bubble schedule: min(p, m) micro-batches on every stage, min(p, m) -
+    min(p - s, m) of them waiting for their weight pass, each keeping its operators' output
+    gradients (the built-in GPT block: two norms, the row GEMMs' h and the column GEMMs' q, k,
+    v and 4h: 4h + 7h of 16-bit values per token), its input's gradient and its output."""
+    zb = Strategy(recipe=load_recipe("autopar"), mesh=Degrees(pp=4), num_microbatches=8,
+                  schedule="zero-bubble", micro_batch=2)
+    assert pipeline.inflight(zb) == (4, 4, 4, 4) and pipeline.pending(zb) == (0, 1, 2, 3)
+    assert pipeline.pending(dataclasses.replace(zb, num_microbatches=2)) == (0, 0, 0, 1)
+    assert pipeline.pending(dataclasses.replace(zb, schedule="1f1b")) == ()
+    assert pipeline.pending(dataclasses.replace(zb, recipe=MC)) == ()  # ZB-H1 as its paper runs it
+
+    from autopar.spec import parse_model_spec
+    from autopar.trace.profile import profile_spec
+    model = profile_spec(parse_model_spec("gpt:layers=8,hidden=256,heads=4,vocab=512,seq=128"))
+    h, tokens = 256, 2 * 128
+    assert (model.wgrad_bytes_replicated_per_token, model.wgrad_bytes_sharded_per_token) == (2 * 4 * h, 2 * 7 * h)
+    assert memory.block_wgrad_bytes(model, zb) == tokens * 2 * 11 * h
+    c = stage_costs(model, A100, zb)
+    plain = stage_costs(model, A100, dataclasses.replace(zb, schedule="1f1b"))
+    loads = (2, 2, 2, 2)
+    extra = [c.stage_memory_bytes(s, n) - plain.stage_memory_bytes(s, n) for s, n in enumerate(loads)]
+    act = [c.inflight[s] - plain.inflight[s] for s in range(4)]
+    boundary = tokens * 2 * h
+    for s in range(4):
+        pending = s * (2 * memory.block_wgrad_bytes(model, zb) + ((s > 0) + (s < 3)) * boundary
+                       + (memory.head_wgrad_bytes(model, zb) if s == 3 else 0))
+        held = act[s] * (2 * plain.layer_act_bytes + (plain.last_act_bytes if s == 3 else 0)
+                         + (plain.first_act_bytes if s == 0 else 0))
+        assert extra[s] == pytest.approx(pending + held)
+        assert c.stage_pending_bytes(s, loads[s]) == pytest.approx(pending)
+
+
 def test_zero3_shards_parameters_and_adds_gather_buffers():
     model = gpt(24, 2048, 16)
     z0 = stage_costs(model, A100, Strategy(recipe=MC, mesh=Degrees(dp=8), zero=0))

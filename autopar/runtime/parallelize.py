@@ -19,7 +19,8 @@ checkpointing, then the data-parallel wrapper — each with stock torch.distribu
   backward). ZeRO 1-3 are FSDP2 ``fully_shard``: 1 = ``reshard_after_forward=False`` reducing
   once per step (gradients whole until the last micro-batch, then reduce-scattered; optimizer
   states and master weights sharded), 2 = the same reducing every micro-batch, 3 =
-  ``reshard_after_forward=True``. Under pipelining the schedule itself defers the reduction to
+  ``reshard_after_forward=True``; each block is a group, and so are the embedding and the
+  final norm with the head (torchtitan's grouping, not for a tied head). Under pipelining the schedule itself defers the reduction to
   the last micro-batch, so ZeRO 1 and 2 coincide there. With expert parallelism the experts
   modules are wrapped first on the edp mesh (their gradients divided by dp), and ZeRO 0 runs on
   FSDP2's ``replicate`` (DDP takes no DTensor parameters). (``ZeroRedundancyOptimizer`` is not
@@ -272,8 +273,29 @@ def apply_data_parallel(model: nn.Module, plan: Plan, ctx: ParallelContext, anat
         if experts is not None:
             _wrap_experts(block, experts, wrap, kw)
         wrap(block, **kw)
+    if plan.zero_stage > 0:
+        _shard_ends(model, anat, kw)
     wrap(model, **kw)
     return model
+
+
+def _shard_ends(model: nn.Module, anat: Anatomy, kw: dict) -> None:
+    """The embedding, and the final norm with the head, in FSDP groups of their own
+    (torchtitan's layout): the root group's weights stay gathered from the first forward to
+    the end of the backward, which would keep both vocabulary tables unsharded all step. The
+    embedding reshards after its forward as the blocks do; the head, whose backward comes
+    right after its forward, keeps its gathered weight in between. A tied head shares the
+    embedding's weight: both stay in the root group."""
+    here = {n: m for n, m in model.named_modules() if n and next(m.parameters(), None) is not None}
+    embed, head = here.get(anat.embed), here.get(anat.head)
+    if embed is not None and head is not None and \
+            {id(w) for w in head.parameters()} & {id(w) for w in embed.parameters()}:
+        return
+    if embed is not None:
+        fully_shard(embed, **kw)
+    ends = [m for m in (here.get(anat.final_norm), head) if m is not None and m is not embed]
+    if ends:
+        fully_shard(ends, **{**kw, "reshard_after_forward": False})
 
 
 def _wrap_experts(block: nn.Module, experts: ExpertMesh, wrap: Callable[..., object], kw: dict) -> None:

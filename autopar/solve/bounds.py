@@ -25,12 +25,10 @@ def _stage_segments(c: StageCosts, s: int, modes: tuple[int, ...], cap: float,
     """(slope, blocks) pieces of g_s(N), the least T_s block time of N blocks on stage s in
     the LP relaxation of its memory row (workspace dropped, counts fractional): the lower
     convex envelope of the rays from the origin to "stage full in mode r", cut at ``upper``."""
-    k = c.inflight[s]
     room = cap - c.stage_fixed_bytes(s)
     if room <= 0 or upper <= 0:
         return []
-    pts = sorted({(room / (c.layer_static_bytes + k * c.mode_act_bytes[r]),
-                   room / (c.layer_static_bytes + k * c.mode_act_bytes[r]) * c.mode_time_s[r])
+    pts = sorted({(room / c.block_bytes(s, r), room / c.block_bytes(s, r) * c.mode_time_s[r])
                   for r in modes})
     hull = [(0.0, 0.0)]
     for x, y in pts:  # lower hull, x increasing; a point with a lower y further right dominates
@@ -72,7 +70,7 @@ def lower_bound(c: StageCosts, layers: int, modes: tuple[int, ...], cap: float =
         upper = upper or [layers] * c.pp
         segs, seen = [], {}
         for s in range(c.pp):  # stages alike in memory (k_s, fixed bytes, bound) share pieces
-            key = (c.inflight[s], c.stage_fixed_bytes(s), upper[s])
+            key = (c.memory_key(s), upper[s])
             if key not in seen:
                 seen[key] = _stage_segments(c, s, modes, cap, upper[s])
             segs.extend(seen[key])

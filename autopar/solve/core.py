@@ -42,11 +42,11 @@ def stage_upper_bounds(c: StageCosts, layers: int, cap: float, modes: tuple[int,
     -1 where even an empty stage overflows."""
     bounds = []
     for s in range(c.pp):
-        room, k, best = cap - c.stage_fixed_bytes(s), c.inflight[s], -1
+        room, best = cap - c.stage_fixed_bytes(s), -1
         for r in modes:
             spare = room - c.mode_workspace_bytes[r]
             if spare >= 0:
-                per = c.layer_static_bytes + k * c.mode_act_bytes[r]
+                per = c.block_bytes(s, r)
                 best = max(best, min(layers, math.floor(spare / per)) if per > 0 else layers)
         # without offload (no host cap) the host row holds every block: skip it
         bounds.append(best if c.host_cap_bytes == math.inf else min(best, c.host_upper_bound(s, layers)))
@@ -69,10 +69,8 @@ def _add_memory(m: cp_model.CpModel, c: StageCosts, n: list[dict], cap: float, l
     """M_s ≤ cap: the workspace term max_{r used} W_r through one Boolean per used mode."""
     cap_i = math.floor(cap)
     for s, ns in enumerate(n):
-        k = c.inflight[s]
         fixed = c.stage_fixed_bytes(s)
-        expr = sum(math.ceil(c.layer_static_bytes + k * c.mode_act_bytes[r]) * v
-                   for r, v in ns.items())
+        expr = sum(math.ceil(c.block_bytes(s, r)) * v for r, v in ns.items())
         for r, v in ns.items():
             w = c.mode_workspace_bytes[r]
             if w <= 0:
@@ -99,21 +97,23 @@ def _add_time_terms(m: cp_model.CpModel, c: StageCosts, n: list[dict], horizon: 
 
 
 def _add_symmetry_breaking(m: cp_model.CpModel, c: StageCosts, n: list[dict], layers: int) -> None:
-    """Middle stages share every coefficient but their in-flight micro-batches k_s.
+    """Middle stages share every coefficient but their memory rows (``StageCosts.memory_key``:
+    in-flight micro-batches k_s, deferred weight passes, fixed bytes).
 
-    Where k_s is equal over the middle stages (GPipe) their loads are interchangeable: order
-    them lexicographically (a linear key with base L + 1). Where k_s does not grow along the
-    pipeline (1F1B: p - s) and every block uses one mode, a larger load fits wherever a smaller
-    one did further up, so order the middle stages by block count. Mixed modes under a falling
-    k_s get no ordering (a stage with fewer but heavier blocks may not move up)."""
+    Where the rows are equal over the middle stages (GPipe) their loads are interchangeable:
+    order them lexicographically (a linear key with base L + 1). Where no term grows along the
+    pipeline (1F1B: k_s = p - s) and every block uses one mode, a larger load fits wherever a
+    smaller one did further up, so order the middle stages by block count. Mixed modes under a
+    falling k_s get no ordering (a stage with fewer but heavier blocks may not move up), nor
+    do rows that grow (torch's zero-bubble defers more weight passes further down)."""
     middle = list(range(1, c.pp - 1))
-    ks = [c.inflight[s] for s in middle]
-    if all(k == ks[0] for k in ks):
+    keys = [c.memory_key(s) for s in middle]
+    if all(k == keys[0] for k in keys):
         base = layers + 1
         key = lambda ns: sum(v * base ** i for i, (_, v) in enumerate(sorted(ns.items())))  # noqa: E731
         for a, b in zip(middle, middle[1:]):
             m.Add(key(n[a]) <= key(n[b]))
-    elif len(n[0]) == 1 and all(x >= y for x, y in zip(ks, ks[1:])):
+    elif len(n[0]) == 1 and all(x >= y for ka, kb in zip(keys, keys[1:]) for x, y in zip(ka, kb)):
         for a, b in zip(middle, middle[1:]):
             m.Add(sum(n[a].values()) <= sum(n[b].values()))
 

@@ -73,8 +73,7 @@ def _two_modes(total: np.ndarray, room: np.ndarray, a: int, b: int, c: StageCost
 def stage_table(c: StageCosts, s: int, modes: tuple[int, ...], cap: float,
                 upper: int) -> tuple[np.ndarray, np.ndarray]:
     """(g_s(N), argmin mix) for N = 0 … upper (raw, not yet made monotone)."""
-    k = c.inflight[s]
-    per = [c.layer_static_bytes + k * c.mode_act_bytes[r] for r in range(len(RECOMPUTE))]
+    per = [c.block_bytes(s, r) for r in range(len(RECOMPUTE))]
     base = cap - c.stage_fixed_bytes(s)
     size = max(upper, 0) + 1
     best = np.full(size, np.inf)
@@ -121,7 +120,7 @@ def stage_tables(c: StageCosts, modes: tuple[int, ...], cap: float,
     times, mixes, seen = [], [], {}
     for s in range(c.pp):
         # stages alike in memory (in-flight micro-batches, fixed bytes, bound) share a table
-        key = (c.inflight[s], c.stage_fixed_bytes(s), upper[s])
+        key = (c.memory_key(s), upper[s])
         if key not in seen:
             g, mix = stage_table(c, s, modes, cap, upper[s])
             seen[key] = (np.minimum.accumulate(g[::-1])[::-1], mix)

@@ -64,7 +64,11 @@ def _block_fields(block: BlockInfo, tokens: int) -> dict:
     """The per-block fields of ``ModelProfile`` read off one traced block kind, per token."""
     matmul = sum(n.flops for n in block.nodes if n.split)
     act, fused = block.recipe_activations, block.activations
+    weighted = [n for n in block.nodes if n.params]
+    sharded = sum(n.out_bytes for n in weighted if n.split in ("column", "expert-column"))
     return dict(
+        wgrad_bytes_replicated_per_token=(sum(n.out_bytes for n in weighted) - sharded) / tokens,
+        wgrad_bytes_sharded_per_token=sharded / tokens,
         block_params=block.params,
         block_param_tensors=block.param_tensors,
         block_matmul_flops_per_token=matmul / tokens,
