@@ -32,7 +32,9 @@ def least_memory_costs(model: ModelProfile, hw: HardwareProfile, strat: Strategy
     s + (p - 2s - 1)/v, which is ≥ s ≥ 0 when p - 2s - 1 ≥ 0 and else (v ≥ 2) at least
     s + (p - 2s - 1)/2 = (p - 1)/2 ≥ 0. Every memory term is non-decreasing in the in-flight
     count, so a block count that does not fit a stage of this relaxation fits that stage of
-    no member, whatever its recompute modes.
+    no member, whatever its recompute modes. Where torch's zero-bubble member peaks before
+    any gradient exists (``pipeline.grads_absent``), so does the relaxation: max(a, g) - g is
+    at most a and non-decreasing in a.
 
     The rows are assembled as ``estimate.stage_costs`` assembles them (tests/test_solver.py
     checks they are equal), without its time model: a fraction of its cost. The model's
@@ -42,10 +44,11 @@ def least_memory_costs(model: ModelProfile, hw: HardwareProfile, strat: Strategy
     s = replace(strat, schedule="1f1b", virtual_stages=1, recompute="none", stage_layers=(),
                 stage_recompute=())
     first, last = memory.first_params(model, s), memory.last_params(model, s)
-    lead_static = lead_act = lead_host = 0.0
+    lead_static = lead_act = lead_host = lead_grads = 0.0
     if model.lead is not None:
         n = model.lead_layers
         lead_static = n * memory.layer_state_bytes(model.lead, s).total
+        lead_grads = n * memory.layer_state_bytes(model.lead, s).grads
         lead_act = n * min(memory.block_act_bytes(model.lead, s, r) for r in RECOMPUTE)
         lead_host = n * memory.layer_host_bytes(model.lead, s)
     return StageCosts(
@@ -64,4 +67,8 @@ def least_memory_costs(model: ModelProfile, hw: HardwareProfile, strat: Strategy
         layer_host_bytes=memory.layer_host_bytes(model, s),
         first_host_bytes=memory.host_state_bytes(first, s) + lead_host,
         last_host_bytes=memory.host_state_bytes(last, s),
-        host_cap_bytes=hw.host_memory_bytes if s.offload else float("inf"))
+        host_cap_bytes=hw.host_memory_bytes if s.offload else float("inf"),
+        grads_absent=pipeline.grads_absent(replace(s, schedule="zero-bubble")),
+        layer_grad_bytes=memory.layer_state_bytes(model, s).grads,
+        first_grad_bytes=memory.state_bytes(first, s).grads + lead_grads,
+        last_grad_bytes=memory.state_bytes(last, s).grads)

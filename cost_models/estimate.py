@@ -618,19 +618,21 @@ def stage_costs(model: ModelProfile, hw: HardwareProfile, strat: Strategy,
         layer_host_bytes=parts.layers[0].host_bytes, first_host_bytes=first.host_bytes,
         last_host_bytes=parts.last.host_bytes,
         host_cap_bytes=hw.host_memory_bytes if strat.offload else float("inf"),
-        first_workspace_bytes=lead_workspace_bytes(model, strat), **pending_fields(model, strat))
+        first_workspace_bytes=lead_workspace_bytes(model, strat), layer_grad_bytes=parts.layers[0].state.grads,
+        first_grad_bytes=first.state.grads, last_grad_bytes=parts.last.state.grads, **pending_fields(model, strat))
 
 
 def pending_fields(model: ModelProfile, strat: Strategy) -> dict:
-    """The ``StageCosts`` fields of the deferred weight passes (``pipeline.pending``); empty
-    where no stage defers one."""
+    """The ``StageCosts`` fields of the deferred weight passes (``pipeline.pending``) and what
+    their schedule holds with them (``memory.zero_bubble_held_bytes``); empty where no stage
+    defers one."""
     pending = pipeline.pending(strat)
     if not pending:
         return {}
-    lead = model.lead_layers * memory.block_wgrad_bytes(model.lead, strat) if model.lead else 0.0
     return dict(pending=pending, layer_wgrad_bytes=memory.block_wgrad_bytes(model, strat),
-                first_wgrad_bytes=lead, last_wgrad_bytes=memory.head_wgrad_bytes(model, strat),
-                boundary_bytes=memory.boundary_bytes(model, strat))
+                held_bytes=memory.zero_bubble_held_bytes(model, strat, pending),
+                last_freed_bytes=memory.zero_bubble_freed_bytes(model, strat),
+                grads_absent=pipeline.grads_absent(strat))
 
 
 def lead_workspace_bytes(model: ModelProfile, strat: Strategy) -> float:
@@ -661,7 +663,7 @@ def _stage_memory(parts: _Parts, c: StageCosts, s: int, counts: tuple[int, ...],
     return MemoryBreakdown(
         peak_bytes=c.stage_memory_bytes(s, counts),
         params_bytes=sum(n * p.state.params for n, p in pieces),
-        grads_bytes=sum(n * p.state.grads for n, p in pieces),
+        grads_bytes=c.stage_grad_bytes(s, counts),
         optimizer_bytes=sum(n * p.state.optimizer for n, p in pieces),
         activations_bytes=k * sum(n * p.act_bytes for n, p in pieces) + c.stage_pending_bytes(s, counts),
         buffers_bytes=c.buffer_bytes + c.stage_workspace_bytes(counts) + (c.first_workspace_bytes if s == 0 else 0.0),

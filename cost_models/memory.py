@@ -106,6 +106,13 @@ class StateBytes:
         return self.params + self.grads + self.optimizer
 
 
+def grads_sharded(strat: Strategy) -> bool:
+    """The gradients live sharded over the replicas (``state_bytes``)."""
+    if holds_unsharded(strat):
+        return False
+    return strat.zero >= 2 or (strat.zero == 1 and strat.num_microbatches == 1 and strat.recipe.fsdp_copies)
+
+
 def head_gather_bytes(model: ModelProfile, strat: Strategy) -> float:
     """The head's weights gathered under ZeRO-3 at the last stage's peak: the loss comes right
     after their forward and their backward right after it, so every implementation holds them
@@ -125,7 +132,10 @@ def state_bytes(params: float, strat: Strategy) -> StateBytes:
     them gathered): a layout's 16-bit copy, or where FSDP gathers them (ZeRO >= 1 with the
     master sharded, ``reshard_after_forward=False``; FSDP2's ``replicate``, ``fsdp_replicate``)
     a whole copy in the compute dtype, fp32 in fp32 training. The gradients are sharded by
-    ZeRO >= 2 unless the pipeline accumulates them unsharded, the optimizer states by ZeRO >= 1.
+    ZeRO >= 2 unless the pipeline accumulates them unsharded, and by ZeRO-1 on FSDP with one
+    micro-batch (its once-per-step reduce-scatter runs in that backward, a block at a time:
+    ``fsdp_copies``; Megatron's distributed optimizer keeps its whole gradient buffer), the
+    optimizer states by ZeRO >= 1.
     """
     lay, zero, dp = state_layout(strat), strat.zero, strat.replicas
     copy = compute_copy_bytes(strat)
@@ -140,7 +150,7 @@ def state_bytes(params: float, strat: Strategy) -> StateBytes:
     if lay.master_copy and hold:
         weight = lay.weight
     return StateBytes(params=params * (weight + copy_held),
-                      grads=params * lay.grad / (dp if zero >= 2 and not hold else 1),
+                      grads=params * lay.grad / (dp if grads_sharded(strat) else 1),
                       optimizer=params * lay.optimizer / (dp if zero >= 1 else 1))
 
 
@@ -299,10 +309,13 @@ def last_act_bytes(model: ModelProfile, strat: Strategy) -> float:
     the loss keeps per logit (``ExecutionRecipe.logits_bytes``: Megatron's fp32 logits, 4,
     Korthikanti et al. Sec. 4.3; eager cross-entropy under autocast, 16-bit logits and fp32
     log-probabilities, 6), s b V / tp."""
-    tokens = strat.tokens(model.seq)
     sp = strat.mesh.tp if strat.sequence_parallel else 1
-    return (act_scale(strat) * tokens * 4 * model.hidden / sp
-            + tokens * strat.recipe.logits_bytes * model.vocab / strat.mesh.tp)
+    return act_scale(strat) * strat.tokens(model.seq) * 4 * model.hidden / sp + loss_act_bytes(model, strat)
+
+
+def loss_act_bytes(model: ModelProfile, strat: Strategy) -> float:
+    """The loss's part of ``last_act_bytes``: what it keeps per logit, s b V / tp, bytes."""
+    return strat.tokens(model.seq) * strat.recipe.logits_bytes * model.vocab / strat.mesh.tp
 
 
 def block_wgrad_bytes(model: ModelProfile, strat: Strategy) -> float:
@@ -325,6 +338,41 @@ def boundary_bytes(model: ModelProfile, strat: Strategy) -> float:
     SP), bytes."""
     sp = strat.mesh.tp if strat.sequence_parallel else 1
     return act_scale(strat) * 2 * strat.tokens(model.seq) * model.hidden / sp
+
+
+def zero_bubble_held_bytes(model: ModelProfile, strat: Strategy, pending: tuple[float, ...]) -> tuple[float, ...]:
+    """What stage s of torch's zero-bubble schedule holds at its peak beyond its blocks' terms
+    and ``pending``'s output gradients, bytes (B: ``boundary_bytes``):
+
+    - per deferred weight pass its output (all stages but the last) and its input's gradient
+      (all but the first), and on the last stage the head's output gradients;
+    - of the max(0, m - p) micro-batches whose weight pass already ran, the outputs, held by
+      the sends the schedule waits for only when the step ends (``_PipelineScheduleRuntime``'s
+      ``send_ops``), and the input gradients, kept as the receive buffers' ``.grad``;
+    - on a middle stage, its gradient receive buffers, m B (``recv_buffer_bytes`` prices an
+      end stage, which receives in one direction).
+
+    (The last stage also frees the loss's saved logits at each input pass:
+    ``zero_bubble_freed_bytes``.)"""
+    p, m = strat.mesh.pp, strat.num_microbatches
+    b, done = boundary_bytes(model, strat), max(0, m - p)
+    out = []
+    for s, q in enumerate(pending):
+        first, last = s == 0, s == p - 1
+        held = (q + done) * ((not first) + (not last)) * b
+        if not first and not last:
+            held += m * b
+        if last:
+            held += q * head_wgrad_bytes(model, strat)
+        out.append(held)
+    return tuple(out)
+
+
+def zero_bubble_freed_bytes(model: ModelProfile, strat: Strategy) -> float:
+    """What the last stage of torch's zero-bubble schedule has freed of its ``inflight``
+    micro-batches' ``last_act_bytes`` at its peak: the loss's saved logits, which each input
+    pass frees (``stage_backward_input`` detaches the loss), of all but one, bytes."""
+    return (min(strat.mesh.pp, strat.num_microbatches) - 1) * loss_act_bytes(model, strat)
 
 
 def communicators(strat: Strategy) -> int:

@@ -87,10 +87,20 @@ def pending(strat: Strategy) -> tuple[float, ...]:
     torch's zero-bubble schedule (``torch_pipelining``) runs each backward as an input pass
     (``stage_backward_input``) and a later weight pass; in between, the stage keeps for that
     micro-batch (``PipelineStage.backward_state``) the output gradient of every operator with
-    weights (the ``param_groups`` hooks), the gradient of its input and its detached output:
-    min(p, m) - min(p - s, m) of them on stage s (the ones ``inflight`` keeps beyond 1F1B's).
-    Other schedules run each backward whole."""
+    weights (the ``param_groups`` hooks), the gradient of its input and its detached output.
+    A stage peaks at the end of its last steady-state input pass, with min(p, m) - min(p - s, m)
+    passes deferred before it and that micro-batch's own (measured on CPU ranks by
+    ``tests/test_memory_measured.py``); the first stage, whose input needs no gradient, runs
+    each weight pass at once. Other schedules run each backward whole."""
     p, m = strat.mesh.pp, strat.num_microbatches
     if p == 1 or strat.schedule != "zero-bubble" or not torch_pipelining(strat):
         return ()
-    return tuple(float(min(p, m) - min(p - s, m)) for s in range(p))
+    return tuple(float(min(p, m) - min(p - s, m) + (s > 0)) for s in range(p))
+
+
+def grads_absent(strat: Strategy) -> bool:
+    """No stage has made a gradient by its peak: torch's zero-bubble schedule with m <= p
+    peaks at the end of its input passes, before any weight pass (measured on CPU ranks), and
+    its recipes' FSDP2 makes the gradients in the weight passes, ``zero_grad(set_to_none=True)``
+    having freed the last step's."""
+    return bool(pending(strat)) and strat.num_microbatches <= strat.mesh.pp

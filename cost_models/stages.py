@@ -9,8 +9,8 @@ blocks with recompute mode r (none, selective, full) costs, per micro-batch and 
           + Σ_r n_{s,r} (layer_static_bytes + inflight[s] layer_act_bytes[r]
                          + pending[s] layer_wgrad_bytes)
           + [s = 0] (first_static_bytes + inflight[0] first_act_bytes + first_workspace_bytes)
-          + [s = p-1] (last_static_bytes + inflight[p-1] last_act_bytes)
-          + pending[s] ([s > 0] + [s < p-1]) boundary_bytes + [s = p-1] pending[s] last_wgrad_bytes
+          + [s = p-1] (last_static_bytes + inflight[p-1] last_act_bytes - last_freed_bytes)
+          + held_bytes[s]
 
 and, with CPU offload, the host-memory row (offloaded shards, independent of recompute)
 
@@ -34,8 +34,10 @@ the solver's optimum is the estimate's optimum.
 A stage's load is either an int n (n blocks, all in the strategy's ``recompute`` mode,
 ``nominal``) or a tuple of counts per mode in ``RECOMPUTE`` order. ``pending[s]`` counts the
 micro-batches whose weight pass stage s has deferred (``cost_models.pipeline.pending``; all 0
-but under torch's zero-bubble schedule): each keeps its operators' output gradients, its input
-gradient and its output.
+but under torch's zero-bubble schedule), each keeping its blocks' operators' output gradients;
+``held_bytes[s]`` what else that schedule holds on stage s (``memory.zero_bubble_held_bytes``).
+Where every stage peaks before making any gradient (``grads_absent``), each piece's
+activations term a becomes max(a, g) - g, g the gradients its static bytes count.
 """
 
 from __future__ import annotations
@@ -89,13 +91,20 @@ class StageCosts:
     """Micro-batches whose weight pass stage s defers (``()``: none on any stage)."""
     layer_wgrad_bytes: float = 0.0
     """Output gradients one block keeps per deferred weight pass, bytes."""
-    first_wgrad_bytes: float = 0.0
-    """The same for the leading blocks, all of them (0 without them)."""
-    last_wgrad_bytes: float = 0.0
-    """The same for the head (final norm and logits)."""
-    boundary_bytes: float = 0.0
-    """One stage-boundary activation of one micro-batch (kept as the stage's output and as
-    its input's gradient per deferred weight pass), bytes."""
+    held_bytes: tuple[float, ...] = ()
+    """What else stage s holds for its schedule's deferred passes, bytes (``()``: nothing;
+    may be negative where that schedule frees what the per-piece terms count)."""
+    last_freed_bytes: float = 0.0
+    """What the last stage has freed of its ``inflight`` micro-batches' ``last_act_bytes`` by
+    its peak, bytes (at most all but one's)."""
+    grads_absent: bool = False
+    """Every stage peaks before it has made any gradient (``pipeline.grads_absent``): each
+    piece holds the larger of its live activations and its gradients (made as they go)."""
+    layer_grad_bytes: float = 0.0
+    """The gradients inside ``layer_static_bytes`` (and the first and last pieces' below),
+    bytes; read only when ``grads_absent``."""
+    first_grad_bytes: float = 0.0
+    last_grad_bytes: float = 0.0
 
     def pending_at(self, s: int) -> float:
         """Deferred weight passes on stage s."""
@@ -104,8 +113,13 @@ class StageCosts:
     def block_bytes(self, s: int, r: int) -> float:
         """Bytes one block in mode r adds to stage s: its states, ``inflight[s]`` micro-batches'
         activations and ``pending[s]`` weight passes' output gradients."""
-        return (self.layer_static_bytes + self.inflight[s] * self.mode_act_bytes[r]
-                + self.pending_at(s) * self.layer_wgrad_bytes)
+        live = self.inflight[s] * self.mode_act_bytes[r] + self.pending_at(s) * self.layer_wgrad_bytes
+        return self.layer_static_bytes + self._or_grads(live, self.layer_grad_bytes)
+
+    def _or_grads(self, live: float, grads: float) -> float:
+        """A piece's activations ``live`` at the peak, or with ``grads_absent`` the larger of
+        them and its gradients, less the gradients its static bytes count."""
+        return max(live, grads) - grads if self.grads_absent else live
 
     def memory_key(self, s: int) -> tuple[float, ...]:
         """What stage s's memory row depends on besides its load: stages with equal keys hold
@@ -150,26 +164,37 @@ class StageCosts:
 
     def stage_fixed_bytes(self, s: int) -> float:
         """M_s of an empty stage (no blocks, no recompute workspace)."""
-        k, q = self.inflight[s], self.pending_at(s)
-        m = self.buffer_bytes
-        if q:
-            m += q * ((s > 0) + (s < self.pp - 1)) * self.boundary_bytes
+        k = self.inflight[s]
+        m = self.buffer_bytes + (self.held_bytes[s] if self.held_bytes else 0.0)
         if s == 0:
-            m += (self.first_static_bytes + k * self.first_act_bytes + self.first_workspace_bytes
-                  + q * self.first_wgrad_bytes)
+            m += (self.first_static_bytes + self._or_grads(k * self.first_act_bytes, self.first_grad_bytes)
+                  + self.first_workspace_bytes)
         if s == self.pp - 1:
-            m += self.last_static_bytes + k * self.last_act_bytes + q * self.last_wgrad_bytes
+            m += self.last_static_bytes + self._or_grads(self.last_live_bytes(), self.last_grad_bytes)
         return m
+
+    def last_live_bytes(self) -> float:
+        """The head's activations at the last stage's peak, bytes."""
+        return self.inflight[self.pp - 1] * self.last_act_bytes - self.last_freed_bytes
+
+    def stage_grad_bytes(self, s: int, load: Load) -> float:
+        """The gradients live at stage s's peak, bytes: those the static bytes count, or with
+        ``grads_absent`` what each piece's exceed its live activations by."""
+        counts, k = self.counts(load), self.inflight[s]
+        pieces = [(n, self.inflight[s] * a + self.pending_at(s) * self.layer_wgrad_bytes, self.layer_grad_bytes)
+                  for n, a in zip(counts, self.mode_act_bytes) if n]
+        if s == 0:
+            pieces.append((1, k * self.first_act_bytes, self.first_grad_bytes))
+        if s == self.pp - 1:
+            pieces.append((1, self.last_live_bytes(), self.last_grad_bytes))
+        return sum(n * (max(0.0, g - live) if self.grads_absent else g) for n, live, g in pieces)
 
     def stage_pending_bytes(self, s: int, load: Load) -> float:
         """What stage s keeps for its deferred weight passes, bytes (inside ``stage_memory_bytes``)."""
-        q = self.pending_at(s)
-        if not q:
+        if not self.pending:
             return 0.0
-        return q * (sum(self.counts(load)) * self.layer_wgrad_bytes
-                    + ((s > 0) + (s < self.pp - 1)) * self.boundary_bytes
-                    + (self.first_wgrad_bytes if s == 0 else 0.0)
-                    + (self.last_wgrad_bytes if s == self.pp - 1 else 0.0))
+        return (self.pending[s] * sum(self.counts(load)) * self.layer_wgrad_bytes + self.held_bytes[s]
+                - (self.last_freed_bytes if s == self.pp - 1 else 0.0))
 
     def stage_host_bytes(self, s: int, load: Load) -> float:
         """H_s: offloaded state of stage s in host memory, bytes."""

@@ -116,9 +116,14 @@ def test_state_layouts_bytes_per_parameter():
     assert state_bytes(1, Strategy(dtype="fp32")).total == 16
     # autopar's FSDP2/autocast program: fp32 master weights + a bf16 copy for compute.
     assert state_bytes(1, Strategy()).total == 18
-    # ZeRO-1 on FSDP2 shards the fp32 weights (the master) and keeps the bf16 copy whole.
-    z1 = state_bytes(8, Strategy(mesh=Degrees(dp=8), zero=1))
+    # ZeRO-1 on FSDP2 shards the fp32 weights (the master) and keeps the bf16 copy whole, and
+    # the gradients until the last micro-batch's reduce-scatter: with one, that one's (ZeRO-2's).
+    z1 = state_bytes(8, Strategy(mesh=Degrees(dp=8), zero=1, num_microbatches=4))
     assert (z1.params, z1.grads, z1.optimizer) == (4 + 16, 32, 8)
+    z1m1 = state_bytes(8, Strategy(mesh=Degrees(dp=8), zero=1, num_microbatches=1))
+    assert (z1m1.params, z1m1.grads, z1m1.optimizer) == (4 + 16, 4, 8)
+    z1mc = state_bytes(8, Strategy(mesh=Degrees(dp=8), zero=1, num_microbatches=1, recipe=MC))
+    assert z1mc.grads == 32  # Megatron's distributed optimizer keeps its whole gradient buffer
     # ZeRO-3 under a pipeline (torch.distributed.pipelining + FSDP2): gathered weights and
     # unsharded gradients until the last backward; without a pipeline, all sharded.
     z3 = state_bytes(8, Strategy(mesh=Degrees(dp=8), zero=3))
@@ -164,14 +169,17 @@ def test_inflight_micro_batches_per_schedule():
 
 
 def test_torch_zero_bubble_defers_weight_passes_and_keeps_their_output_gradients():
-    """torch's zero-bubble schedule: min(p, m) micro-batches on every stage, min(p, m) -
-    min(p - s, m) of them waiting for their weight pass, each keeping its operators' output
-    gradients (the built-in GPT block: two norms, the row GEMMs' h and the column GEMMs' q, k,
-    v and 4h: 4h + 7h of 16-bit values per token), its input's gradient and its output."""
+    """torch's zero-bubble schedule: min(p, m) micro-batches on every stage; at a stage's peak
+    min(p, m) - min(p - s, m) weight passes deferred plus the one just split off (not on the
+    first stage), each keeping its operators' output gradients (the built-in GPT block: two
+    norms, the row GEMMs' h and the column GEMMs' q, k, v and 4h: 4h + 7h of 16-bit values per
+    token), its input's gradient and its output; the m - p done ones' outputs and input
+    gradients until the step ends; a middle stage's gradient receive buffers; the last stage
+    frees all but one micro-batch's saved logits."""
     zb = Strategy(recipe=load_recipe("autopar"), mesh=Degrees(pp=4), num_microbatches=8,
                   schedule="zero-bubble", micro_batch=2)
-    assert pipeline.inflight(zb) == (4, 4, 4, 4) and pipeline.pending(zb) == (0, 1, 2, 3)
-    assert pipeline.pending(dataclasses.replace(zb, num_microbatches=2)) == (0, 0, 0, 1)
+    assert pipeline.inflight(zb) == (4, 4, 4, 4) and pipeline.pending(zb) == (0, 2, 3, 4)
+    assert pipeline.pending(dataclasses.replace(zb, num_microbatches=2)) == (0, 1, 1, 2)
     assert pipeline.pending(dataclasses.replace(zb, schedule="1f1b")) == ()
     assert pipeline.pending(dataclasses.replace(zb, recipe=MC)) == ()  # ZB-H1 as its paper runs it
 
@@ -184,15 +192,16 @@ def test_torch_zero_bubble_defers_weight_passes_and_keeps_their_output_gradients
     c = stage_costs(model, A100, zb)
     plain = stage_costs(model, A100, dataclasses.replace(zb, schedule="1f1b"))
     loads = (2, 2, 2, 2)
-    extra = [c.stage_memory_bytes(s, n) - plain.stage_memory_bytes(s, n) for s, n in enumerate(loads)]
-    act = [c.inflight[s] - plain.inflight[s] for s in range(4)]
-    boundary = tokens * 2 * h
-    for s in range(4):
-        pending = s * (2 * memory.block_wgrad_bytes(model, zb) + ((s > 0) + (s < 3)) * boundary
-                       + (memory.head_wgrad_bytes(model, zb) if s == 3 else 0))
-        held = act[s] * (2 * plain.layer_act_bytes + (plain.last_act_bytes if s == 3 else 0)
-                         + (plain.first_act_bytes if s == 0 else 0))
-        assert extra[s] == pytest.approx(pending + held)
+    b, logits = tokens * 2 * h, tokens * load_recipe("autopar").logits_bytes * 512
+    for s, q in enumerate((0, 2, 3, 4)):
+        held = (q + 8 - 4) * ((s > 0) + (s < 3)) * b + (8 * b if s in (1, 2) else 0)
+        if s == 3:
+            held += q * memory.head_wgrad_bytes(model, zb) - 3 * logits
+        pending = q * 2 * memory.block_wgrad_bytes(model, zb) + held
+        more = (c.inflight[s] - plain.inflight[s]) * (2 * plain.layer_act_bytes + (plain.last_act_bytes if s == 3 else 0)
+                                                      + (plain.first_act_bytes if s == 0 else 0))
+        extra = c.stage_memory_bytes(s, loads[s]) - plain.stage_memory_bytes(s, loads[s])
+        assert extra == pytest.approx(pending + more)
         assert c.stage_pending_bytes(s, loads[s]) == pytest.approx(pending)
 
 
