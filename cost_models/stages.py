@@ -113,8 +113,12 @@ class StageCosts:
     def block_bytes(self, s: int, r: int) -> float:
         """Bytes one block in mode r adds to stage s: its states, ``inflight[s]`` micro-batches'
         activations and ``pending[s]`` weight passes' output gradients."""
-        live = self.inflight[s] * self.mode_act_bytes[r] + self.pending_at(s) * self.layer_wgrad_bytes
-        return self.layer_static_bytes + self._or_grads(live, self.layer_grad_bytes)
+        live = self.inflight[s] * self.mode_act_bytes[r]
+        if self.pending:
+            live += self.pending[s] * self.layer_wgrad_bytes
+        if self.grads_absent:
+            return self.layer_static_bytes + max(live, self.layer_grad_bytes) - self.layer_grad_bytes
+        return self.layer_static_bytes + live
 
     def _or_grads(self, live: float, grads: float) -> float:
         """A piece's activations ``live`` at the peak, or with ``grads_absent`` the larger of
