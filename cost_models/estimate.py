@@ -619,10 +619,10 @@ def stage_costs(model: ModelProfile, hw: HardwareProfile, strat: Strategy,
         last_host_bytes=parts.last.host_bytes,
         host_cap_bytes=hw.host_memory_bytes if strat.offload else float("inf"),
         first_workspace_bytes=lead_workspace_bytes(model, strat), layer_grad_bytes=parts.layers[0].state.grads,
-        first_grad_bytes=first.state.grads, last_grad_bytes=parts.last.state.grads, **pending_fields(model, strat))
+        first_grad_bytes=first.state.grads, last_grad_bytes=parts.last.state.grads, **pending_fields(model, hw, strat))
 
 
-def pending_fields(model: ModelProfile, strat: Strategy) -> dict:
+def pending_fields(model: ModelProfile, hw: HardwareProfile, strat: Strategy) -> dict:
     """The ``StageCosts`` fields of the deferred weight passes (``pipeline.pending``) and what
     their schedule holds with them (``memory.zero_bubble_held_bytes``); empty where no stage
     defers one."""
@@ -630,7 +630,7 @@ def pending_fields(model: ModelProfile, strat: Strategy) -> dict:
     if not pending:
         return {}
     return dict(pending=pending, layer_wgrad_bytes=memory.block_wgrad_bytes(model, strat),
-                held_bytes=memory.zero_bubble_held_bytes(model, strat, pending),
+                held_bytes=memory.zero_bubble_held_bytes(model, hw, strat, pending),
                 last_freed_bytes=memory.zero_bubble_freed_bytes(model, strat),
                 grads_absent=pipeline.grads_absent(strat))
 

@@ -340,26 +340,28 @@ def boundary_bytes(model: ModelProfile, strat: Strategy) -> float:
     return act_scale(strat) * 2 * strat.tokens(model.seq) * model.hidden / sp
 
 
-def zero_bubble_held_bytes(model: ModelProfile, strat: Strategy, pending: tuple[float, ...]) -> tuple[float, ...]:
+def zero_bubble_held_bytes(model: ModelProfile, hw: HardwareProfile, strat: Strategy,
+                           pending: tuple[float, ...]) -> tuple[float, ...]:
     """What stage s of torch's zero-bubble schedule holds at its peak beyond its blocks' terms
     and ``pending``'s output gradients, bytes (B: ``boundary_bytes``):
 
     - per deferred weight pass its output (all stages but the last) and its input's gradient
       (all but the first), and on the last stage the head's output gradients;
-    - of the max(0, m - p) micro-batches whose weight pass already ran, the outputs, held by
-      the sends the schedule waits for only when the step ends (``_PipelineScheduleRuntime``'s
-      ``send_ops``), and the input gradients, kept as the receive buffers' ``.grad``;
+    - of the max(0, m - p) micro-batches whose weight pass already ran, the input gradients,
+      kept as the receive buffers' ``.grad`` until the step ends, and over gloo the outputs,
+      held by the sends the schedule waits for only then (``_PipelineScheduleRuntime``'s
+      ``send_ops``; NCCL's watchdog releases a completed send's tensors before that);
     - on a middle stage, its gradient receive buffers, m B (``recv_buffer_bytes`` prices an
       end stage, which receives in one direction).
 
     (The last stage also frees the loss's saved logits at each input pass:
     ``zero_bubble_freed_bytes``.)"""
     p, m = strat.mesh.pp, strat.num_microbatches
-    b, done = boundary_bytes(model, strat), max(0, m - p)
+    b, done, gloo = boundary_bytes(model, strat), max(0, m - p), hw.launcher == "gloo"
     out = []
     for s, q in enumerate(pending):
         first, last = s == 0, s == p - 1
-        held = (q + done) * ((not first) + (not last)) * b
+        held = (q * ((not first) + (not last)) + done * ((not first) + (not last and gloo))) * b
         if not first and not last:
             held += m * b
         if last:
