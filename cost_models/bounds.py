@@ -33,7 +33,7 @@ def least_memory_costs(model: ModelProfile, hw: HardwareProfile, strat: Strategy
     s + (p - 2s - 1)/2 = (p - 1)/2 ≥ 0. Every memory term is non-decreasing in the in-flight
     count, so a block count that does not fit a stage of this relaxation fits that stage of
     no member, whatever its recompute modes. Where torch's zero-bubble member peaks before
-    any gradient exists (``pipeline.grads_absent``), so does the relaxation: max(a, g) - g is
+    any gradient exists (``memory.grads_absent``), so does the relaxation: max(a, g) - g is
     at most a and non-decreasing in a.
 
     The rows are assembled as ``estimate.stage_costs`` assembles them (tests/test_solver.py
@@ -68,7 +68,7 @@ def least_memory_costs(model: ModelProfile, hw: HardwareProfile, strat: Strategy
         first_host_bytes=memory.host_state_bytes(first, s) + lead_host,
         last_host_bytes=memory.host_state_bytes(last, s),
         host_cap_bytes=hw.host_memory_bytes if s.offload else float("inf"),
-        grads_absent=pipeline.grads_absent(replace(s, schedule="zero-bubble")),
+        grads_absent=memory.grads_absent(replace(s, schedule="zero-bubble")),
         layer_grad_bytes=memory.layer_state_bytes(model, s).grads,
         first_grad_bytes=memory.state_bytes(first, s).grads + lead_grads,
         last_grad_bytes=memory.state_bytes(last, s).grads)

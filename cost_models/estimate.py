@@ -619,7 +619,8 @@ def stage_costs(model: ModelProfile, hw: HardwareProfile, strat: Strategy,
         last_host_bytes=parts.last.host_bytes,
         host_cap_bytes=hw.host_memory_bytes if strat.offload else float("inf"),
         first_workspace_bytes=lead_workspace_bytes(model, strat), layer_grad_bytes=parts.layers[0].state.grads,
-        first_grad_bytes=first.state.grads, last_grad_bytes=parts.last.state.grads, **pending_fields(model, hw, strat))
+        first_grad_bytes=first.state.grads, last_grad_bytes=parts.last.state.grads,
+        grads_absent=memory.grads_absent(strat), **pending_fields(model, hw, strat))
 
 
 def pending_fields(model: ModelProfile, hw: HardwareProfile, strat: Strategy) -> dict:
@@ -631,8 +632,7 @@ def pending_fields(model: ModelProfile, hw: HardwareProfile, strat: Strategy) ->
         return {}
     return dict(pending=pending, layer_wgrad_bytes=memory.block_wgrad_bytes(model, strat),
                 held_bytes=memory.zero_bubble_held_bytes(model, hw, strat, pending),
-                last_freed_bytes=memory.zero_bubble_freed_bytes(model, strat),
-                grads_absent=pipeline.grads_absent(strat))
+                last_freed_bytes=memory.zero_bubble_freed_bytes(model, strat))
 
 
 def lead_workspace_bytes(model: ModelProfile, strat: Strategy) -> float:

@@ -34,7 +34,7 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 
 from cost_models.axes import Degrees
-from cost_models.pipeline import torch_pipelining
+from cost_models.pipeline import grads_absent as grads_absent_zero_bubble, torch_pipelining
 from cost_models.hardware import HardwareProfile
 from cost_models.model_profile import ModelProfile
 from cost_models.strategy import Strategy
@@ -377,6 +377,19 @@ def zero_bubble_freed_bytes(model: ModelProfile, strat: Strategy) -> float:
     return (min(strat.mesh.pp, strat.num_microbatches) - 1) * loss_act_bytes(model, strat)
 
 
+def grads_absent(strat: Strategy) -> bool:
+    """No gradient exists at any stage's peak (``StageCosts.grads_absent``): FSDP2 makes them
+    in the backward, ``zero_grad(set_to_none=True)`` having freed the last step's, and the
+    peak comes first: with one micro-batch and no pipeline (the forward's end, or the last
+    block's all-gather at the backward's start: a census of the live tensors on CPU ranks),
+    or under torch's zero-bubble schedule with m <= p (``pipeline.grads_absent``). Not under
+    DDP or Megatron, whose gradient buffers live all step."""
+    if grads_absent_zero_bubble(strat):
+        return True
+    fsdp = strat.recipe.fsdp_copies and strat.replicas > 1 and (strat.zero > 0 or fsdp_replicate(strat))
+    return fsdp and strat.mesh.pp == 1 and strat.num_microbatches == 1
+
+
 def communicators(strat: Strategy) -> int:
     """Collective communicators a rank holds: one per mesh axis of degree > 1, the default
     group, and with ep > 1 the ep and edp groups."""
@@ -411,7 +424,10 @@ def base_buffer_bytes(model: ModelProfile, hw: HardwareProfile, strat: Strategy)
       ``replicate`` all-reduce) makes one block's unsharded gradients (gathered weights'
       dtype) in its backward while freeing that block's activations of the micro-batch
       (stored or recomputed): what they exceed those by (the copy into the flat buffer, in
-      the reduce dtype, comes once the activations are gone). torch's
+      the reduce dtype, comes once the activations are gone); without a pipeline, FSDP2
+      under ZeRO 1-2 keeps instead the last group's flat all-gather output (one block's
+      weights) until the next all-gather (a census of the live tensors on CPU ranks; the
+      pipelined stages, unsharded once per step by the schedule, measure without it). torch's
       DDP (``torch_ddp``) keeps the gradients in its buckets, but with more than one
       micro-batch the accumulating ones (``no_sync`` after ``zero_grad(set_to_none=True)``)
       are separate tensors until the last backward copies them in: one more copy of them;
@@ -429,6 +445,9 @@ def base_buffer_bytes(model: ModelProfile, hw: HardwareProfile, strat: Strategy)
         elif torch_ddp(strat):
             if strat.num_microbatches > 1:
                 total += model.params * lay.grad
+        elif strat.recipe.fsdp_copies and strat.zero > 0 and strat.mesh.pp == 1:
+            # FSDP2 keeps a group's flat all-gather output until the next group's all-gather
+            total += widest * gather_bytes(strat)
         elif strat.recipe.fsdp_copies and (strat.zero > 0 or fsdp_replicate(strat)):
             total += max(0.0, widest * gather_bytes(strat) - block_act_bytes(model, strat, "none"))
         elif strat.zero > 0:

@@ -437,7 +437,7 @@ def test_optimal_against_exhaustive_enumeration_with_ep():
     axis order (the ep group's tier reads the replicas' place), memory often binding."""
     rng = random.Random(61)
     checked = with_ep = 0
-    for _ in range(12):
+    for _ in range(16):
         heads = rng.choice([4, 8])
         model = moe_profile(layers=rng.randint(2, 4), hidden=heads * 256, heads=heads,
                             experts=rng.choice([4, 8]), topk=rng.choice([1, 2]), seq=rng.choice([512, 2048]))
