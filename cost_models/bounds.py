@@ -22,8 +22,9 @@ from cost_models.strategy import RECOMPUTE, Strategy
 
 def least_memory_costs(model: ModelProfile, hw: HardwareProfile, strat: Strategy) -> StageCosts:
     """``StageCosts`` whose memory and host rows are, stage by stage, nowhere above those of
-    any strategy in ``strat``'s schedule group (module docstring): those of its 1F1B member with
-    one chunk, built from ``memory`` alone (the time coefficients are 0: not a time bound).
+    any strategy in ``strat``'s schedule group (module docstring) with its ``memory.grads_absent``:
+    those of its 1F1B member with one chunk, built from ``memory`` alone (the time coefficients
+    are 0: not a time bound).
 
     1F1B keeps the fewest micro-batches in flight on every stage (``pipeline.inflight``):
     GPipe keeps m ≥ min(p - s, m); zero-bubble (ZB-H1) keeps 1F1B's (torch's keeps min(p, m)
@@ -32,9 +33,11 @@ def least_memory_costs(model: ModelProfile, hw: HardwareProfile, strat: Strategy
     s + (p - 2s - 1)/v, which is ≥ s ≥ 0 when p - 2s - 1 ≥ 0 and else (v ≥ 2) at least
     s + (p - 2s - 1)/2 = (p - 1)/2 ≥ 0. Every memory term is non-decreasing in the in-flight
     count, so a block count that does not fit a stage of this relaxation fits that stage of
-    no member, whatever its recompute modes. Where torch's zero-bubble member peaks before
-    any gradient exists (``memory.grads_absent``), so does the relaxation: max(a, g) - g is
-    at most a and non-decreasing in a.
+    no member, whatever its recompute modes. Where ``strat`` peaks before any gradient exists
+    (``memory.grads_absent``: torch's zero-bubble with m <= p, or one micro-batch on FSDP2
+    without a pipeline, where every member does), so does the relaxation (max(a, g) - g is
+    at most a and non-decreasing in a): it is then below the members that share ``strat``'s
+    zero-bubble-or-not, which is how the search keys it (``autopar.solve.bounds.relaxed``).
 
     The rows are assembled as ``estimate.stage_costs`` assembles them (tests/test_solver.py
     checks they are equal), without its time model: a fraction of its cost. The model's
@@ -68,7 +71,7 @@ def least_memory_costs(model: ModelProfile, hw: HardwareProfile, strat: Strategy
         first_host_bytes=memory.host_state_bytes(first, s) + lead_host,
         last_host_bytes=memory.host_state_bytes(last, s),
         host_cap_bytes=hw.host_memory_bytes if s.offload else float("inf"),
-        grads_absent=memory.grads_absent(replace(s, schedule="zero-bubble")),
+        grads_absent=memory.grads_absent(strat),
         layer_grad_bytes=memory.layer_state_bytes(model, s).grads,
         first_grad_bytes=memory.state_bytes(first, s).grads + lead_grads,
         last_grad_bytes=memory.state_bytes(last, s).grads)

@@ -98,7 +98,7 @@ class StageCosts:
     """What the last stage has freed of its ``inflight`` micro-batches' ``last_act_bytes`` by
     its peak, bytes (at most all but one's)."""
     grads_absent: bool = False
-    """Every stage peaks before it has made any gradient (``pipeline.grads_absent``): each
+    """Every stage peaks before it has made any gradient (``memory.grads_absent``): each
     piece holds the larger of its live activations and its gradients (made as they go)."""
     layer_grad_bytes: float = 0.0
     """The gradients inside ``layer_static_bytes`` (and the first and last pieces' below),
@@ -112,7 +112,8 @@ class StageCosts:
 
     def block_bytes(self, s: int, r: int) -> float:
         """Bytes one block in mode r adds to stage s: its states, ``inflight[s]`` micro-batches'
-        activations and ``pending[s]`` weight passes' output gradients."""
+        activations and ``pending[s]`` weight passes' output gradients (with ``grads_absent``,
+        ``_or_grads`` of the last two, inlined: the solver's hot path)."""
         live = self.inflight[s] * self.mode_act_bytes[r]
         if self.pending:
             live += self.pending[s] * self.layer_wgrad_bytes
@@ -185,7 +186,7 @@ class StageCosts:
         """The gradients live at stage s's peak, bytes: those the static bytes count, or with
         ``grads_absent`` what each piece's exceed its live activations by."""
         counts, k = self.counts(load), self.inflight[s]
-        pieces = [(n, self.inflight[s] * a + self.pending_at(s) * self.layer_wgrad_bytes, self.layer_grad_bytes)
+        pieces = [(n, k * a + self.pending_at(s) * self.layer_wgrad_bytes, self.layer_grad_bytes)
                   for n, a in zip(counts, self.mode_act_bytes) if n]
         if s == 0:
             pieces.append((1, k * self.first_act_bytes, self.first_grad_bytes))
