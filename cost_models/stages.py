@@ -126,10 +126,12 @@ class StageCosts:
         them and its gradients, less the gradients its static bytes count."""
         return max(live, grads) - grads if self.grads_absent else live
 
-    def memory_key(self, s: int) -> tuple[float, ...]:
-        """What stage s's memory row depends on besides its load: stages with equal keys hold
-        the same blocks within any cap."""
-        return (self.inflight[s], self.pending_at(s), self.stage_fixed_bytes(s))
+    def memory_key(self, s: int) -> tuple:
+        """What stage s's memory row depends on besides its load (``stage_fixed_bytes`` and
+        ``block_bytes`` read nothing else of s): stages with equal keys hold the same blocks
+        within any cap."""
+        return (self.inflight[s], self.pending[s] if self.pending else 0.0,
+                self.held_bytes[s] if self.held_bytes else 0.0, s == 0, s == self.pp - 1)
 
     @property
     def layer_time_s(self) -> float:

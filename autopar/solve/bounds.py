@@ -28,8 +28,8 @@ def _stage_segments(c: StageCosts, s: int, modes: tuple[int, ...], cap: float,
     room = cap - c.stage_fixed_bytes(s)
     if room <= 0 or upper <= 0:
         return []
-    pts = sorted({(room / c.block_bytes(s, r), room / c.block_bytes(s, r) * c.mode_time_s[r])
-                  for r in modes})
+    fills = {r: room / c.block_bytes(s, r) for r in modes}
+    pts = sorted({(fills[r], fills[r] * c.mode_time_s[r]) for r in modes})
     hull = [(0.0, 0.0)]
     for x, y in pts:  # lower hull, x increasing; a point with a lower y further right dominates
         while hull and hull[-1][1] >= y:
