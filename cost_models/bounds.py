@@ -50,20 +50,23 @@ def least_memory_costs(model: ModelProfile, hw: HardwareProfile, strat: Strategy
     lead_static = lead_act = lead_host = lead_grads = 0.0
     if model.lead is not None:
         n = model.lead_layers
-        lead_static = n * memory.layer_state_bytes(model.lead, s).total
-        lead_grads = n * memory.layer_state_bytes(model.lead, s).grads
+        lead_state = memory.layer_state_bytes(model.lead, s)
+        lead_static, lead_grads = n * lead_state.total, n * lead_state.grads
         lead_act = n * min(memory.block_act_bytes(model.lead, s, r) for r in RECOMPUTE)
         lead_host = n * memory.layer_host_bytes(model.lead, s)
+    absent = memory.grads_absent(strat)
+    layer, first_state, last_state = (memory.layer_state_bytes(model, s), memory.state_bytes(first, s),
+                                      memory.state_bytes(last, s))
     return StageCosts(
         pp=s.mesh.pp, nominal=0, mode_time_s=(0.0,) * len(RECOMPUTE), first_time_s=0.0,
         last_time_s=0.0, p2p_time_s=0.0, mode_dp_time_s=(0.0,) * len(RECOMPUTE),
         first_dp_time_s=0.0, last_dp_time_s=0.0,
-        layer_static_bytes=memory.layer_state_bytes(model, s).total,
+        layer_static_bytes=layer.total,
         mode_act_bytes=tuple(memory.block_act_bytes(model, s, r) for r in RECOMPUTE),
         mode_workspace_bytes=tuple(memory.workspace_bytes(model, s, r) for r in RECOMPUTE),
-        first_static_bytes=memory.state_bytes(first, s).total + lead_static,
+        first_static_bytes=first_state.total + lead_static,
         first_act_bytes=memory.first_act_bytes(model, s) + lead_act,
-        last_static_bytes=memory.state_bytes(last, s).total + memory.head_gather_bytes(model, s),
+        last_static_bytes=last_state.total + memory.head_gather_bytes(model, s),
         last_act_bytes=memory.last_act_bytes(model, s),
         inflight=pipeline.inflight(s), buffer_bytes=memory.base_buffer_bytes(model, hw, s),
         sum_weight=0.0, max_weight=0.0,
@@ -71,7 +74,6 @@ def least_memory_costs(model: ModelProfile, hw: HardwareProfile, strat: Strategy
         first_host_bytes=memory.host_state_bytes(first, s) + lead_host,
         last_host_bytes=memory.host_state_bytes(last, s),
         host_cap_bytes=hw.host_memory_bytes if s.offload else float("inf"),
-        grads_absent=memory.grads_absent(strat),
-        layer_grad_bytes=memory.layer_state_bytes(model, s).grads,
-        first_grad_bytes=memory.state_bytes(first, s).grads + lead_grads,
-        last_grad_bytes=memory.state_bytes(last, s).grads)
+        grads_absent=absent, layer_grad_bytes=layer.grads if absent else 0.0,
+        first_grad_bytes=first_state.grads + lead_grads if absent else 0.0,
+        last_grad_bytes=last_state.grads if absent else 0.0)

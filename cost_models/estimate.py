@@ -618,9 +618,17 @@ def stage_costs(model: ModelProfile, hw: HardwareProfile, strat: Strategy,
         layer_host_bytes=parts.layers[0].host_bytes, first_host_bytes=first.host_bytes,
         last_host_bytes=parts.last.host_bytes,
         host_cap_bytes=hw.host_memory_bytes if strat.offload else float("inf"),
-        first_workspace_bytes=lead_workspace_bytes(model, strat), layer_grad_bytes=parts.layers[0].state.grads,
-        first_grad_bytes=first.state.grads, last_grad_bytes=parts.last.state.grads,
-        grads_absent=memory.grads_absent(strat), **pending_fields(model, hw, strat))
+        first_workspace_bytes=lead_workspace_bytes(model, strat), **grad_fields(parts, first, strat),
+        **pending_fields(model, hw, strat))
+
+
+def grad_fields(parts: _Parts, first: _Piece, strat: Strategy) -> dict:
+    """The ``StageCosts`` fields of gradients absent at the peak (``memory.grads_absent``);
+    empty where they are there."""
+    if not memory.grads_absent(strat):
+        return {}
+    return dict(grads_absent=True, layer_grad_bytes=parts.layers[0].state.grads,
+                first_grad_bytes=first.state.grads, last_grad_bytes=parts.last.state.grads)
 
 
 def pending_fields(model: ModelProfile, hw: HardwareProfile, strat: Strategy) -> dict:
@@ -663,7 +671,8 @@ def _stage_memory(parts: _Parts, c: StageCosts, s: int, counts: tuple[int, ...],
     return MemoryBreakdown(
         peak_bytes=c.stage_memory_bytes(s, counts),
         params_bytes=sum(n * p.state.params for n, p in pieces),
-        grads_bytes=c.stage_grad_bytes(s, counts),
+        grads_bytes=(c.stage_grad_bytes(s, counts) if c.grads_absent
+                     else sum(n * p.state.grads for n, p in pieces)),
         optimizer_bytes=sum(n * p.state.optimizer for n, p in pieces),
         activations_bytes=k * sum(n * p.act_bytes for n, p in pieces) + c.stage_pending_bytes(s, counts),
         buffers_bytes=c.buffer_bytes + c.stage_workspace_bytes(counts) + (c.first_workspace_bytes if s == 0 else 0.0),

@@ -102,7 +102,7 @@ class StageCosts:
     piece holds the larger of its live activations and its gradients (made as they go)."""
     layer_grad_bytes: float = 0.0
     """The gradients inside ``layer_static_bytes`` (and the first and last pieces' below),
-    bytes; read only when ``grads_absent``."""
+    bytes; set and read only with ``grads_absent``."""
     first_grad_bytes: float = 0.0
     last_grad_bytes: float = 0.0
 
@@ -185,8 +185,8 @@ class StageCosts:
         return self.inflight[self.pp - 1] * self.last_act_bytes - self.last_freed_bytes
 
     def stage_grad_bytes(self, s: int, load: Load) -> float:
-        """The gradients live at stage s's peak, bytes: those the static bytes count, or with
-        ``grads_absent`` what each piece's exceed its live activations by."""
+        """With ``grads_absent``, the gradients live at stage s's peak, bytes: what each piece's
+        exceed its live activations by (the static bytes count them whole otherwise)."""
         counts, k = self.counts(load), self.inflight[s]
         pieces = [(n, k * a + self.pending_at(s) * self.layer_wgrad_bytes, self.layer_grad_bytes)
                   for n, a in zip(counts, self.mode_act_bytes) if n]
@@ -194,7 +194,7 @@ class StageCosts:
             pieces.append((1, k * self.first_act_bytes, self.first_grad_bytes))
         if s == self.pp - 1:
             pieces.append((1, self.last_live_bytes(), self.last_grad_bytes))
-        return sum(n * (max(0.0, g - live) if self.grads_absent else g) for n, live, g in pieces)
+        return sum(n * max(0.0, g - live) for n, live, g in pieces)
 
     def stage_pending_bytes(self, s: int, load: Load) -> float:
         """What stage s keeps for its deferred weight passes, bytes (inside ``stage_memory_bytes``)."""

@@ -229,9 +229,10 @@ def free_hw(space: SearchMemo, hw: HardwareProfile, mesh: Degrees) -> tuple[Hard
 def relaxed(model: ModelProfile, hw: HardwareProfile, space: SearchMemo, fam: Family,
              offload: bool) -> StageCosts | None:
     """The least-memory relaxation of the schedule group of ``fam``'s members with ``offload``
-    (``bounds.least_memory_costs``; torch's zero-bubble apart, whose peak may come before any
-    gradient), once per group; None when it does not fit (``group_fits``)."""
-    group = (fam.mesh, fam.micro_batch, fam.zero, fam.sequence_parallel, offload, fam.schedule == "zero-bubble")
+    (``bounds.least_memory_costs``; torch's zero-bubble with m <= p apart, whose peak may come
+    before any gradient), once per group; None when it does not fit (``group_fits``)."""
+    zb_early = fam.schedule == "zero-bubble" and fam.num_microbatches <= fam.mesh.pp  # may peak gradient-free
+    group = (fam.mesh, fam.micro_batch, fam.zero, fam.sequence_parallel, offload, zb_early)
     if group not in space.fits:
         lc = least_memory_costs(model, hw, fam.strategy(1, "", offload))
         space.fits[group] = lc if group_fits(lc, model.layers, space.modes, space.cap) else None
