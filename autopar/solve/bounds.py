@@ -51,10 +51,10 @@ def _stage_segments(c: StageCosts, s: int, modes: tuple[int, ...], cap: float,
 
 def lower_bound(c: StageCosts, layers: int, modes: tuple[int, ...], cap: float = float("inf"),
                 upper: list[int] | None = None, tau: float = 0.0, total: float = 0.0,
-                min_layers: int = 1) -> float:
+                min_layers: int = 1, units: float | None = None) -> float:
     """A bound on ``step_time_s`` over all placements within ``cap``: Σ_s T_s is at least
-    the fixed parts plus the cheapest L block-units over every stage's LP envelope g_s (for
-    an infinite cap: every block at its fastest mode) and at least ``total`` (the exact least
+    the fixed parts plus the cheapest L block-units over every stage's LP envelope g_s
+    (``block_units``; ``units`` when the caller has it) and at least ``total`` (the exact least
     Σ_s T_s of the tables, ``tables.least_total``), the slowest stage at least the mean and
     at least ``tau`` (the exact bottleneck τ*, ``tables.bottleneck``), and D at least the mean
     of the fastest-mode tails and at least every stage's own fixed tail plus its fewest blocks
@@ -64,34 +64,50 @@ def lower_bound(c: StageCosts, layers: int, modes: tuple[int, ...], cap: float =
     fixed = c.pp * c.p2p_time_s + c.first_time_s + c.last_time_s
     d = min(c.mode_dp_time_s[r] for r in modes)
     dp = c.first_dp_time_s + c.last_dp_time_s + layers * d
-    if cap == float("inf"):
-        blocks = layers * min(c.mode_time_s[r] for r in modes)
-    else:
+    if cap != float("inf"):
         upper = upper or [layers] * c.pp
-        segs, seen = [], {}
-        for s in range(c.pp):  # stages alike in memory (k_s, fixed bytes, bound) share pieces
-            key = (c.memory_key(s), upper[s])
-            if key not in seen:
-                seen[key] = _stage_segments(c, s, modes, cap, upper[s])
-            segs.extend(seen[key])
-        segs.sort()
-        blocks, left = 0.0, float(layers)
-        for slope, width in segs:
-            take = min(width, left)
-            blocks += slope * take
-            left -= take
-            if left <= 0:
-                break
-        if left > 1e-9:
-            return float("inf")
+    blocks = block_units(c, layers, modes, cap, upper) if units is None else units
+    if blocks == float("inf"):
+        return blocks
     times = max(fixed + blocks, total)
     d_max = dp / c.pp
     if upper is not None:
-        room = sum(upper)
-        for s in range(c.pp):
-            fewest = max(min_layers, layers - (room - upper[s]))
-            d_max = max(d_max, c.stage_dp_time_s(s, 0) + fewest * d)
+        # stage s holds at least what the others cannot; its empty tail is the first's
+        # and the last's pieces (``StageCosts.stage_dp_time_s`` of no blocks)
+        short, last = layers - sum(upper), c.pp - 1
+        for s, u in enumerate(upper):
+            tail = ((c.first_dp_time_s if s == 0 else 0.0) + (c.last_dp_time_s if s == last else 0.0)
+                    + max(min_layers, short + u) * d)
+            if tail > d_max:
+                d_max = tail
     return c.sum_weight * times + c.max_weight * max(times / c.pp, tau) + d_max
+
+
+def block_units(c: StageCosts, layers: int, modes: tuple[int, ...], cap: float = float("inf"),
+                upper: list[int] | None = None) -> float:
+    """The least Σ_s of the stages' block times over placements of ``layers`` blocks in the
+    LP relaxation: the cheapest L block-units over every stage's envelope g_s
+    (``_stage_segments``, each cut at ``upper``); for an infinite cap every block at its
+    fastest mode. ``inf`` when the stages cannot hold them. Reads of ``c`` its memory rows
+    and ``mode_time_s`` only."""
+    if cap == float("inf"):
+        return layers * min(c.mode_time_s[r] for r in modes)
+    upper = upper or [layers] * c.pp
+    segs, seen = [], {}
+    for s in range(c.pp):  # stages alike in memory (k_s, fixed bytes, bound) share pieces
+        key = (c.memory_key(s), upper[s])
+        if key not in seen:
+            seen[key] = _stage_segments(c, s, modes, cap, upper[s])
+        segs.extend(seen[key])
+    segs.sort()
+    blocks, left = 0.0, float(layers)
+    for slope, width in segs:
+        take = min(width, left)
+        blocks += slope * take
+        left -= take
+        if left <= 0:
+            break
+    return float("inf") if left > 1e-9 else blocks
 
 
 def order_free_base(model: ModelProfile, hw: HardwareProfile, strat: Strategy,
@@ -164,16 +180,21 @@ def family_bound(model: ModelProfile, hw: HardwareProfile, fam: Family, space: S
     v_min = min(v for v, _, _ in fam.members)
     bounds = []
     for off in sorted({off for _, _, off in fam.members}):
-        lc = relaxed(model, hw, space, fam, off)
-        if lc is None:
+        group = relaxed(model, hw, space, fam, off)
+        if group is None:
             continue
-        c = replace(lc, mode_time_s=f.mode_time_s, first_time_s=f.first_time_s, last_time_s=f.last_time_s,
+        c = replace(group.costs, mode_time_s=f.mode_time_s, first_time_s=f.first_time_s, last_time_s=f.last_time_s,
                     p2p_time_s=f.p2p_chunk_s * chunk_counts[0], mode_dp_time_s=f.mode_dp_time_s,
                     first_dp_time_s=f.first_dp_time_s, last_dp_time_s=f.last_dp_time_s,
                     sum_weight=min(w[0] for w in ws), max_weight=min(w[1] for w in ws))
-        upper = stage_upper_bounds(c, layers, space.cap, fam.modes)
+        # memory reads no time: the group's bounds hold at its own modes
+        upper = group.upper if fam.modes == space.modes else stage_upper_bounds(c, layers, space.cap, fam.modes)
         if min(upper) >= v_min and sum(upper) >= layers:
-            bounds.append(lower_bound(c, layers, fam.modes, space.cap, upper, min_layers=v_min))
+            key = (f.mode_time_s, fam.modes)  # what ``block_units`` reads besides the group's memory
+            if key not in group.units:
+                group.units[key] = block_units(c, layers, fam.modes, space.cap, upper)
+            bounds.append(lower_bound(c, layers, fam.modes, space.cap, upper, min_layers=v_min,
+                                      units=group.units[key]))
     return max(blind, min(bounds, default=float("inf")))
 
 
@@ -187,8 +208,8 @@ class SearchMemo:
     cache: dict
     free_cache: dict
     fits: dict
-    """By schedule group, its least-memory relaxation where it fits (with ``modes`` under
-    ``cap``), else None (``relaxed``)."""
+    """By schedule group, its least-memory relaxation and its stages' most blocks where it
+    fits (with ``modes`` under ``cap``), else None (``relaxed``)."""
     modes: tuple[int, ...]
     cap: float
     twins: dict
@@ -226,8 +247,19 @@ def free_hw(space: SearchMemo, hw: HardwareProfile, mesh: Degrees) -> tuple[Hard
     return space.free_hw[mesh]
 
 
+@dataclass(frozen=True, kw_only=True, slots=True)
+class Relaxed:
+    """A schedule group's least-memory relaxation where it fits (``relaxed``)."""
+
+    costs: StageCosts
+    upper: list[int]
+    """``stage_upper_bounds`` of ``costs`` with the search's modes."""
+    units: dict
+    """``block_units`` of ``costs`` by the time coefficients and modes it was read with."""
+
+
 def relaxed(model: ModelProfile, hw: HardwareProfile, space: SearchMemo, fam: Family,
-             offload: bool) -> StageCosts | None:
+             offload: bool) -> Relaxed | None:
     """The least-memory relaxation of the schedule group of ``fam``'s members with ``offload``
     (``bounds.least_memory_costs``; torch's zero-bubble with m <= p apart, whose peak may come
     before any gradient), once per group; None when it does not fit (``group_fits``)."""
@@ -235,7 +267,8 @@ def relaxed(model: ModelProfile, hw: HardwareProfile, space: SearchMemo, fam: Fa
     group = (fam.mesh, fam.micro_batch, fam.zero, fam.sequence_parallel, offload, zb_early)
     if group not in space.fits:
         lc = least_memory_costs(model, hw, fam.strategy(1, "", offload))
-        space.fits[group] = lc if group_fits(lc, model.layers, space.modes, space.cap) else None
+        upper = stage_upper_bounds(lc, model.layers, space.cap, space.modes)
+        space.fits[group] = Relaxed(costs=lc, upper=upper, units={}) if _holds(upper, model.layers) else None
     return space.fits[group]
 
 
@@ -249,5 +282,9 @@ def group_fits(relaxed: StageCosts, layers: int, modes: tuple[int, ...], cap: fl
     chunks and recompute, ``cost_models.bounds``) may fit: its least-memory relaxation
     ``relaxed`` holds the model with blocks in any of ``modes`` and at least one per stage.
     Memory reads no axis order, so False rules the group out in every order."""
-    upper = stage_upper_bounds(relaxed, layers, cap, modes)
+    return _holds(stage_upper_bounds(relaxed, layers, cap, modes), layers)
+
+
+def _holds(upper: list[int], layers: int) -> bool:
+    """Stages holding at most ``upper`` blocks each can hold ``layers``, one at least on each."""
     return min(upper) >= 1 and sum(upper) >= layers

@@ -16,7 +16,9 @@ from autopar.solve.space import (Block, Candidate, Family, Pins, axis_orders, bl
                                 family_signature, outer_blocks, outer_candidates)
 from autopar.solve.tables import (StageTables, bottleneck, greedy, least_total,
                                   single_mode_least_step, stage_tables)
-from cost_models import HardwareProfile, ModelProfile, StageCosts, Strategy, estimate, stage_costs
+from cost_models import Degrees, HardwareProfile, ModelProfile, StageCosts, Strategy, estimate, stage_costs
+from cost_models.axes import Axis
+from cost_models.comm import mesh_groups
 from cost_models.estimate import pass_floor
 from cost_models.strategy import RECOMPUTE, Estimate
 from cost_models.recipe import load_recipe
@@ -123,6 +125,8 @@ def _ordered(model: ModelProfile, hw: HardwareProfile, gpus: int, global_batch: 
                    modes=modes, cap=cap, memo={}, pins=pins, dtype=dtype)
     recipe = pins.recipe or load_recipe()
     scored, counts = [], {}
+    groups_of: dict[Degrees, tuple] = {}  # tp, cp, ep and their order-free groups, by degrees
+    floor_of: dict[tuple, tuple[float, float]] = {}  # pass_floor by what it reads
     total = 0
     for i, block in enumerate(outer_blocks(model, hw, gpus, global_batch, pins)):
         if total and time.perf_counter() > deadline:
@@ -141,11 +145,20 @@ def _ordered(model: ModelProfile, hw: HardwareProfile, gpus: int, global_batch: 
             continue
         total += counts[sig] * (1 + len(others))
         hw_b, order = free_hw(space, hw, mesh)
-        floors = tuple((sp, pass_floor(model, hw_b, Strategy(
-            mesh=mesh, micro_batch=block.micro_batch, num_microbatches=block.num_microbatches,
-            sequence_parallel=sp, dtype=dtype, axis_order=order, recipe=recipe), space.free_cache))
-            for sp in ((pins.sequence_parallel,) if pins.sequence_parallel is not None
-                       else (False, True) if mesh.tp > 1 else (False,)))
+        if mesh not in groups_of:
+            g = mesh_groups(hw_b, mesh, order)
+            groups_of[mesh] = (mesh.tp, mesh.cp, mesh.ep, g[Axis.TP], g[Axis.CP], g[Axis.EP])
+        floors = []
+        for sp in ((pins.sequence_parallel,) if pins.sequence_parallel is not None
+                   else (False, True) if mesh.tp > 1 else (False,)):
+            # pass_floor reads of the degrees and the topology only tp, cp, ep and their groups
+            key = (groups_of[mesh], block.micro_batch, sp)
+            if key not in floor_of:
+                floor_of[key] = pass_floor(model, hw_b, Strategy(
+                    mesh=mesh, micro_batch=block.micro_batch, num_microbatches=block.num_microbatches,
+                    sequence_parallel=sp, dtype=dtype, axis_order=order, recipe=recipe), space.free_cache)
+            floors.append((sp, floor_of[key]))
+        floors = tuple(floors)
         bound = block.num_microbatches / mesh.pp * min(f for _, (f, _) in floors)
         scored.append((bound, i << BLOCK_BITS, block, _Pending(orders=others, floors=floors)))
     return scored, total, space
