@@ -551,3 +551,34 @@ def test_family_bounds_are_below_every_members_optimum_in_every_order():
                         checked += 1
                         tight += bound >= 0.9 * best
     assert checked > 500 and tight > checked // 4  # not vacuous, and the bounds bite
+
+
+def test_block_floors_are_each_blocks_own_pass_floor():
+    """``search._ordered`` computes ``estimate.pass_floor`` once per what it reads (tp, cp, ep,
+    their order-free groups, the micro-batch, SP) and hands it to every block with that key:
+    each block's floor equals its own, computed alone (dense with cp, MoE with ep, leading blocks)."""
+    import importlib
+    from autopar.solve.bounds import free_hw
+    from cost_models.estimate import pass_floor
+    srch = importlib.import_module("autopar.solve.search")
+    rng = random.Random(5)
+    shared = 0
+    for i in range(6):
+        if i % 2:
+            model = moe_profile(layers=4, hidden=1024, heads=4, experts=8, topk=2, seq=2048)
+            hw, gpus, batch = dataclasses.replace(load_profile("dgx-h100"), devices_per_node=4), 32, 64
+        else:
+            model, hw, gpus, batch = random_instance(rng)
+            model = with_lead(dataclasses.replace(model, seq=16384), 1, 2.0)
+        blocks, _, space = srch._ordered(model, hw, gpus, batch, "bf16", Pins(), hw.memory_bytes)
+        seen = set()
+        for _, _, block, pending in blocks:
+            hw_b, order = free_hw(space, hw, block.mesh)
+            for sp, floor in pending.floors:
+                alone = pass_floor(model, hw_b, Strategy(
+                    mesh=block.mesh, micro_batch=block.micro_batch, num_microbatches=block.num_microbatches,
+                    sequence_parallel=sp, dtype="bf16", axis_order=order, recipe=load_recipe()))
+                assert floor == alone, (block, sp)
+                shared += (block.mesh.tp, block.mesh.cp, block.mesh.ep, block.micro_batch, sp) in seen
+                seen.add((block.mesh.tp, block.mesh.cp, block.mesh.ep, block.micro_batch, sp))
+    assert shared > 50  # floors were handed on, not only computed
