@@ -128,11 +128,12 @@ def test_stage_tables_are_the_exact_least_block_time_per_count():
 
 
 def test_cp_sat_with_table_cuts_is_optimal_without_the_greedy_shortcut(monkeypatch):
-    """Every candidate through CP-SAT (no greedy placement to prove or hint): the cuts from the
-    stage tables must never remove the optimum."""
+    """Every candidate through CP-SAT (no greedy placement to prove or hint, no exact scan):
+    the cuts from the stage tables must never remove the optimum."""
     import importlib
-    monkeypatch.setattr(importlib.import_module("autopar.solve.search"), "greedy",
-                        lambda *a, **k: None)
+    searching = importlib.import_module("autopar.solve.search")
+    monkeypatch.setattr(searching, "greedy", lambda *a, **k: None)
+    monkeypatch.setattr(searching, "least_step", lambda *a, **k: None)  # the scan gives up
     rng = random.Random(11)
     checked = 0
     while checked < 60:
@@ -364,6 +365,48 @@ def test_single_mode_least_step_is_the_candidates_optimum():
             assert got == pytest.approx(expected, rel=1e-9)
             checked += 1
     assert checked > 200
+
+
+def test_exact_scan_is_each_candidates_optimum():
+    """``exact.least_step`` (the placement of a candidate whose greedy one misses its bound)
+    against enumeration of the candidate's placements, with every recompute mode allowed:
+    its least step is the optimum, from no incumbent and from greedy's, and the placement it
+    returns attains it."""
+    from autopar.solve.core import stage_upper_bounds
+    from autopar.solve.exact import least_step
+    from autopar.solve.tables import bottleneck, greedy, stage_tables
+    rng = random.Random(5)
+    checked = improved = 0
+    for _ in range(60):
+        model, hw, gpus, batch = random_instance(rng)
+        model = dataclasses.replace(model, layers=rng.randint(4, 9))
+        for cand in outer_candidates(model, hw, gpus, batch, "bf16"):
+            if len(cand.modes) == 1 or cand.strategy.mesh.pp > 4:
+                continue
+            c, L, cap = stage_costs(model, hw, cand.strategy), model.layers, hw.memory_bytes
+            upper = stage_upper_bounds(c, L, cap, cand.modes)
+            if min(upper) < cand.min_layers or sum(upper) < L:
+                continue
+            expected = candidate_optimum(model, hw, cand, c)
+            t = stage_tables(c, cand.modes, cap, upper)
+            tau = bottleneck(t, L, cand.min_layers)
+            start = greedy(c, t, L, cand.min_layers, cap, tau)
+            incumbents = [float("inf")] + ([c.step_time_s(start)] if start is not None else [])
+            for best in incumbents:
+                got, loads = least_step(c, t, cand.modes, cap, L, cand.min_layers, tau, best)
+                if expected is None:
+                    assert got == float("inf") and loads is None
+                    continue
+                assert got == pytest.approx(expected, rel=1e-9)
+                if loads is None:
+                    assert best <= expected * (1 + 1e-9)
+                    continue
+                assert sum(map(sum, loads)) == L and min(map(sum, loads)) >= cand.min_layers
+                assert all(c.stage_memory_bytes(s, ld) <= cap for s, ld in enumerate(loads))
+                assert c.step_time_s(loads) == pytest.approx(expected, rel=1e-9)
+                improved += best < float("inf") and best > expected * (1 + 1e-9)
+            checked += expected is not None
+    assert checked > 100 and improved > 0
 
 
 def test_long_sequences_get_cp_where_the_program_has_it():

@@ -1,8 +1,10 @@
 """solve: the best plan the cost model knows, for a model, a cluster and a global batch.
 
 Search = an outer enumeration of the discrete strategy (``space.outer_candidates``) visited in
-order of a lower bound, and for each visited candidate an exact CP-SAT model of the pipeline
-placement and per-block recompute (``core.solve_placement``).
+order of a lower bound, and for each visited candidate an exact placement of the blocks on the
+pipeline stages with per-block recompute: greedy when it meets the candidate's bound, else an
+exact scan (``exact.least_step``), else (the scan gives up) a CP-SAT model
+(``core.solve_placement``).
 
 Outer space (``space``): tp | gpus with tp dividing the devices per node (a tp group never
 straddles nodes) and the attention and kv heads; cp | gpus/tp (context parallelism: only
@@ -66,7 +68,11 @@ bound: its costs with every axis in the best group any order gives it (adjacent 
 rows (memory reads no order: no order fits when Megatron's does not); only when that LP bound
 is below the incumbent are the orders costed and pushed one by one. Once the bound reaches
 the incumbent (or the ``keep``-th best, for alternatives) the rest are pruned. A candidate whose
-greedy placement meets its bound is optimal without CP-SAT; otherwise CP-SAT, seeded with the
+greedy placement meets its bound is optimal as it stands; otherwise the exact scan
+(``exact``: for each slowest-stage time τ ≥ τ* and worst tail δ, the least Σ T_s of the
+stages' (block time, tail) Pareto mixes within τ and δ, a min-plus convolution; stopped where
+a bound on the rest reaches the best step) proves greedy's or finds the optimum, usually in
+milliseconds; where it gives up (``exact.BUDGET``, ``exact.MIXES``), CP-SAT, seeded with the
 greedy placement (``AddHint``), proves or improves it within ``search.EFFORT`` deterministic
 seconds, after which the candidate keeps its best placement and its proven bound (the greedy
 one is also the fallback when CP-SAT finds nothing). The plan's gap is measured against the

@@ -11,6 +11,7 @@ from autopar.errors import UserError
 from autopar.solve.bounds import (SearchMemo, bound_family, fits, floor_bound, free_hw, lower_bound,
                                   order_free_base, order_free_blind, order_free_costs)
 from autopar.solve.core import solve_placement, stage_upper_bounds
+from autopar.solve.exact import least_step
 from autopar.solve.infeasible import does_not_fit, no_candidate_reason
 from autopar.solve.space import (Block, Candidate, Family, Pins, axis_orders, block_families,
                                 family_signature, outer_blocks, outer_candidates)
@@ -148,7 +149,7 @@ def _ordered(model: ModelProfile, hw: HardwareProfile, gpus: int, global_batch: 
         if mesh not in groups_of:
             g = mesh_groups(hw_b, mesh, order)
             groups_of[mesh] = (mesh.tp, mesh.cp, mesh.ep, g[Axis.TP], g[Axis.CP], g[Axis.EP])
-        floors = []
+        found_floors = []
         for sp in ((pins.sequence_parallel,) if pins.sequence_parallel is not None
                    else (False, True) if mesh.tp > 1 else (False,)):
             # pass_floor reads of the degrees and the topology only tp, cp, ep and their groups
@@ -157,8 +158,8 @@ def _ordered(model: ModelProfile, hw: HardwareProfile, gpus: int, global_batch: 
                 floor_of[key] = pass_floor(model, hw_b, Strategy(
                     mesh=mesh, micro_batch=block.micro_batch, num_microbatches=block.num_microbatches,
                     sequence_parallel=sp, dtype=dtype, axis_order=order, recipe=recipe), space.free_cache)
-            floors.append((sp, floor_of[key]))
-        floors = tuple(floors)
+            found_floors.append((sp, floor_of[key]))
+        floors = tuple(found_floors)
         bound = block.num_microbatches / mesh.pp * min(f for _, (f, _) in floors)
         scored.append((bound, i << BLOCK_BITS, block, _Pending(orders=others, floors=floors)))
     return scored, total, space
@@ -245,13 +246,27 @@ def _refine(c: StageCosts, cand: Candidate, layers: int, cap: float,
 def _place(c: StageCosts, cand: Candidate, layers: int, cap: float, ref: _Refined,
            time_limit_s: float) -> tuple[tuple[tuple[int, ...], ...], float] | None:
     """(loads, proven bound on this candidate's step) of the best placement found: the greedy
-    one with the optimal bottleneck when it meets the bound, else CP-SAT seeded with it
-    (capped at ``EFFORT``); the better of the two in float."""
+    one with the optimal bottleneck when it meets the bound, else the exact scan's
+    (``exact.least_step``), else, where that gives up, CP-SAT seeded with greedy's (capped at
+    ``EFFORT``); the better of the two in float."""
+    assert ref.tables is not None  # a candidate is placed after its table bound
     loads = greedy(c, ref.tables, layers, cand.min_layers, cap, ref.tau)
+    step = float("inf")
     if loads is not None:
         loads = _full_loads(loads)
-        if c.step_time_s(loads) <= ref.bound * (1 + TIE):  # meets the bound: optimal
-            return loads, c.step_time_s(loads)
+        step = c.step_time_s(loads)
+        if step <= ref.bound * (1 + TIE):  # meets the bound: optimal
+            return loads, step
+    scan = least_step(c, ref.tables, cand.modes, cap, layers, cand.min_layers, ref.tau, step)
+    if scan is not None:  # the exact scan settled it, unless its placement fits only within SLACK
+        least, better = scan
+        if better is not None and all(c.stage_memory_bytes(s, ld) <= cap
+                                      for s, ld in enumerate(better)):
+            if loads is None or c.step_time_s(better) < step:
+                loads, step = better, c.step_time_s(better)
+            return loads, min(step, least * (1 - EXACT))
+        if better is None:  # nothing beats greedy's (or no placement fits)
+            return None if loads is None else (loads, min(step, least * (1 - EXACT)))
     placed = solve_placement(c, layers, cap, cand.modes, cand.min_layers, time_limit_s,
                              tables=ref.tables, tau=ref.tau, hint=loads, effort=EFFORT)
     if placed is None:
@@ -279,7 +294,8 @@ def search(model: ModelProfile, hw: HardwareProfile, gpus: int, global_batch: in
         raise UserError(no_candidate_reason(model, hw, gpus, global_batch, pins))
     found: list[tuple[float, int, Strategy]] = []  # sorted best first, at most ``keep``
     solved, cut, open_bounds = 0, False, []
-    uppers, twin_of = {}, {}  # stage_upper_bounds by candidate in Megatron's order; its index
+    uppers: dict[int, list[int]] = {}  # stage_upper_bounds by candidate in Megatron's order
+    twin_of: dict[int, int] = {}  # a scored index in another order -> its index in Megatron's
     # Candidates with equal costs pose the same placement problem (ZeRO 1 and 2 often do: the
     # gradients stay whole under accumulation): their table bound and placement are computed once.
     tabled: dict[tuple, _Refined] = {}

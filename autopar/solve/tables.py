@@ -130,7 +130,7 @@ def stage_tables(c: StageCosts, modes: tuple[int, ...], cap: float,
                        fixed=tuple(c.stage_time_s(s, 0) for s in range(c.pp)))
 
 
-def _caps(t: StageTables, tau: float) -> list[int]:
+def stage_caps(t: StageTables, tau: float) -> list[int]:
     """N_s^max(τ): the most blocks stage s runs within τ (-1 if not even none)."""
     return [int(np.searchsorted(g + f, tau, side="right")) - 1 for g, f in zip(t.time, t.fixed)]
 
@@ -159,7 +159,7 @@ def bottleneck(t: StageTables, layers: int, min_layers: int) -> float:
     values = np.unique(stacked[np.isfinite(stacked)])
 
     def ok(tau: float) -> bool:
-        # N_s^max(τ) = (entries ≤ τ) - 1: each row is non-decreasing, as in ``_caps``
+        # N_s^max(τ) = (entries ≤ τ) - 1: each row is non-decreasing, as in ``stage_caps``
         caps = (stacked <= tau).sum(axis=1) - 1
         return bool(caps.min() >= min_layers and caps.sum() >= layers)
     return least_feasible(values, ok)
@@ -171,7 +171,7 @@ def greedy(c: StageCosts, t: StageTables, layers: int, min_layers: int, cap: flo
     mixes do not fit exactly (float boundary) or τ admits none."""
     if not np.isfinite(tau):
         return None
-    sizes = _caps(t, tau)
+    sizes = stage_caps(t, tau)
     excess = sum(sizes) - layers
     while excess > 0:  # take a block off where it saves the most time (first stage on ties)
         gains = [(t.time[s][n] - t.time[s][n - 1] if n > min_layers else -1.0, -s)
