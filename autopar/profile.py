@@ -277,6 +277,7 @@ def build_profile(results: list[dict], world: int, threads: int, device: str, dt
         "kernel_dispatch_us": round(med("dispatch") * 1e6, 2),
         "dtensor_optimizer_us": round(med("dtensor") * 1e6, 2),
         "host_overlaps_device": device == "cuda",
+        "ranks_per_core": 1.0 if device == "cuda" else round(max(1.0, world * threads / (os.cpu_count() or 1)), 3),
         "launcher": "nccl" if device == "cuda" else "gloo",
         "notes": {
             "source": f"measured by `{command}`: {world} ranks running at once, {threads} thread(s) each",
@@ -295,6 +296,7 @@ def build_profile(results: list[dict], world: int, threads: int, device: str, dt
             "kernel_dispatch_us": (f"median host time of a forward and backward of {DISPATCH_BLOCK!r}'s block "
                                    f"over 3 x the {DISPATCH_RECIPE} recipe's kernels_per_block"),
             "host_overlaps_device": "CUDA kernels run behind the host; CPU operators on the thread dispatching them",
+            "ranks_per_core": "ranks x threads each over the machine's cores (os.cpu_count), at least 1; 1 on GPUs",
             "dtensor_optimizer_us": (f"median over ranks of (an AdamW step of {OPTIMIZER_TENSORS} DTensor parameters "
                                      f"sharded over the {world} ranks - the same of plain tensors) / {OPTIMIZER_TENSORS}"),
         },

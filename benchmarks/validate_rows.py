@@ -61,7 +61,6 @@ FAMILIES = {"A100": ("dgx-a100-80g", "dgx-a100-40g"), "H100": ("dgx-h100",)}
 """Profiles sharing one chip: the fitted fractions of peak are common to them. Grand Teton's
 500 W H100 is not in the H100 family (its power cap lowers what a fraction of the SXM peak
 means); its rows are priced with the constants its profile carries over from dgx-h100."""
-"""Profiles sharing one chip: the fitted fractions of peak are common to them."""
 GRID = {
     "matmul_efficiency": [x / 100 for x in range(56, 87, 2)],
     "memory_efficiency": [x / 100 for x in range(30, 81, 3)],

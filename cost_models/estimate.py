@@ -600,7 +600,7 @@ def stage_costs(model: ModelProfile, hw: HardwareProfile, strat: Strategy,
         parts = replace(parts, p2p_s=parts.p2p_s * pipeline.chunks(strat))
     passes = parts.passes[RECOMPUTE.index(strat.recompute)]
     sum_w, max_w = pipeline.schedule_weights(strat, pipeline.zb_fill_fraction(
-        passes.forward_s, passes.recompute_s, passes.backward_s))
+        passes.forward_s, passes.recompute_s, passes.backward_s), hw.ranks_per_core)
     first = _first_with_lead(model, parts, strat)
     return StageCosts(
         pp=strat.mesh.pp, nominal=RECOMPUTE.index(strat.recompute),

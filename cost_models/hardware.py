@@ -86,6 +86,10 @@ class HardwareProfile:
     """Host time a DTensor parameter adds to the optimizer step over a plain tensor's, µs per
     parameter tensor (DTensor's dispatch of each of the step's operators; 0: not measured).
     The autopar runtime's parameters are DTensors under FSDP2 and tensor parallelism."""
+    ranks_per_core: float = 1.0
+    """Ranks sharing one compute unit (CPU ranks outnumbering the cores: 2 for 4 ranks on 2
+    cores; 1 on GPUs). The compute rates are measured with every rank busy, so a rank idle in a
+    pipeline's fill or drain lends its share to the busy ones (``pipeline.weights``)."""
     host_overlaps_device: bool = True
     """Whether the device runs kernels while the host dispatches the next ones (CUDA streams): a
     pass then takes the larger of its host and device times. False (CPU ranks): each operator
@@ -193,6 +197,7 @@ _RANGES: dict[str, tuple[float, float, str]] = {
     "host_link_bw_gbps": (0.0, 1e6, "GB/s"),
     "host_optimizer_gbps": (0.0, 1e6, "GB/s"),
     "price_per_gpu_hour": (0.0, 1e6, "USD per device-hour"),
+    "ranks_per_core": (1.0, 1024.0, "(ranks per compute unit)"),
     "bw_gbps": (_LO, 1e6, "GB/s"),
     "latency_us": (0.0, 1e7, "µs"),
     "efficiency": (_EFF, 1.0, "(a fraction)"),

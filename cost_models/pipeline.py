@@ -14,6 +14,14 @@ spent once per stage in the fill and drain.
   (p-1)(T_F + T_B - T_W). With B = W = half the backward and any recompute on the F side, f is
   ``zb_fill_fraction`` = (F + R) / (F + R + backward) (1/3 without recompute). An approximation:
   it ignores the communication inside T_s and the optimizer-step synchronisation ZB-V removes.
+
+Ranks sharing compute units (``HardwareProfile.ranks_per_core`` = o > 1: CPU ranks over fewer
+cores, their rates measured with every rank busy): a rank idle in the fill or drain lends its
+share to the busy ranks, which then run up to o times faster. The step is then about the
+larger of the busy time m T (work-conserving: the ranks' work over the cores) and the whole
+schedule run o times faster, (m + (p-1) f) T / o. Both are linear in T, so the weights keep
+their form with an effective fill fraction f' = max(0, ((m + (p-1) f) / o - m) / (p-1)):
+exact for uniform stages, and the bubble is not charged where the busy time covers it.
 """
 
 from __future__ import annotations
@@ -32,14 +40,19 @@ def zb_fill_fraction(forward_s: float, recompute_s: float, backward_s: float) ->
     return (forward_s + recompute_s) / total if total > 0 else 1.0
 
 
-def schedule_weights(strat: Strategy, zb_fill: float = 1 / 3) -> tuple[float, float]:
+def schedule_weights(strat: Strategy, zb_fill: float = 1 / 3,
+                     ranks_per_core: float = 1.0) -> tuple[float, float]:
     """(sum_weight, max_weight) of StageCosts for the strategy's schedule."""
-    return weights(strat.schedule, strat.mesh.pp, strat.num_microbatches, chunks(strat), zb_fill)
+    return weights(strat.schedule, strat.mesh.pp, strat.num_microbatches, chunks(strat), zb_fill,
+                   ranks_per_core)
 
 
-def weights(schedule: str, pp: int, m: int, chunks: int, zb_fill: float = 1 / 3) -> tuple[float, float]:
+def weights(schedule: str, pp: int, m: int, chunks: int, zb_fill: float = 1 / 3,
+            ranks_per_core: float = 1.0) -> tuple[float, float]:
     """(sum_weight, max_weight) of ``schedule`` over ``pp`` stages with ``m`` micro-batches
-    and ``chunks`` model chunks per stage (``schedule_weights`` without a Strategy)."""
+    and ``chunks`` model chunks per stage (``schedule_weights`` without a Strategy), on
+    ``ranks_per_core`` ranks per compute unit (the effective fill fraction above). Never
+    larger than with fewer ranks per core, nor with fewer chunks or a smaller ``zb_fill``."""
     if pp == 1:
         return 1.0, m - 1.0  # no pipeline: m micro-batches back to back, whatever f
     if schedule == "interleaved":
@@ -48,6 +61,8 @@ def weights(schedule: str, pp: int, m: int, chunks: int, zb_fill: float = 1 / 3)
         f = zb_fill
     else:
         f = 1.0
+    if ranks_per_core > 1.0:
+        f = max(0.0, ((m + (pp - 1) * f) / ranks_per_core - m) / (pp - 1))
     return f, m - f
 
 

@@ -174,7 +174,7 @@ def family_bound(model: ModelProfile, hw: HardwareProfile, fam: Family, space: S
     dp = (f.first_dp_time_s + f.last_dp_time_s + layers * min(f.mode_dp_time_s[r] for r in fam.modes)) / pp
     zb = f.zb_fill[RECOMPUTE.index(st.recompute)]
     chunk_counts = sorted({v if st.schedule == "interleaved" else 1 for v, _, _ in fam.members})
-    ws = [weights(st.schedule, pp, m, k, zb) for k in chunk_counts]
+    ws = [weights(st.schedule, pp, m, k, zb, hw.ranks_per_core) for k in chunk_counts]
     blind = min(sw * (times + pp * f.p2p_chunk_s * k) + mw * (times + pp * f.p2p_chunk_s * k) / pp + dp
                 for k, (sw, mw) in zip(chunk_counts, ws))
     v_min = min(v for v, _, _ in fam.members)
@@ -222,12 +222,12 @@ class SearchMemo:
     dtype: str
 
 
-def floor_bound(fam: Family, passes_s: float, zb_fill: float) -> float:
+def floor_bound(fam: Family, ranks_per_core: float, passes_s: float, zb_fill: float) -> float:
     """A bound on every member of ``fam`` from ``estimate.pass_floor``: the step is at least
     (sum_weight + max_weight / pp) Σ_s T_s, the weights at their least over the members'
     chunks (interleaved: the most) and the fill fraction (zero-bubble: no recompute)."""
     k = fam.members[-1][0] if fam.schedule == "interleaved" else 1  # members go by v
-    sum_w, max_w = weights(fam.schedule, fam.mesh.pp, fam.num_microbatches, k, zb_fill)
+    sum_w, max_w = weights(fam.schedule, fam.mesh.pp, fam.num_microbatches, k, zb_fill, ranks_per_core)
     return (sum_w + max_w / fam.mesh.pp) * passes_s
 
 

@@ -172,7 +172,8 @@ def _expand_block(model: ModelProfile, hw: HardwareProfile, block: Block, item: 
     floors = dict(item.floors)
     members = _Members(orders=item.orders)
     for j, fam in enumerate(block_families(model, hw, block, space.dtype, space.pins, space.memo)):
-        scored.append((floor_bound(fam, *floors[fam.sequence_parallel]), order + (j << MEMBER_BITS), fam, members))
+        scored.append((floor_bound(fam, hw.ranks_per_core, *floors[fam.sequence_parallel]),
+                       order + (j << MEMBER_BITS), fam, members))
         heapq.heappush(heap, (max(lb, scored[-1][0]), scored[-1][1], None, len(scored) - 1))
 
 
