@@ -66,6 +66,9 @@ OPTIMIZER_TENSORS = 48
 BURST_GEMMS = 16
 """256^3 GEMMs each CPU rank runs before a timed collective (``_in_step``): about 10 ms with 4
 ranks on 2 cores, the order of one block's pass of the small models CPU ranks train."""
+ATTENTION = {"cpu": (4, 4, 512, 32), "cuda": (2, 16, 4096, 128)}
+"""(batch, heads, sequence, head dim) of the causal SDPA whose forward and backward give the
+fused attention kernel's efficiency (``_attention_rate``)."""
 SHAPES = ((512, 128, 384), (512, 128, 512), (512, 512, 128), (2048, 512, 2048), (2048, 2048, 512))
 """(tokens, in, out) of the transformer-shaped GEMMs (b·s through h -> 3h, h -> 4h, 4h -> h)."""
 
@@ -80,6 +83,21 @@ def _median_time(fn: Callable[[], object], repeats: int, sync: Callable[[], None
         sync()
         times.append(time.perf_counter() - t)
     return statistics.median(times)
+
+
+def _attention_rate(device, dtype, sync: Callable[[], None]) -> float:
+    """FLOP/s of a causal ``scaled_dot_product_attention`` forward and backward (the kernel
+    torch dispatches: CPU flash on CPU ranks, FlashAttention-2 or cuDNN on CUDA), counted as
+    the cost model counts them (``cost_models.compute``): the forward's 4 b h s² d FLOPs times
+    ``causal_fraction(s)``, and the backward ``FLASH_BWD_RATIO`` times that."""
+    import torch
+    import torch.nn.functional as F
+    from cost_models.compute import FLASH_BWD_RATIO, causal_fraction
+    b, h, s, d = ATTENTION[device.type]
+    q, k, v = (torch.randn(b, h, s, d, device=device, dtype=dtype, requires_grad=True) for _ in range(3))
+    flops = (1 + FLASH_BWD_RATIO) * 4.0 * b * h * s * s * d * causal_fraction(s)
+    return flops / _median_time(lambda: F.scaled_dot_product_attention(q, k, v, is_causal=True).sum().backward(),
+                                10, sync)
 
 
 def _block_host_s(device, sync: Callable[[], None]) -> float:
@@ -157,6 +175,7 @@ def _measure(rank: int, world: int, device, dtype, say: Callable[[str], None]) -
         x, w = torch.randn(n, k, device=device, dtype=dtype), torch.randn(k, m, device=device, dtype=dtype)
         rates.append(2.0 * n * k * m / _median_time(lambda: torch.mm(x, w), 20, sync))
     out["shaped"] = rates
+    out["attention"] = _attention_rate(device, dtype, sync)
     say("memory")
     dist.barrier()
     x, y = torch.randn(2 ** 23, device=device), torch.randn(2 ** 23, device=device)
@@ -272,6 +291,7 @@ def build_profile(results: list[dict], world: int, threads: int, device: str, dt
         "intra_node": tier,
         "inter_node": tier,
         "matmul_efficiency": round(min(1.0, shaped / peak), 3),
+        "attention_efficiency": {load_recipe(DISPATCH_RECIPE).attention_kernel: round(min(1.0, med("attention") / peak), 3)},
         "memory_efficiency": 1.0,
         "reserve_gib": 0.0,
         "kernel_dispatch_us": round(med("dispatch") * 1e6, 2),
@@ -284,6 +304,10 @@ def build_profile(results: list[dict], world: int, threads: int, device: str, dt
             "peak_tflops": f"median per-rank {dtype} rate of a square GEMM (1024^3 on CPU, 8192^3 on GPU)",
             "matmul_efficiency": f"median rate of the GEMMs {SHAPES} (tokens, in, out) over the peak",
             "hbm_bw_gbps": "median per-rank rate of a 32 MiB element-wise add (3 arrays touched)",
+            "attention_efficiency": (f"median per-rank rate of a causal scaled_dot_product_attention forward and "
+                                     f"backward (batch, heads, seq, head dim {ATTENTION[device]}), its FLOPs as "
+                                     f"cost_models.compute counts the fused kernel's, over the peak; under the "
+                                     f"{DISPATCH_RECIPE} recipe's kernel family"),
             "intra_node": (f"all-reduce, reduce-scatter and all-gather over {world} ranks at 4 B..16 MiB"
                            + ("" if device == "cuda" else f", each right after {BURST_GEMMS} 256^3 GEMMs on every "
                               "rank less their time (as a step meets it: autopar.profile._in_step)")

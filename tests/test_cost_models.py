@@ -157,6 +157,24 @@ def test_korthikanti_figure1_params_and_optimizer_22b():
     assert static / 2**30 == pytest.approx(45.56, rel=0.02)
 
 
+def test_ranks_sharing_cores_reclaim_the_pipeline_bubble():
+    """With o ranks per core (rates measured with every rank busy) a uniform pipeline's step is
+    the larger of its busy time m T and the whole schedule o times faster, (m + (p-1) f) T / o;
+    one rank per core leaves the weights as they were; more ranks per core never cost more."""
+    for schedule, chunks, f in (("1f1b", 1, 1.0), ("gpipe", 1, 1.0), ("interleaved", 2, 0.5),
+                                ("zero-bubble", 1, 0.3)):
+        for p, m in ((2, 2), (4, 4), (4, 16), (8, 8)):
+            assert pipeline.weights(schedule, p, m, chunks, 0.3, 1.0) == pipeline.weights(schedule, p, m, chunks, 0.3)
+            last = float("inf")
+            for o in (1.0, 1.5, 2.0, 4.0):
+                sw, mw = pipeline.weights(schedule, p, m, chunks, 0.3, o)
+                uniform = sw * p + mw  # the step of p stages of T = 1
+                assert uniform == pytest.approx(max(m, (m + (p - 1) * f) / o))
+                assert sw >= 0 and uniform <= last
+                last = uniform
+    assert pipeline.weights("1f1b", 1, 8, 1, 0.3, 2.0) == (1.0, 7.0)  # no pipeline, no bubble
+
+
 def test_inflight_micro_batches_per_schedule():
     assert pipeline.inflight(Strategy(recipe=MC, mesh=Degrees(pp=4), num_microbatches=8)) == (4, 3, 2, 1)
     assert pipeline.inflight(Strategy(recipe=MC, mesh=Degrees(pp=4), num_microbatches=2)) == (2, 2, 2, 1)

@@ -42,6 +42,8 @@ def test_profile_writes_a_profile_the_cost_model_uses(tmp_path):
     # the reference run refitted the efficiencies (autopar.calibrate), and said so
     assert "reference gpt:" in data["notes"]["calibrated"] and 0 < hw.memory_efficiency <= 1
     assert hw.host_overlaps_device is False and hw.kernel_dispatch_us > 0
+    assert 0 < hw.attention_efficiency["flash2"] <= 1  # the autopar recipe's SDPA, measured
+    assert hw.ranks_per_core >= 1  # 2 ranks of 1 thread over the machine's cores
     assert 0 < hw.optimizer_memory_efficiency <= 1
     est = runner.invoke(app, ["estimate", "--model", "gpt:layers=2,hidden=64,heads=4,vocab=128,seq=16",
                               "--cluster", str(out), "--gpus", "2", "--global-batch", "4", "--dtype", "fp32",
