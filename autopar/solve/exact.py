@@ -28,10 +28,11 @@ import numpy as np
 
 from cost_models import StageCosts
 from cost_models.strategy import RECOMPUTE
-from autopar.solve.tables import SLACK, StageTables, stage_caps, least_feasible, least_total
+from autopar.solve.tables import SLACK, StageTables, least_feasible, least_total, stage_caps
 
-BUDGET = 400
-"""Most convolutions one scan may evaluate before it gives up."""
+BUDGET = 1000
+"""Most convolutions one scan may evaluate before it gives up (each well under a millisecond
+at a hundred blocks)."""
 MIXES = 200_000
 """Most mixes (block counts per mode over the stages' classes) one scan may enumerate."""
 
@@ -65,17 +66,15 @@ def _front(c: StageCosts, s: int, modes: tuple[int, ...], cap: float, upper: int
     n = counts.sum(axis=1)
     time = counts @ np.array(c.mode_time_s)
     dp = counts @ np.array(c.mode_dp_time_s)
-    order = np.lexsort((dp, time, n))
-    keep: list[int] = []
-    least = 0.0
-    for i in order.tolist():  # per n ascending, by time: keep what shortens the tail
-        if keep and n[keep[-1]] == n[i] and dp[i] >= least:
-            continue
-        if not keep or n[keep[-1]] != n[i]:
-            least = dp[i]
-        least = min(least, dp[i])
-        keep.append(i)
-    idx = np.array(keep, dtype=np.int64)
+    order = np.lexsort((dp, time, n))  # per n ascending, by time: keep what shortens the tail
+    starts = np.flatnonzero(np.diff(n[order], prepend=-1))
+    keep = []
+    for lo, hi in zip(starts, [*starts[1:], len(order)]):
+        tails = dp[order[lo:hi]]
+        shorter = np.ones(hi - lo, dtype=bool)
+        shorter[1:] = tails[1:] < np.minimum.accumulate(tails)[:-1]
+        keep.append(order[lo:hi][shorter])
+    idx = np.concatenate(keep) if keep else np.zeros(0, dtype=np.int64)
     return _Front(n=n[idx], time=time[idx], dp=dp[idx], counts=counts[idx],
                   fixed_t=c.stage_time_s(s, 0), fixed_d=c.stage_dp_time_s(s, 0))
 
@@ -151,28 +150,41 @@ def least_step(c: StageCosts, tabs: StageTables, modes: tuple[int, ...], cap: fl
     if c.max_weight <= 0:  # the slowest stage costs nothing of its own: let it be as slow as any
         times = times[-1:]
 
-    def caps(t: float, d: float) -> list[int]:
-        return [int(f.n[(f.time + f.fixed_t <= t) & (f.dp + f.fixed_d <= d)].max(initial=-1))
-                for f in fronts]
+    distinct = list({id(f): f for f in fronts}.values())
+    counts = [sum(f is g for g in fronts) for f in distinct]
 
-    def feasible(t: float, d: float) -> bool:
-        most = caps(t, d)
-        return min(most) >= min_layers and sum(most) >= layers
+    def least_tail(t: float) -> float:
+        """The least δ among ``tails`` with a placement within τ = t and δ (inf if none): per
+        stage, its mixes within τ by tail, with the most blocks of any up to each."""
+        rows = []
+        for f in distinct:
+            within = f.time + f.fixed_t <= t
+            d = f.dp[within] + f.fixed_d
+            order = np.argsort(d, kind="stable")
+            rows.append((d[order], np.maximum.accumulate(f.n[within][order])))
+
+        def ok(delta: float) -> bool:
+            most = [int(n[i - 1]) if (i := int(np.searchsorted(d, delta, side="right"))) else -1
+                    for d, n in rows]
+            return min(most) >= min_layers and sum(k * x for k, x in zip(counts, most)) >= layers
+        return least_feasible(tails, ok)
 
     inf = float("inf")
     spent = 1
     total_all, _ = _convolve(_tables(fronts, inf, inf, size), layers, min_layers)
-    tail_all = least_feasible(tails, lambda d: feasible(inf, d))
+    tail_all = least_tail(inf)
     found, at = best, None
     for t in times.tolist():
         if c.sum_weight * (total_all + fixed) + c.max_weight * t + tail_all >= found:
             break
-        d_low = least_feasible(tails, lambda d: feasible(t, d))
-        if d_low == inf:
-            continue
+        if spent >= BUDGET:
+            return None
         spent += 1
         total_t, _ = _convolve(_tables(fronts, t, inf, size), layers, min_layers)
         head = c.sum_weight * (total_t + fixed) + c.max_weight * t
+        if head + tail_all >= found:  # no δ at this τ beats it (or no placement within τ)
+            continue
+        d_low = least_tail(t)
         for d in tails[np.searchsorted(tails, d_low):].tolist():
             if head + d >= found:
                 break
