@@ -24,6 +24,7 @@ a placement it returns is checked exactly by the caller.
 from __future__ import annotations
 
 from dataclasses import dataclass
+
 import numpy as np
 
 from cost_models import StageCosts
