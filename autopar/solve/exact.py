@@ -23,6 +23,7 @@ a placement it returns is checked exactly by the caller.
 
 from __future__ import annotations
 
+from collections import Counter
 from dataclasses import dataclass
 
 import numpy as np
@@ -133,16 +134,13 @@ def least_step(c: StageCosts, tabs: StageTables, modes: tuple[int, ...], cap: fl
         upper = [min(u, n) for u, n in zip(upper, stage_caps(tabs, reach * (1 + 1e-9)))]
     if min(upper) < min_layers or sum(upper) < layers:
         return best, None  # no placement beats ``best``
-    keys: dict[tuple, _Front] = {}
-    if sum((u + 1) ** len(modes) for u in {(c.memory_key(s), u): u
-                                          for s, u in enumerate(upper)}.values()) > MIXES:
+    # stages alike in memory and bound share their mixes (first and last differ in memory_key)
+    stage_keys = [(c.memory_key(s), upper[s]) for s in range(c.pp)]
+    members = Counter(stage_keys)
+    if sum((u + 1) ** len(modes) for _, u in members) > MIXES:
         return None
-    fronts = []
-    for s in range(c.pp):
-        key = (c.memory_key(s), upper[s])
-        if key not in keys:
-            keys[key] = _front(c, s, modes, cap, upper[s])
-        fronts.append(keys[key])
+    keys = {key: _front(c, stage_keys.index(key), modes, cap, key[1]) for key in members}
+    fronts = [keys[key] for key in stage_keys]
     size = max(upper) + 1
     fixed = sum(f.fixed_t for f in fronts)
     times = np.unique(np.concatenate([f.time + f.fixed_t for f in fronts]))
@@ -151,8 +149,7 @@ def least_step(c: StageCosts, tabs: StageTables, modes: tuple[int, ...], cap: fl
     if c.max_weight <= 0:  # the slowest stage costs nothing of its own: let it be as slow as any
         times = times[-1:]
 
-    distinct = list({id(f): f for f in fronts}.values())
-    counts = [sum(f is g for g in fronts) for f in distinct]
+    distinct, counts = list(keys.values()), list(members.values())
 
     def least_tail(t: float) -> float:
         """The least δ among ``tails`` with a placement within τ = t and δ (inf if none): per
