@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import statistics
 import subprocess
 import sys
@@ -355,6 +356,7 @@ def worker(out: Path, name: str, command: str) -> None:
         profile = build_profile(gathered, world, torch.get_num_threads(), device.type,
                                 "bf16" if cuda else "fp32", name, command)
         out.write_text(json.dumps(profile, indent=2) + "\n")
+    dist.barrier()  # a rank tearing gloo down while a peer still works aborts ("terminate called")
     dist.destroy_process_group()
 
 
@@ -379,12 +381,25 @@ def profile_machine(ranks: int, out: Path, name: str, on_phase: Callable[[str], 
                 if line.startswith("phase "):
                     on_phase(line.split()[1])
         if proc.returncode != 0 or not result.is_file():
-            tail = [line.strip() for line in log if line.strip()][-1:] or ["no output"]
-            raise UserError(f"profiling failed: {tail[0]}")
+            raise UserError(f"profiling failed: {failure(log)}")
         on_phase("reference")
         profile = calibrated(result, ranks, command)
     out.write_text(json.dumps(profile, indent=2) + "\n")
     return profile
+
+
+def failure(log: list[str]) -> str:
+    """One line for a failed torchrun: the last error a rank printed (an exception's last line
+    or the C++ runtime's ``terminate called``), with the root cause's exit code and signal from
+    torchrun's summary; the last line printed where neither is found."""
+    lines = [line.strip() for line in log if line.strip() and not line.lstrip().startswith("File ")]
+    errors = [line for line in lines if re.match(r"(\[rank\d+\]:\s*)?([\w.]+(Error|Exception)\b|terminate called)", line)
+              and "ChildFailedError" not in line]
+    exits = [re.sub(r"\s+", " ", line) for line in lines if line.startswith("exitcode")]
+    ranks = [line.split(":", 1)[1].strip() for line in lines if line.startswith("rank ")]
+    where = f"rank {ranks[-1]}, {exits[-1]}" if exits and ranks else (exits[-1] if exits else "")
+    said = errors[-1] if errors else (lines[-1] if lines and not where else "")
+    return "; ".join(part for part in (said, where) if part) or "no output"
 
 
 def reference_plan(profile_file: Path, ranks: int) -> "Plan":

@@ -10,7 +10,7 @@ import pytest
 from typer.testing import CliRunner
 
 from autopar.cli import app
-from autopar.profile import SIZES, fit_collectives
+from autopar.profile import SIZES, failure, fit_collectives
 from cost_models import comm, load_profile
 
 runner = CliRunner()
@@ -51,3 +51,32 @@ def test_profile_writes_a_profile_the_cost_model_uses(tmp_path):
     assert est.exit_code == 0 and json.loads(est.stdout)["step_time_s"] > 0
     bad = runner.invoke(app, ["profile", "--ranks", "1", "--out", str(tmp_path / "x.json")])
     assert bad.exit_code == 2 and "--ranks must be at least 2" in bad.output
+
+
+TORCHRUN_ABORT = """phase p2p
+terminate called without an active exception
+E1126 21:29:01.184000 26789 torch/distributed/elastic/multiprocessing/api.py:1002] failed (exitcode: -6) local_rank: 1
+Traceback (most recent call last):
+  File "torch/distributed/launcher/api.py", line 383, in launch_agent
+    raise ChildFailedError(
+torch.distributed.elastic.multiprocessing.errors.ChildFailedError:
+=======================================================
+Failures:
+[1]:
+  rank      : 0 (local_rank: 0)
+  exitcode  : -15 (pid: 26793)  (SIGTERM)
+Root Cause (first observed failure):
+[0]:
+  rank      : 1 (local_rank: 1)
+  exitcode  : -6 (pid: 26794)  (SIGABRT)
+=======================================================
+"""
+
+
+def test_a_failed_profile_names_what_a_rank_said_and_the_root_cause():
+    line = failure(TORCHRUN_ABORT.splitlines())
+    assert line.startswith("terminate called without an active exception; rank 1 ")
+    assert "-6" in line and "SIGABRT" in line and "=" not in line
+    assert failure(["[rank0]: Traceback (most recent call last):", '[rank0]:   File "x.py", line 1',
+                    "[rank0]: ValueError: no such shape", "===="]) == "[rank0]: ValueError: no such shape"
+    assert failure([]) == "no output"
