@@ -667,7 +667,9 @@ DEMO_TEXT = Path(__file__).resolve().parent / "corpora" / "declaration_of_indepe
 
 @app.command()
 def demo(steps: int = typer.Option(5, "--steps", min=2, help="Optimizer steps to run"),
-         gpus: int = typer.Option(4, "--gpus", help="Local CPU ranks")) -> None:
+         gpus: int = typer.Option(4, "--gpus", help="Local CPU ranks"),
+         cluster: str = typer.Option("cpu-local", "--cluster",
+                                     help="Profile of this machine (`autopar profile` writes one)")) -> None:
     """Plan a small GPT for the local CPU cluster, train it on a short public-domain text, and
     compare predicted and measured step time."""
     def body() -> None:
@@ -677,7 +679,10 @@ def demo(steps: int = typer.Option(5, "--steps", min=2, help="Optimizer steps to
         from autopar.data import tokenize_file
         from autopar.runtime import TrainConfig, run_plan
         check_count("--gpus", gpus, MAX_LOCAL_RANKS)
-        job = read_job(DEMO_MODEL, "cpu-local", gpus, global_batch=8 * gpus, dtype="fp32")
+        job = read_job(DEMO_MODEL, cluster, gpus, global_batch=8 * gpus, dtype="fp32")
+        if job.hw.launcher != "gloo":
+            raise UserError(f"--cluster {cluster} profiles GPUs ({job.hw.launcher}); the demo trains on local "
+                            "CPU ranks: pass cpu-local or a profile `autopar profile` wrote on this machine")
         result_plan, sol = make_plan(job)
         _print_plan(result_plan)
         console.print(f"search: {sol.time_s:.2f} s over {sol.candidates} candidates")
@@ -691,8 +696,9 @@ def demo(steps: int = typer.Option(5, "--steps", min=2, help="Optimizer steps to
         predicted = sol.estimate.step_time_s
         console.print(f"predicted step time {predicted:.3f} s, measured {measured:.3f} s "
                       f"(median of steps 1..{steps - 1}), ratio {measured / predicted:.2f}")
-        console.print(f"profile cpu-local: {job.hw.notes.get('source', 'no source recorded')}; "
-                      "measure your machine with `autopar profile --out my.json`")
+        console.print(f"profile {job.hw.name}: {job.hw.notes.get('source', 'no source recorded')}"
+                      + ("; measure your machine with `autopar profile --out my.json`, then "
+                         "`autopar demo --cluster my.json`" if cluster == "cpu-local" else ""))
     _guard(body)
 
 
