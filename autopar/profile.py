@@ -10,7 +10,8 @@ sees while the others run. Each rank times (medians of repeats):
 - the host time of a tiny built-in block's forward and backward, per kernel the cost model
   counts for it (``kernels_per_block``: the per-kernel dispatch floor; on CPU ranks it adds to
   every pass, ``host_overlaps_device`` false), and what a DTensor parameter adds to an AdamW
-  step (``dtensor_optimizer_us``);
+  step (``dtensor_optimizer_us``), and what FSDP2's hooks add per parameter group and
+  micro-batch (``fsdp_hook_us``);
 - all-reduce, reduce-scatter and all-gather over the whole group at message sizes from 4 B to
   16 MiB (on CPU ranks each right after a block's worth of GEMMs, as a step meets it), and
   point-to-point send/recv between pairs.
@@ -70,6 +71,10 @@ ranks on 2 cores, the order of one block's pass of the small models CPU ranks tr
 ATTENTION = {"cpu": (4, 4, 512, 32), "cuda": (2, 16, 4096, 128)}
 """(batch, heads, sequence, head dim) of the causal SDPA whose forward and backward give the
 fused attention kernel's efficiency (``_attention_rate``)."""
+HOOK_GROUPS = 8
+"""Blocks, each an FSDP2 group, of the model whose passes time ``fsdp_hook_us``."""
+HOOK_REPEATS = 200
+"""Alternated wrapped / plain passes timed for ``fsdp_hook_us``."""
 SHAPES = ((512, 128, 384), (512, 128, 512), (512, 512, 128), (2048, 512, 2048), (2048, 2048, 512))
 """(tokens, in, out) of the transformer-shaped GEMMs (b·s through h -> 3h, h -> 4h, 4h -> h)."""
 
@@ -134,6 +139,43 @@ def _dtensor_step_s(device, world: int, sync: Callable[[], None]) -> float:
     return max(0.0, step_s(True) - step_s(False)) / OPTIMIZER_TENSORS
 
 
+def _fsdp_hook_s(device, world: int, sync: Callable[[], None]) -> float:
+    """Host time of FSDP2's hooks per parameter group and micro-batch (forward and backward), s:
+    ``HOOK_GROUPS`` tiny blocks each wrapped by ``fully_shard``, weights kept gathered and
+    gradients unsynchronised (a pipeline's or an accumulation's inner micro-batch: no
+    collective runs), against the same blocks unwrapped, over one more group (the root). Each
+    rank shards over a group of its own, so the figure is the hooks' and not the peers'.
+    Collective: every rank calls it."""
+    import torch
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import DeviceMesh
+    from torch.distributed.fsdp import fully_shard
+    groups = [dist.new_group([r]) for r in range(world)]
+    mesh = DeviceMesh.from_group(groups[dist.get_rank()], device.type)
+    x = torch.randn(2, 8, device=device)
+
+    def blocks() -> torch.nn.Sequential:
+        return torch.nn.Sequential(*(torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.ReLU())
+                                     for _ in range(HOOK_GROUPS))).to(device)
+
+    plain, wrapped = blocks(), blocks()
+    for block in wrapped:
+        fully_shard(block, mesh=mesh, reshard_after_forward=False)
+    fully_shard(wrapped, mesh=mesh, reshard_after_forward=False)
+    wrapped.set_requires_gradient_sync(False)
+    wrapped.set_reshard_after_backward(False)
+    def once(m: torch.nn.Module) -> float:
+        t = time.perf_counter()
+        m(x).sum().backward()
+        sync()
+        return time.perf_counter() - t
+
+    once(plain), once(wrapped)
+    # alternated, so both see the same contention from the peers on shared cores
+    extra = [once(wrapped) - once(plain) for _ in range(HOOK_REPEATS)]
+    return max(0.0, statistics.median(extra)) / (HOOK_GROUPS + 1)
+
+
 def _in_step(device, dtype, sync: Callable[[], None]) -> Callable[[Callable[[], object], int], float]:
     """A timer of one collective as a training step meets it, s. On CUDA the median time of
     the call alone (NCCL's kernels run beside the host). On CPU ranks the host runs both the
@@ -186,6 +228,8 @@ def _measure(rank: int, world: int, device, dtype, say: Callable[[str], None]) -
     out["dispatch"] = _block_host_s(device, sync) / (3 * load_recipe(DISPATCH_RECIPE).kernels_per_block)
     dist.barrier()
     out["dtensor"] = _dtensor_step_s(device, world, sync)
+    dist.barrier()
+    out["hooks"] = _fsdp_hook_s(device, world, sync)
     say("collectives")
     in_step = _in_step(device, dtype, sync)
     rows = []
@@ -297,6 +341,7 @@ def build_profile(results: list[dict], world: int, threads: int, device: str, dt
         "reserve_gib": 0.0,
         "kernel_dispatch_us": round(med("dispatch") * 1e6, 2),
         "dtensor_optimizer_us": round(med("dtensor") * 1e6, 2),
+        "fsdp_hook_us": round(med("hooks") * 1e6, 2),
         "host_overlaps_device": device == "cuda",
         "ranks_per_core": 1.0 if device == "cuda" else round(max(1.0, world * threads / (os.cpu_count() or 1)), 3),
         "launcher": "nccl" if device == "cuda" else "gloo",
@@ -321,6 +366,10 @@ def build_profile(results: list[dict], world: int, threads: int, device: str, dt
             "kernel_dispatch_us": (f"median host time of a forward and backward of {DISPATCH_BLOCK!r}'s block "
                                    f"over 3 x the {DISPATCH_RECIPE} recipe's kernels_per_block"),
             "host_overlaps_device": "CUDA kernels run behind the host; CPU operators on the thread dispatching them",
+            "fsdp_hook_us": (f"median over ranks of (a forward and backward of {HOOK_GROUPS} Linear(8, 8) blocks, "
+                             "each an FSDP2 fully_shard group over the rank alone, weights kept gathered and "
+                             "gradients unsynchronised - the same unwrapped) / "
+                             f"{HOOK_GROUPS + 1} groups (autopar.profile._fsdp_hook_s)"),
             "ranks_per_core": "ranks x threads each over the machine's cores (os.cpu_count), at least 1; 1 on GPUs",
             "dtensor_optimizer_us": (f"median over ranks of (an AdamW step of {OPTIMIZER_TENSORS} DTensor parameters "
                                      f"sharded over the {world} ranks - the same of plain tensors) / {OPTIMIZER_TENSORS}"),
@@ -356,7 +405,7 @@ def worker(out: Path, name: str, command: str) -> None:
         profile = build_profile(gathered, world, torch.get_num_threads(), device.type,
                                 "bf16" if cuda else "fp32", name, command)
         out.write_text(json.dumps(profile, indent=2) + "\n")
-    dist.barrier()  # a rank tearing gloo down while a peer still works aborts ("terminate called")
+    dist.barrier()
     dist.destroy_process_group()
 
 
@@ -429,3 +478,9 @@ def calibrated(profile_file: Path, ranks: int, command: str) -> dict:
 
 if __name__ == "__main__":
     worker(Path(sys.argv[1]), sys.argv[2], sys.argv[3])
+    sys.stdout.flush()
+    # Skip the interpreter's teardown: a gloo group still referenced by torch's device-mesh and
+    # FSDP state at exit is destroyed among static objects, and its threads then abort the
+    # process ("terminate called without an active exception": 1 run in 5-10 here, after the
+    # profile was written and every group destroyed).
+    os._exit(0)

@@ -1,14 +1,17 @@
 """Is the planner's pick the fastest plan? Every plan it ranks, measured on this machine.
 
-    python benchmarks/plan_quality.py [--ranks 4] [--keep 24] [--steps 10] [--profile cpu-local]
-                                      [--save RUNS.json | --replay RUNS.json]
+    python benchmarks/plan_quality.py [--ranks 4] [--keep 24] [--steps 10] [--rounds 3]
+                                      [--profile cpu-local] [--save RUNS.json | --replay RUNS.json]
 
 For each model below (deep-narrow, wide, long-sequence GPTs, whose plans differ), the search
 proves its ``--keep`` best strategies under the profile (``search(keep=…)``: every feasible
 one where there are fewer), plus plain DDP and plain FSDP (ZeRO-3) at one micro-batch per
 rank. Each is trained ``--steps`` steps on ``--ranks`` gloo CPU ranks, all plans of a model in
-one torchrun job; a plan's time is the median of its steps after 2 of warm-up and before the 3
-last, which run under the profiler for its peak memory (``runtime.phases``).
+one torchrun job; a round's time of a plan is the median of its steps after 2 of warm-up and
+before the 3 last, which run under the profiler for its peak memory (``runtime.phases``). The
+job runs ``--rounds`` times, every other round in reverse order (a machine's slow minutes fall
+on different plans), and a plan's time is the median of its rounds': two runs of one program
+differ by up to 12 % in a single round on a shared 2-core machine.
 
 Printed per model: predicted against measured step time for every plan (mean and max
 |error|, Spearman rank correlation), the pick's measured rank and its time over the best
@@ -30,6 +33,7 @@ import json
 import os
 import statistics
 import sys
+from dataclasses import replace
 from pathlib import Path
 
 import numpy as np
@@ -67,21 +71,36 @@ def spearman(a: list[float], b: list[float]) -> float:
     return float(np.corrcoef(ra, rb)[0, 1]) if len(a) > 2 else float("nan")
 
 
-def summarise(results: list[RunResult]) -> list[tuple[float, float, RunResult]]:
-    """(median step s, largest peak bytes over ranks, the run) of each run."""
-    return [(statistics.median(r.step_times_s[WARMUP:-PROFILED]), max(x["peak_bytes"] for x in r.phases), r)
-            for r in results]
+def round_s(step_times_s: list[float]) -> float:
+    """One round's time of a plan: the median of its steps after warm-up, before the profiled."""
+    return statistics.median(step_times_s[WARMUP:-PROFILED])
 
 
-def measure(plans: list[Plan], steps: int) -> list[tuple[float, float, RunResult]]:
-    """``summarise`` of each plan trained ``steps`` steps, all in one job."""
-    return summarise(run_job([RunSpec(plan=p, steps=steps, phases=PROFILED) for p in plans], timeout_s=3600))
+def summarise(rounds: list[list[RunResult]]) -> list[tuple[float, float, RunResult, list[list[float]]]]:
+    """(median over rounds of ``round_s``, the first round's largest peak bytes over ranks, its
+    run, every round's step times) of each plan; ``rounds[k][i]`` is plan i's run in round k."""
+    return [(statistics.median(round_s(r.step_times_s) for r in runs),
+             max(x["peak_bytes"] for x in runs[0].phases), runs[0], [r.step_times_s for r in runs])
+            for runs in zip(*rounds)]
+
+
+def measure(plans: list[Plan], steps: int, rounds: int) -> list[tuple[float, float, RunResult, list[list[float]]]]:
+    """``summarise`` of each plan trained ``steps`` steps, all in one job, ``rounds`` times
+    (odd rounds in reverse order)."""
+    out = []
+    for k in range(rounds):
+        order = plans if k % 2 == 0 else plans[::-1]
+        runs = run_job([RunSpec(plan=p, steps=steps, phases=PROFILED) for p in order], timeout_s=3600)
+        out.append(runs if k % 2 == 0 else runs[::-1])
+    return summarise(out)
 
 
 def save(path: str, cases: list) -> None:
-    """Every measured run of ``cases``: its plan, step times and rank summaries."""
+    """Every measured run of ``cases``: its plan, the first round's step times and rank
+    summaries, and every round's step times."""
     out = [{"label": label, "plans": [json.loads(p.to_json()) for p in plans],
-            "runs": [{"step_times_s": r.step_times_s, "phases": list(r.phases)} for _, _, r in runs]}
+            "runs": [{"step_times_s": r.step_times_s, "phases": list(r.phases), "rounds": rounds}
+                     for _, _, r, rounds in runs]}
            for label, _, _, plans, runs, _, _, _ in cases]
     Path(path).write_text(json.dumps(out, indent=1) + "\n")
 
@@ -89,18 +108,20 @@ def save(path: str, cases: list) -> None:
 def replayed(path: str) -> dict[str, tuple[list[Plan], list]]:
     """The saved plans and runs of each model label (``save``)."""
     data = json.loads(Path(path).read_text())
-    return {case["label"]: ([plan_from_dict(p) for p in case["plans"]],
-                            summarise([RunResult(step_times_s=r["step_times_s"], phases=tuple(r["phases"]))
-                                       for r in case["runs"]]))
-            for case in data}
+    out = {}
+    for case in data:
+        runs = [[RunResult(step_times_s=times, phases=tuple(r["phases"]) if k == 0 else ())
+                 for k, times in enumerate(r.get("rounds", [r["step_times_s"]]))] for r in case["runs"]]
+        out[case["label"]] = ([plan_from_dict(p) for p in case["plans"]], summarise([list(k) for k in zip(*runs)]))
+    return out
 
 
 def report(label: str, plans: list[Plan], runs: list, hw: HardwareProfile, model, pick: str,
            ddp: str, fsdp: str) -> None:
     pred = [estimate(model, hw, p.strategy(), global_batch=p.global_batch) for p in plans]
-    meas = [t for t, _, _ in runs]
+    meas = [t for t, *_ in runs]
     errs = [abs(e.step_time_s / m - 1) for e, m in zip(pred, meas)]
-    mem = [abs(max(e.stage_peak_bytes or (e.memory.peak_bytes,)) / b - 1) for e, (_, b, _) in zip(pred, runs)]
+    mem = [abs(max(e.stage_peak_bytes or (e.memory.peak_bytes,)) / b - 1) for e, (_, b, *_) in zip(pred, runs)]
     oracle = min(meas)
     order = sorted(range(len(plans)), key=lambda i: meas[i])
     by_key = {key(p): i for i, p in enumerate(plans)}
@@ -125,6 +146,7 @@ def main() -> None:
     parser.add_argument("--ranks", type=int, default=4)
     parser.add_argument("--keep", type=int, default=24)
     parser.add_argument("--steps", type=int, default=10)
+    parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--profile", default="cpu-local")
     runs_file = parser.add_mutually_exclusive_group()
     runs_file.add_argument("--save", help="write the measured runs here (JSON)")
@@ -143,7 +165,7 @@ def main() -> None:
         plans.setdefault(key(ddp), ddp)
         plans.setdefault(key(fsdp), fsdp)
         listed, runs = saved[label] if args.replay else (list(plans.values()), None)
-        cases.append((label, job, prof, listed, runs or measure(listed, args.steps), pick, key(ddp), key(fsdp)))
+        cases.append((label, job, prof, listed, runs or measure(listed, args.steps, args.rounds), pick, key(ddp), key(fsdp)))
     if args.save:
         save(args.save, cases)
     hw = load_profile(args.profile)
@@ -154,14 +176,14 @@ def main() -> None:
     # Refit on one run: the first model's pick.
     label, job, prof, plans, runs, pick, _, _ = cases[0]
     i = [key(p) for p in plans].index(pick)
-    run = measured(runs[i][2].step_times_s, WARMUP, runs[i][2].phases)
+    run = replace(measured(runs[i][2].step_times_s, WARMUP, runs[i][2].phases), step_s=runs[i][0])
     cal, fits = refit(plans[i], prof, hw, run)
     print(f"\n== calibrated on {label}'s pick ({pick}): "
           + "; ".join(f"{f.name} {f.old:.3g} -> {f.new:.3g}" for f in fits))
     for n, (label, job, prof, plans, runs, pick, ddp_key, fsdp_key) in enumerate(cases):
         new = plan_from_strategy(job, search(prof, cal, args.ranks, job.global_batch, "fp32").strategy, None)
         if key(new) not in [key(p) for p in plans] and not args.replay:
-            plans, runs = plans + [new], runs + measure([new], args.steps)
+            plans, runs = plans + [new], runs + measure([new], args.steps, args.rounds)
         print(f"\n{label} ({'in-sample' if n == 0 else 'out-of-sample'})")
         report(label, plans, runs, cal, prof, key(new), ddp_key, fsdp_key)
 

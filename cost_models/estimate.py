@@ -208,6 +208,15 @@ def _dtensor_step_s(tensors: int, hw: HardwareProfile, strat: Strategy) -> float
     return tensors * hw.dtensor_optimizer_us * 1e-6 if strat.recipe.dtensor_parameters and split else 0.0
 
 
+def _hooks_s(hw: HardwareProfile, strat: Strategy) -> float:
+    """Host time of FSDP2's hooks around one parameter group's passes per micro-batch, s:
+    where the autopar runtime wraps pieces in FSDP2 groups (data parallel, not on DDP) and the
+    host runs the operators (on CUDA the hooks run while the device works)."""
+    if hw.host_overlaps_device or strat.replicas == 1 or _ddp(strat):
+        return 0.0
+    return hw.fsdp_hook_us * 1e-6
+
+
 def _piece(params: float, passes: compute.PassTimes, tp: compute.PassTimes, act: float,
            hw: HardwareProfile, strat: Strategy, rep: comm.Group, *,
            reduced_last: bool = False, tensors: int = 0) -> _Piece:
@@ -221,7 +230,8 @@ def _piece(params: float, passes: compute.PassTimes, tp: compute.PassTimes, act:
     ready); the all-gather of updated weights (ZeRO 1/2) behind the next forward. Every
     data-parallel collective runs over ``rep``, the dp x cp group (``comm.replica_group``);
     where nothing can hide them, ``_dp_hides``. The optimizer step of its ``tensors`` parameter
-    tensors adds their DTensor dispatch (``_dtensor_step_s``) on the host.
+    tensors adds their DTensor dispatch (``_dtensor_step_s``) on the host, and each micro-batch
+    the hooks of its FSDP2 group (``_hooks_s``, a third of them in the forward).
     """
     rec = memory.state_layout(strat)
     grads, weights = params * rec.grad, params * memory.gather_bytes(strat)
@@ -270,11 +280,12 @@ def _piece(params: float, passes: compute.PassTimes, tp: compute.PassTimes, act:
                                                            strat.recipe.fused_optimizer), hw)
     accum = compute.memory_s(params * (grad_accum_bytes_per_param(rec, strat)
                                        + fsdp_copy_bytes_per_param(strat)), hw)
-    return _Piece(compute_s=passes.total_s + accum, tp_s=tp.total_s, dp_exposed_s=exposed, dp_tail_s=tail,
+    hooks = _hooks_s(hw, strat) if params > 0 else 0.0
+    return _Piece(compute_s=passes.total_s + accum + hooks, tp_s=tp.total_s, dp_exposed_s=exposed, dp_tail_s=tail,
                   optimizer_s=opt,
                   state=memory.state_bytes(params, strat), act_bytes=act,
                   host_bytes=memory.host_state_bytes(params, strat),
-                  forward_s=passes.forward_s + tp.forward_s + exposed_fwd,
+                  forward_s=passes.forward_s + tp.forward_s + exposed_fwd + hooks / 3,
                   recompute_s=passes.recompute_s + tp.recompute_s)
 
 

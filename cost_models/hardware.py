@@ -86,6 +86,12 @@ class HardwareProfile:
     """Host time a DTensor parameter adds to the optimizer step over a plain tensor's, µs per
     parameter tensor (DTensor's dispatch of each of the step's operators; 0: not measured).
     The autopar runtime's parameters are DTensors under FSDP2 and tensor parallelism."""
+    fsdp_hook_us: float = 0.0
+    """Host time of FSDP2's hooks around one parameter group's forward and backward (unshard,
+    reshard, gradient hand-off; collectives excluded), µs per group and micro-batch: it adds
+    to the passes where the host runs the operators (``host_overlaps_device`` false); 0: not
+    measured. The autopar runtime wraps each block, the embedding and the head in a group
+    under ZeRO 1-3, and under FSDP2's ``replicate`` when ZeRO 0 meets tp, pp or ep."""
     ranks_per_core: float = 1.0
     """Ranks sharing one compute unit (CPU ranks outnumbering the cores: 2 for 4 ranks on 2
     cores; 1 on GPUs). The compute rates are measured with every rank busy, so a rank idle in a
@@ -193,6 +199,7 @@ _RANGES: dict[str, tuple[float, float, str]] = {
     "overlap_penalty": (0.0, 1.0, "(a fraction)"),
     "kernel_dispatch_us": (0.0, 1e6, "µs"),
     "dtensor_optimizer_us": (0.0, 1e6, "µs"),
+    "fsdp_hook_us": (0.0, 1e6, "µs"),
     "host_memory_gib": (0.0, 1 << 20, "GiB"),
     "host_link_bw_gbps": (0.0, 1e6, "GB/s"),
     "host_optimizer_gbps": (0.0, 1e6, "GB/s"),

@@ -685,6 +685,20 @@ def test_dtensor_parameters_add_their_dispatch_to_the_optimizer_step():
     assert _cpu_step(slow, 0, tp=2) > _cpu_step(base, 0, tp=2) + 0.5 * tensors * 1e-3
 
 
+def test_fsdp_hooks_add_per_group_and_micro_batch_where_the_host_runs_the_operators():
+    """Each FSDP2 group (4 blocks, the embedding, the head) pays ``fsdp_hook_us`` per
+    micro-batch under ZeRO 1-3 and under FSDP2's replicate (ZeRO 0 with tp); DDP has no
+    hooks, and behind CUDA streams the hooks hide."""
+    base = dataclasses.replace(CPU, fsdp_hook_us=0.0)
+    slow = dataclasses.replace(CPU, fsdp_hook_us=1000.0)
+    assert _cpu_step(slow, 0) == _cpu_step(base, 0)
+    for zero in (1, 3):
+        assert _cpu_step(slow, zero) - _cpu_step(base, zero) == pytest.approx(6 * 1e-3, rel=0.01)
+    assert _cpu_step(slow, 0, tp=2) - _cpu_step(base, 0, tp=2) == pytest.approx(6 * 1e-3, rel=0.01)
+    streams = dataclasses.replace(slow, host_overlaps_device=True)
+    assert _cpu_step(streams, 3) == _cpu_step(dataclasses.replace(base, host_overlaps_device=True), 3)
+
+
 def test_vocab_parallel_loss_costs_three_small_all_reduces_under_tp():
     """Megatron's vocab-parallel cross-entropy and torch's loss_parallel all-reduce the logits'
     maximum, sum of exponentials and target logit: one fp32 value per token each."""
