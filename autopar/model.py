@@ -77,6 +77,10 @@ class Attention(nn.Module):
     projection (row-parallel). ``rope``: the model's (cos, sin) tables (``rotary_tables``),
     computed once for all blocks; computed here when not given."""
 
+    cos: torch.Tensor
+    sin: torch.Tensor
+    """RoPE tables [s, d/2] (non-persistent buffers; llama only)."""
+
     def __init__(self, spec: ModelSpec, rope: tuple[torch.Tensor, torch.Tensor] | None = None) -> None:
         super().__init__()
         bias = spec.arch == "gpt"
@@ -197,7 +201,9 @@ class Transformer(nn.Module):
                 gen = torch.Generator(device=p.device).manual_seed(seed * 1_000_003 + zlib.crc32(key.encode()))
                 p.normal_(0.0, std, generator=gen)
         for layer in self.layers.values():
-            layer.attn.reset_buffers()
+            attn = layer.attn
+            assert isinstance(attn, Attention)  # each block's, through a checkpoint wrapper too
+            attn.reset_buffers()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         h = self.embed(x) if self.embed is not None else x

@@ -289,6 +289,7 @@ def rebuild(tp: typing.Any, value: typing.Any, where: str) -> typing.Any:
         (inner,) = [a for a in typing.get_args(tp) if a is not type(None)]
         return rebuild(inner, value, where)
     if dataclasses.is_dataclass(tp):
+        assert isinstance(tp, type)  # a type hint: the class, never an instance
         if not isinstance(value, dict):
             raise UserError(f"{where} must be a JSON object, got {shown(value)}")
         hints = typing.get_type_hints(tp)

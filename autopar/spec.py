@@ -19,6 +19,7 @@ import ast
 import dataclasses
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 from autopar.errors import UserError
 from autopar.limits import SPEC_LIMITS, check_count, shown
@@ -262,7 +263,8 @@ def parse_model_spec(text: str) -> ModelSpec:
                         "or path/to/file.py:factory")
     if arch == "gpt":
         values.setdefault("tied", 1)
-    return ModelSpec(arch=arch, name=text, **{k: (bool(v) if k == "tied" else v) for k, v in values.items()})
+    fields: dict[str, Any] = {k: (bool(v) if k == "tied" else v) for k, v in values.items()}
+    return ModelSpec(arch=arch, name=text, **fields)
 
 
 def _is_file(path: str) -> bool:

@@ -14,6 +14,7 @@ import time
 
 import torch
 import torch.distributed as dist
+from torch import nn
 from torch.distributed.fsdp import fully_shard
 from torch.distributed.pipelining import PipelineStage, Schedule1F1B
 from torch.nn.parallel import DistributedDataParallel
@@ -28,9 +29,10 @@ def main() -> None:
     rank, world = dist.get_rank(), dist.get_world_size()
     spec = parse_model_spec(model_text)
     model = build_model(spec)
+    module: nn.Module = model  # what trains: the model, or DDP around it
     schedule = None
     if kind == "ddp":
-        model = DistributedDataParallel(model)
+        module = DistributedDataParallel(model)
     elif kind == "fsdp":
         for block in model.layers.values():
             fully_shard(block)
@@ -46,7 +48,7 @@ def main() -> None:
             model.norm = model.output = None
         stage = PipelineStage(model, rank, world, torch.device("cpu"))
         schedule = Schedule1F1B(stage, n_microbatches=batch // 2, loss_fn=cross_entropy)
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-3, weight_decay=0.0)
+    opt = torch.optim.AdamW(module.parameters(), lr=1e-3, weight_decay=0.0)
     rows = batch if kind == "pipeline" else batch // world
     times = []
     for step in range(steps):
@@ -59,7 +61,7 @@ def main() -> None:
         start = time.perf_counter()
         opt.zero_grad(set_to_none=True)
         if schedule is None:
-            cross_entropy(model(x), y).backward()
+            cross_entropy(module(x), y).backward()
         else:
             schedule.step(x if rank == 0 else None, target=y if rank == world - 1 else None,
                           losses=[] if rank == world - 1 else None)

@@ -20,6 +20,7 @@ import statistics
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
@@ -33,8 +34,8 @@ WARMUP = 2
 
 
 def plan_for(kind: str) -> Plan:
-    common = dict(model=MODEL, cluster="cpu-local", gpus=WORLD, global_batch=BATCH, seq_len=128, dtype="fp32",
-                  recompute=("none",) * LAYERS)
+    common: dict[str, Any] = dict(model=MODEL, cluster="cpu-local", gpus=WORLD, global_batch=BATCH, seq_len=128,
+                                  dtype="fp32", recompute=("none",) * LAYERS)
     if kind == "ddp":
         return Plan(mesh=Mesh(dp=WORLD), zero_stage=0, micro_batch_size=BATCH // WORLD, num_microbatches=1,
                     stage_layers=(LAYERS,), **common)

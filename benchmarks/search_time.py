@@ -91,6 +91,7 @@ def time_jobs(repeats: int, time_limit: float) -> None:
             t = time.perf_counter()
             sol = search(prof, job.hw, gpus, batch, job.dtype, time_limit_s=time_limit)
             times.append(time.perf_counter() - t)
+        assert sol is not None  # repeats >= 1
         met = "-" if target is None else ("yes" if wall <= target else "no")
         print(f"{label:45s} {cold:6.2f} {wall:6.2f} {'-' if target is None else f'{target:g}':>6s} {met:>3s} "
               f"{statistics.median(times):8.2f} {sol.candidates:10d} {sol.solved:6d} {sol.gap:6.1%}  "

@@ -148,10 +148,10 @@ def time_rows(hw: HardwareProfile) -> list[Row]:
         hw_flops = 96 * batch * S * L * h * h * (1 + S / (6 * h) + V / (16 * L * h))
         rows.append(Row(source=TIME_SOURCES[0], row=f"{params}B", published=float(tflops),
                         predicted=hw_flops / (est.step_time_s * gpus) / 1e12))
-    for r in KORTHIKANTI_T5:
-        name, a, h, L, _, _, batch, _, _, full_s, sel_s = r
+    for k in KORTHIKANTI_T5:
+        name, a, h, L, _, _, batch, _, _, full_s, sel_s = k
         for label, rc, sp, pub in (("full", "full", False, full_s), ("sel+SP", "selective", True, sel_s)):
-            est = estimate(gpt(L, h, a), hw, korthikanti_strategy(r, rc, sp), global_batch=batch)
+            est = estimate(gpt(L, h, a), hw, korthikanti_strategy(k, rc, sp), global_batch=batch)
             rows.append(Row(source=TIME_SOURCES[1], row=f"{name} {label}", published=pub,
                             predicted=est.step_time_s))
     model, base = gpt(48, 6144, 64), korthikanti_strategy(KORTHIKANTI_T5[0], "none", False)

@@ -19,6 +19,7 @@ from __future__ import annotations
 import pickle
 from dataclasses import dataclass
 from pathlib import Path
+from typing import cast
 
 import torch
 import torch.distributed as dist
@@ -56,7 +57,8 @@ def _stages(prog) -> list[tuple[dict, dict, dict[str, str]]]:
     for module, opt in zip(prog.modules, prog.optimizers):
         msd, osd = get_state_dict(module, opt)
         alias = _aliases(prog, module)
-        out.append((_rename(msd, alias), {"state": _rename(osd["state"], alias),
+        # "state" maps names to dicts (torch types every value as dict or list of dicts)
+        out.append((_rename(msd, alias), {"state": _rename(cast(dict, osd["state"]), alias),
                                           "param_groups": osd["param_groups"]}, alias))
     return out
 
@@ -122,6 +124,7 @@ class _DataOnlyReader(dcp.FileSystemReader):
             raise UserError(f"checkpoint {self.path}: {DCP_METADATA} is not DCP metadata; resume from an earlier one")
         if getattr(metadata, "storage_meta", None) is None:
             metadata.storage_meta = StorageMeta()
+        assert metadata.storage_meta is not None
         metadata.storage_meta.load_id = self.load_id
         return metadata
 

@@ -22,6 +22,7 @@ import math
 import types
 import zlib
 from collections import OrderedDict
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
@@ -32,6 +33,9 @@ from autopar.model import build_model
 from autopar.plan import Plan
 from autopar.layout import Anatomy
 from autopar.spec import ModelSpec
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedModel
 
 
 def stage_blocks(plan: Plan, stage: int) -> range:
@@ -69,7 +73,7 @@ def _seeded_normal_(p: torch.Tensor, name: str, seed: int, std: float) -> None:
 
 
 @torch.no_grad()
-def _init_hf(model: nn.Module, seed: int, std: float, aliases: dict[str, str]) -> None:
+def _init_hf(model: PreTrainedModel, seed: int, std: float, aliases: dict[str, str]) -> None:
     """HF's own ``_init_weights`` first, on a forked RNG: it computes what ``to_empty`` left
     uninitialised besides parameters (RoPE frequencies, Gemma's embedding scale) and the norms'
     values (1, or Gemma's 0 for its 1 + w). Then every matrix is redrawn from a generator seeded
@@ -130,7 +134,7 @@ class PackedLinear(nn.Linear):
         return _unpack(y, self.sections)
 
 
-def _conv1d() -> tuple[type, ...]:
+def _conv1d() -> tuple[type[nn.Module], ...]:
     """HF's ``Conv1D`` class, when transformers is installed."""
     try:
         from transformers.pytorch_utils import Conv1D
@@ -144,7 +148,7 @@ def _to_pack(model: nn.Module, anat: Anatomy) -> list[tuple[str, nn.Module, tupl
     HF's ``Conv1D`` (GPT-2: ``x @ W + b``, W [in, out]) and any packed ``nn.Linear``."""
     conv1d = _conv1d()
     packed = dict(anat.packed)
-    found = []
+    found: list[tuple[str, nn.Module, tuple[int, ...]]] = []
     for name, mod in model.named_modules():
         block = next((b for b in anat.blocks if name.startswith(b + ".")), None)
         sections = packed.get(name.removeprefix(f"{block}."), ()) if block else ()
@@ -157,9 +161,11 @@ def _runtime_layout(mod: nn.Module, sections: tuple[int, ...]) -> tuple[torch.Te
     """(weight [out, in], bias) of ``mod`` as an ``nn.Linear`` stores them, rows grouped when it
     packs projections of ``sections`` widths (:class:`PackedLinear`)."""
     weight = mod.weight.T if isinstance(mod, _conv1d()) else mod.weight
+    bias = mod.bias
+    assert isinstance(weight, torch.Tensor) and (bias is None or isinstance(bias, torch.Tensor))
     if len(sections) < 2:
-        return weight, mod.bias
-    return _group_rows(weight, sections), None if mod.bias is None else _group_rows(mod.bias, sections)
+        return weight, bias
+    return _group_rows(weight, sections), None if bias is None else _group_rows(bias, sections)
 
 
 @torch.no_grad()
@@ -169,7 +175,7 @@ def _as_linear(model: nn.Module, anat: Anatomy) -> None:
     for name, mod, sections in _to_pack(model, anat):
         weight, bias = _runtime_layout(mod, sections)
         out_f, in_f = weight.shape
-        kw = dict(bias=bias is not None, device=weight.device)
+        kw: dict[str, Any] = dict(bias=bias is not None, device=weight.device)
         new = PackedLinear(in_f, out_f, sections, **kw) if len(sections) > 1 else nn.Linear(in_f, out_f, **kw)
         new.weight.copy_(weight)
         if bias is not None:
@@ -189,7 +195,7 @@ def runtime_state_dict(model: nn.Module, anat: Anatomy) -> dict[str, torch.Tenso
     return state
 
 
-def _hf_forward(self: nn.Module, x: torch.Tensor) -> torch.Tensor:
+def _hf_forward(self: PreTrainedModel, x: torch.Tensor) -> torch.Tensor:
     """tokens or hidden states [b, s(, h)] -> hidden states or logits, for one stage."""
     base = getattr(self, self.base_model_prefix)
     kw = {"input_ids": x} if not torch.is_floating_point(x) else {"inputs_embeds": x}

@@ -185,7 +185,7 @@ def _localize_block(block: nn.Module, anat: Anatomy, tp: int, heads: set[int]) -
     for name in anat.column:
         gemm = block.get_submodule(name)
         widths = owners.setdefault(name.rpartition(".")[0], set())
-        widths.update({gemm.out_features, *packed.get(name, ())})
+        widths.update({cast(int, gemm.out_features), *packed.get(name, ())})  # nn.Linear: apply_tensor_parallel checks
     for owner, widths in owners.items():
         _localize(block.get_submodule(owner), widths, heads, tp)
 
@@ -201,11 +201,12 @@ def apply_recompute(model: nn.Module, recompute: tuple[str, ...], anat: Anatomy)
         if key not in container._modules:
             continue
         mode = recompute[index]
+        block = container._modules[key]
+        assert block is not None  # blocks are modules (only a removed attribute is None)
         if mode == "full":
-            container._modules[key] = checkpoint_wrapper(container._modules[key],
-                                                         checkpoint_impl=CheckpointImpl.NO_REENTRANT)
+            container._modules[key] = checkpoint_wrapper(block, checkpoint_impl=CheckpointImpl.NO_REENTRANT)
         elif mode == "selective":
-            _recompute_attention_core(container._modules[key], anat)
+            _recompute_attention_core(block, anat)
 
 
 def _checkpointed_sdpa(module: nn.Module, *args, **kwargs):
@@ -232,8 +233,9 @@ def _recompute_attention_core(block: nn.Module, anat: Anatomy) -> None:
                          "use recompute none or full for this model")
     from transformers import AttentionInterface
     AttentionInterface.register(SELECTIVE_ATTENTION, _checkpointed_sdpa)  # idempotent: same name, same function
-    attention.config = copy.copy(config)  # this layer only
-    attention.config._attn_implementation = SELECTIVE_ATTENTION
+    local = copy.copy(config)  # this layer only
+    attention.config = local
+    local._attn_implementation = SELECTIVE_ATTENTION
 
 
 def uses_ddp(plan: Plan, experts: ExpertMesh | None = None) -> bool:
@@ -262,6 +264,7 @@ def apply_data_parallel(model: nn.Module, plan: Plan, ctx: ParallelContext, anat
     kw: dict = dict(mesh=replicas,
                     mp_policy=MixedPrecisionPolicy(param_dtype=dtype, reduce_dtype=torch.float32)
                     if dtype != torch.float32 else MixedPrecisionPolicy())
+    wrap: Callable[..., object]
     if plan.zero_stage == 0:
         wrap = replicate
     else:

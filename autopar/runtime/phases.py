@@ -151,6 +151,7 @@ def _peak_delta(prof: profile) -> float:
     profiled step (the first ``Optimizer.zero_grad`` after an ``Optimizer.step``; the first
     allocation when one step was profiled), read off its running total at each allocation and
     free the profiler recorded (``recording``'s accounting)."""
+    assert prof.profiler is not None and prof.profiler.kineto_results is not None  # a finished profile
     nodes = list(_walk(prof.profiler.kineto_results.experimental_event_tree()))
     allocs = sorted((n for n in nodes if n.tag == _EventType.Allocation), key=lambda n: n.start_time_ns)
     if not allocs:

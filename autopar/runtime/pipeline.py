@@ -26,6 +26,7 @@ from torch.distributed.pipelining import (
     ScheduleInterleavedZeroBubble,
 )
 from torch.distributed.pipelining.schedules import _PipelineSchedule
+from torch.distributed.pipelining.stage import _PipelineStageBase
 
 from autopar.plan import Plan
 from autopar.runtime.context import ParallelContext
@@ -41,8 +42,8 @@ def build_schedule(plan: Plan, ctx: ParallelContext, modules: list[nn.Module], i
                    loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]) -> _PipelineSchedule:
     """One ``PipelineStage`` per local module and the plan's schedule over them."""
     num_stages = len(plan.stage_layers)
-    stages = [PipelineStage(mod, sid, num_stages, ctx.device, group=ctx.group(Axis.PP))
-              for mod, sid in zip(modules, ids)]
+    stages: list[_PipelineStageBase] = [PipelineStage(mod, sid, num_stages, ctx.device, group=ctx.group(Axis.PP))
+                                        for mod, sid in zip(modules, ids)]
     m = plan.num_microbatches
     if plan.schedule == "gpipe":
         return ScheduleGPipe(stages[0], m, loss_fn=loss_fn)

@@ -22,11 +22,13 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import cast
 
 import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed.fsdp import FSDPModule
+from torch.distributed.pipelining.schedules import _PipelineSchedule
 from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.parallel import loss_parallel
 
@@ -82,7 +84,7 @@ class Program:
     stage_ids: list[int]
     optimizers: list[torch.optim.Optimizer]
     """One AdamW per local stage module (so its state is keyed by that stage's names)."""
-    schedule: object | None = None
+    schedule: _PipelineSchedule | None = None
     """The pipelining schedule when pp > 1."""
     tied_group: dist.ProcessGroup | None = None
     """First and last stage ranks of this (dp, tp) coordinate, when a tied embedding and head
@@ -168,7 +170,9 @@ def build_program(plan: Plan, ctx: ParallelContext, cfg: TrainConfig = TrainConf
         if groups is not None:
             experts.apply_expert_parallel(model, anat, groups)
         if plan.mesh.cp > 1:  # check_plan refused what it cannot run (HF and user modules, pipelines)
-            apply_context_parallel(model, ctx.group(Axis.CP), plan.mesh.cp, ctx.rank(Axis.CP), plan.seq_len)
+            cp_group = ctx.group(Axis.CP)
+            assert cp_group is not None  # cp > 1: the mesh has a cp axis
+            apply_context_parallel(model, cp_group, plan.mesh.cp, ctx.rank(Axis.CP), plan.seq_len)
         recompute = plan.recompute
         if plan.mesh.cp > 1:  # the gathered K,V are never kept (``runtime.context_parallel``)
             recompute = tuple("selective" if r == "none" else r for r in recompute)
@@ -209,7 +213,7 @@ def _tied_weight(module: nn.Module, anat: Anatomy) -> nn.Parameter | None:
     """This stage's embedding weight, or its copy in the head, or None."""
     for name in (anat.embed, anat.head):
         try:
-            return module.get_submodule(name).weight
+            return cast(nn.Parameter, module.get_submodule(name).weight)
         except AttributeError:
             continue
     return None
@@ -226,6 +230,7 @@ def _sync_tied_grads(prog: Program) -> None:
             dist.all_reduce(grad, group=prog.tied_group)
             continue
         # A TP embedding's backward can leave its gradient replicated: take the weight's shard.
+        assert isinstance(weight, DTensor)  # as its gradient is
         grad = grad.redistribute(weight.device_mesh, weight.placements)
         local = grad.to_local()
         dist.all_reduce(local, group=prog.tied_group)
@@ -265,7 +270,7 @@ def _step_no_pipeline(prog: Program, x: torch.Tensor, y: torch.Tensor) -> float:
     plan, (module,) = prog.plan, prog.modules
     m = plan.num_microbatches
     total = 0.0
-    ddp = isinstance(module, nn.parallel.DistributedDataParallel)
+    ddp = module if isinstance(module, nn.parallel.DistributedDataParallel) else None
     for i, (xb, yb) in enumerate(zip(x.chunk(m), y.chunk(m))):
         last = i == m - 1
         sync = last or parallelize.sync_every_microbatch(plan)
@@ -273,7 +278,7 @@ def _step_no_pipeline(prog: Program, x: torch.Tensor, y: torch.Tensor) -> float:
             module.set_requires_gradient_sync(sync)
             if plan.zero_stage in (1, 2):  # weights stay gathered until the last backward
                 module.set_reshard_after_backward(last)
-        with module.no_sync() if ddp and not sync else contextlib.nullcontext(), _vocab_parallel(plan):
+        with ddp.no_sync() if ddp is not None and not sync else contextlib.nullcontext(), _vocab_parallel(plan):
             with _autocast(plan, prog.ctx):
                 loss = cross_entropy(module(xb), yb)
             (loss / m).backward()
@@ -286,6 +291,7 @@ def _step_pipeline(prog: Program, x: torch.Tensor, y: torch.Tensor) -> float:
     schedule keeps no outputs (``return_outputs=False``): the last stage would otherwise hold
     every micro-batch's logits until the step ends."""
     ctx, sched = prog.ctx, prog.schedule
+    assert sched is not None  # called only with one (pp > 1)
     has_first, has_last = 0 in prog.stage_ids, len(prog.plan.stage_layers) - 1 in prog.stage_ids
     losses: list[torch.Tensor] = []
     with _autocast(prog.plan, ctx), _vocab_parallel(prog.plan):

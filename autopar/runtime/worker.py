@@ -82,7 +82,7 @@ def _restarted(run: dict, found: checkpoint_dir.Found | None) -> checkpoint_dir.
     record = found.manifest.run if found is not None and found.manifest is not None else None
     mine = (_is_restart() and record is not None and record.run_id is not None and run.get("save")
             and record.run_id == os.environ.get("TORCHELASTIC_RUN_ID")
-            and found.path.parent.resolve() == Path(run["save"]).resolve())
+            and found is not None and found.path.parent.resolve() == Path(run["save"]).resolve())
     return record if mine else None
 
 

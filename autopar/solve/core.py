@@ -56,12 +56,12 @@ def stage_upper_bounds(c: StageCosts, layers: int, cap: float, modes: tuple[int,
 def _add_count_vars(m: cp_model.CpModel, pp: int, layers: int, upper: list[int],
                     modes: tuple[int, ...], min_layers: int) -> list[dict[int, cp_model.IntVar]]:
     """n[s][r] ≥ 0, min_layers ≤ Σ_r n[s][r] ≤ upper[s], Σ_s Σ_r n[s][r] = L."""
-    n = [{r: m.NewIntVar(0, upper[s], f"n{s}_{r}") for r in modes} for s in range(pp)]
+    n = [{r: m.new_int_var(0, upper[s], f"n{s}_{r}") for r in modes} for s in range(pp)]
     for s in range(pp):
         total = sum(n[s].values())
-        m.Add(total >= min_layers)
-        m.Add(total <= upper[s])
-    m.Add(sum(v for ns in n for v in ns.values()) == layers)
+        m.add(total >= min_layers)
+        m.add(total <= upper[s])
+    m.add(sum(v for ns in n for v in ns.values()) == layers)
     return n
 
 
@@ -75,23 +75,23 @@ def _add_memory(m: cp_model.CpModel, c: StageCosts, n: list[dict], cap: float, l
             w = c.mode_workspace_bytes[r]
             if w <= 0:
                 continue
-            used = m.NewBoolVar(f"u{s}_{r}")
-            m.Add(v == 0).OnlyEnforceIf(used.Not())
-            m.Add(expr + math.ceil(fixed + w) <= cap_i).OnlyEnforceIf(used)
-        m.Add(expr + math.ceil(fixed) <= cap_i)
+            used = m.new_bool_var(f"u{s}_{r}")
+            m.add(v == 0).only_enforce_if(used.Not())
+            m.add(expr + math.ceil(fixed + w) <= cap_i).only_enforce_if(used)
+        m.add(expr + math.ceil(fixed) <= cap_i)
 
 
 def _add_time_terms(m: cp_model.CpModel, c: StageCosts, n: list[dict], horizon: int):
     """T ≥ T_s and D ≥ D_s for every stage; returns (T, D, [T_s])."""
-    t_max, d_max = m.NewIntVar(0, horizon, "T"), m.NewIntVar(0, horizon, "D")
+    t_max, d_max = m.new_int_var(0, horizon, "T"), m.new_int_var(0, horizon, "D")
     stage_t = []
     for s, ns in enumerate(n):
         t_s = (sum(round(c.mode_time_s[r] * NS) * v for r, v in ns.items())
                + round(c.stage_time_s(s, 0) * NS))
         d_s = (sum(round(c.mode_dp_time_s[r] * NS) * v for r, v in ns.items())
                + round(c.stage_dp_time_s(s, 0) * NS))
-        m.Add(t_max >= t_s)
-        m.Add(d_max >= d_s)
+        m.add(t_max >= t_s)
+        m.add(d_max >= d_s)
         stage_t.append(t_s)
     return t_max, d_max, stage_t
 
@@ -112,10 +112,10 @@ def _add_symmetry_breaking(m: cp_model.CpModel, c: StageCosts, n: list[dict], la
         base = layers + 1
         key = lambda ns: sum(v * base ** i for i, (_, v) in enumerate(sorted(ns.items())))  # noqa: E731
         for a, b in zip(middle, middle[1:]):
-            m.Add(key(n[a]) <= key(n[b]))
+            m.add(key(n[a]) <= key(n[b]))
     elif len(n[0]) == 1 and all(x >= y for ka, kb in zip(keys, keys[1:]) for x, y in zip(ka, kb)):
         for a, b in zip(middle, middle[1:]):
-            m.Add(sum(n[a].values()) <= sum(n[b].values()))
+            m.add(sum(n[a].values()) <= sum(n[b].values()))
 
 
 def _add_table_cuts(m: cp_model.CpModel, c: StageCosts, n: list[dict], tables: StageTables,
@@ -126,7 +126,7 @@ def _add_table_cuts(m: cp_model.CpModel, c: StageCosts, n: list[dict], tables: S
     float one, so each cut is lowered by that rounding (plus one)."""
     layers_max = max(len(g) for g in tables.time)
     if math.isfinite(tau):
-        m.Add(t_max >= math.floor(tau * NS - 0.5 * (layers_max + 1)) - 1)
+        m.add(t_max >= math.floor(tau * NS - 0.5 * (layers_max + 1)) - 1)
     for s, ns in enumerate(n):
         g = tables.time[s]
         finite = [i for i in range(len(g)) if math.isfinite(g[i])]
@@ -135,11 +135,11 @@ def _add_table_cuts(m: cp_model.CpModel, c: StageCosts, n: list[dict], tables: S
         top = finite[-1]
         values = [max(0, math.floor(float(g[i]) * NS - 0.5 * i) - 1) if i <= top else 0
                   for i in range(top + 1)]
-        total = m.NewIntVar(0, top, f"N{s}")
-        m.Add(total == sum(ns.values()))
-        low = m.NewIntVar(0, max(values), f"g{s}")
-        m.AddElement(total, values, low)
-        m.Add(sum(round(c.mode_time_s[r] * NS) * v for r, v in ns.items()) >= low)
+        total = m.new_int_var(0, top, f"N{s}")
+        m.add(total == sum(ns.values()))
+        low = m.new_int_var(0, max(values), f"g{s}")
+        m.add_element(total, values, low)
+        m.add(sum(round(c.mode_time_s[r] * NS) * v for r, v in ns.items()) >= low)
 
 
 def solve_placement(c: StageCosts, layers: int, cap: float, modes: tuple[int, ...],
@@ -173,9 +173,9 @@ def solve_placement(c: StageCosts, layers: int, cap: float, modes: tuple[int, ..
     if hint is not None:
         for s, ns in enumerate(n):
             for r, v in ns.items():
-                m.AddHint(v, hint[s][r])
+                m.add_hint(v, hint[s][r])
     sum_w, max_w = round(c.sum_weight * WEIGHT), round(c.max_weight * WEIGHT)
-    m.Minimize(sum_w * sum(stage_t) + max_w * t_max + WEIGHT * d_max)
+    m.minimize(sum_w * sum(stage_t) + max_w * t_max + WEIGHT * d_max)
     solver = cp_model.CpSolver()
     # One worker and a fixed seed: the result is deterministic. The lower-bound tree search
     # closes these max-of-linear objectives far faster than the default single-worker search.

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+from typing import Any
 
 from autopar.solve.space import Pins
 from cost_models import HardwareProfile, ModelProfile
@@ -54,7 +55,8 @@ def _describe_fix(model, hw, gpus, global_batch, dtype, pins: Pins) -> str | Non
     for name, flag in _FLAGS.items():
         if getattr(pins, name) is None:
             continue
-        relaxed = dataclasses.replace(pins, **{name: None})
+        unpinned: dict[str, Any] = {name: None}
+        relaxed = dataclasses.replace(pins, **unpinned)
         if fits_anywhere(model, hw, gpus, global_batch, dtype, relaxed):
             return f"drop {flag} (the pinned {getattr(pins, name)} leaves no placement within memory)"
     return None

@@ -116,8 +116,8 @@ def fx_capture(model: nn.Module, groups: list[list[str]]) -> Capture:
                         f"{_first_line(exc)}") from None
     called = {n.target for n in gm.graph.nodes if n.op == "call_module"}
     blocks, block_gms = [], {}
-    for names in groups:
-        names = tuple(n for n in names if n in called)
+    for group in groups:
+        names = tuple(n for n in group if n in called)
         if not names:
             continue  # a container the forward never calls
         block = model.get_submodule(names[0])
@@ -150,7 +150,7 @@ def _shrunk(model: nn.Module, groups: list[list[str]]) -> Iterator[None]:
             # Keep each member's own index (model.layers.3 stays model.layers.3), so a block kind
             # that does not start the list is still found under its name; iteration and slicing
             # read the values in order, indexing a dropped member fails (and exports it whole).
-            small = nn.ModuleList()
+            small: nn.ModuleList | nn.ModuleDict = nn.ModuleList()
             small._modules.update(keep)
         else:
             small = nn.ModuleDict(keep)

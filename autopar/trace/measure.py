@@ -109,7 +109,7 @@ class _Saves(torch.autograd.Function):
         raise RuntimeError("autopar's measuring ops have no backward")
 
 
-def _kernel(out: torch.Tensor, inputs: list[torch.Tensor], saved: list[torch.Tensor]) -> torch.Tensor:
+def _kernel(out: torch.Tensor, inputs: list[torch.Tensor | None], saved: list[torch.Tensor]) -> torch.Tensor:
     """``out`` (computed without autograd) attached to ``inputs`` in the autograd graph."""
     grad_inputs = [t for t in inputs if isinstance(t, torch.Tensor) and t.requires_grad]
     if not grad_inputs:
@@ -225,7 +225,8 @@ class Recorder:
         slow to take)."""
         if like is not None:
             return cls(recipe=recipe, params=like.params, expert_counts=like.expert_counts, batch=batch)
-        params = {_key(p): (n, p) for n, p in module.named_parameters(remove_duplicate=False)}
+        params: dict[int, tuple[str, torch.Tensor]] = {
+            _key(p): (n, p) for n, p in module.named_parameters(remove_duplicate=False)}
         params.update({_key(b): (n, b) for n, b in module.named_buffers(remove_duplicate=False)})
         experts = frozenset(p.shape[0] for p in module.parameters() if p.dim() == 3)
         return cls(recipe=recipe, params=params, expert_counts=experts, batch=batch)
@@ -254,7 +255,7 @@ class Recorder:
         return t
 
     def activations(self, segment: str) -> ActivationBytes:
-        totals = defaultdict(int)
+        totals: defaultdict[str, int] = defaultdict(int)
         for s in self.saved.values():
             if s.segment == segment:
                 totals[s.role] += s.nbytes
@@ -280,7 +281,10 @@ class MeasureRun(fx.Interpreter):
         self.prefix, self.leaves = prefix, leaves or {}
 
     def _module(self, n: fx.Node) -> nn.Module | None:
-        return self.module.get_submodule(n.target) if n.op == "call_module" else None
+        if n.op != "call_module":
+            return None
+        assert isinstance(n.target, str)  # a call_module target is the module's qualified name
+        return self.module.get_submodule(n.target)
 
     def _call(self, n: fx.Node, args: tuple, kwargs: dict) -> tuple[Any, float]:
         """Run one node; returns (result, FLOPs FlopCounterMode does not see)."""
@@ -299,12 +303,12 @@ class MeasureRun(fx.Interpreter):
             finally:
                 rec.in_attention = False
         if target in _DROPOUT or isinstance(mod, nn.Dropout):
-            p = mod.p if mod is not None else (kwargs.get("p", args[1] if len(args) > 1 else 0.5))
+            p = mod.p if isinstance(mod, nn.Dropout) else (kwargs.get("p", args[1] if len(args) > 1 else 0.5))
             train = mod.training if mod is not None else kwargs.get("train", kwargs.get("training", args[2] if len(args) > 2 else True))
             out = dropout(args[0], p if train else 0.0)
             return ((out, None) if target is torch.ops.aten.native_dropout.default else out), 0.0
         if target in _RMS_NORM or isinstance(mod, nn.RMSNorm):
-            if mod is not None:
+            if isinstance(mod, nn.RMSNorm):
                 return rms_norm(args[0], list(mod.normalized_shape), mod.weight, mod.eps), 0.0
             return rms_norm(*args, **kwargs), 0.0
         return getattr(self, n.op)(target, args, kwargs), 0.0

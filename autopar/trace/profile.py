@@ -36,18 +36,19 @@ def profile_from_graph(graph: ModelGraph, spec: ModelSpec) -> ModelProfile:
     A user module's shape (layers, hidden, heads ...) is read off the graph (``traced_spec``)."""
     if spec.arch == "module":
         spec = traced_spec(graph, spec)
-    lead, block = leading_blocks(graph)
+    lead_block, block = leading_blocks(graph)
     tokens = graph.tokens
-    if lead is not None:
+    lead: ModelProfile | None = None
+    if lead_block is not None:
         # The leading dense blocks as a profile of their own: their MLP width is the input of
         # their last GEMM back to the hidden width (the down projection; read off shapes, not
         # split labels, which MLA's low-rank pairs confuse); no embedding, no head.
-        downs = [lin.in_features for lin in lead.linears if lin.out_features == spec.hidden]
+        downs = [lin.in_features for lin in lead_block.linears if lin.out_features == spec.hidden]
         lead = ModelProfile(
-            name=f"{graph.name} {lead.kind} x{lead.count}", layers=lead.count, hidden=spec.hidden,
+            name=f"{graph.name} {lead_block.kind} x{lead_block.count}", layers=lead_block.count, hidden=spec.hidden,
             heads=spec.heads, kv_heads=spec.num_kv_heads, ffn=downs[-1] if downs else spec.ffn_hidden, vocab=spec.vocab, seq=spec.seq,
             tied=False, embed_params=0, head_params=0, head_flops_per_token=0.0,
-            **_block_fields(lead, tokens))
+            **_block_fields(lead_block, tokens))
     return ModelProfile(
         **_moe_fields(block, spec, tokens), **_block_fields(block, tokens), lead=lead,
         name=graph.name, layers=block.count, hidden=spec.hidden, heads=spec.heads,

@@ -50,8 +50,9 @@ def leading_blocks(graph: ModelGraph) -> tuple[BlockInfo | None, BlockInfo]:
         return None, priced_block(graph)
     a, b = sorted(graph.blocks, key=lambda blk: [_position(n) or ("", -1) for n in blk.names])
     pos_a, pos_b = [_position(n) for n in a.names], [_position(n) for n in b.names]
-    ordered = (None not in pos_a and None not in pos_b and len({p[0] for p in pos_a + pos_b}) == 1
-               and max(p[1] for p in pos_a) < min(p[1] for p in pos_b))
+    known_a, known_b = [p for p in pos_a if p is not None], [p for p in pos_b if p is not None]
+    ordered = (None not in pos_a and None not in pos_b and len({p[0] for p in known_a + known_b}) == 1
+               and max(p[1] for p in known_a) < min(p[1] for p in known_b))
     if not ordered or a.experts:
         raise UserError(f"the cost model prices one kind of repeated transformer block, after at most a few "
                         f"dense blocks of another kind (DeepSeek's first_k_dense_replace); {graph.name} has "
