@@ -18,7 +18,7 @@ import typer
 try:  # typer >= 0.22 carries its own copy of click
     from typer._click import exceptions as _click_errors
 except ImportError:  # pragma: no cover - older typer on stock click
-    from click import exceptions as _click_errors
+    from click import exceptions as _click_errors  # type: ignore[no-redef]
 from rich import box
 from rich.console import Console
 from rich.table import Table
@@ -708,4 +708,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    main()

@@ -161,9 +161,10 @@ def _fsdp_hook_s(device, world: int, sync: Callable[[], None]) -> float:
     plain, wrapped = blocks(), blocks()
     for block in wrapped:
         fully_shard(block, mesh=mesh, reshard_after_forward=False)
-    fully_shard(wrapped, mesh=mesh, reshard_after_forward=False)
-    wrapped.set_requires_gradient_sync(False)
-    wrapped.set_reshard_after_backward(False)
+    root = fully_shard(wrapped, mesh=mesh, reshard_after_forward=False)
+    root.set_requires_gradient_sync(False)
+    root.set_reshard_after_backward(False)
+
     def once(m: torch.nn.Module) -> float:
         t = time.perf_counter()
         m(x).sum().backward()

@@ -159,12 +159,12 @@ def main() -> None:
         job = read_job(model, args.profile, args.ranks, batch, dtype="fp32")
         prof = profile_spec(job.spec)
         sol = search(prof, job.hw, args.ranks, batch, "fp32", keep=args.keep)
-        plans = {key(p): p for p in (plan_from_strategy(job, a.strategy, None) for a in sol.alternatives)}
+        by_key = {key(p): p for p in (plan_from_strategy(job, a.strategy, None) for a in sol.alternatives)}
         pick = key(plan_from_strategy(job, sol.strategy, None))
         ddp, fsdp = (baseline(model, batch, args.ranks, job.spec.seq, job.spec.layers, z, args.profile) for z in (0, 3))
-        plans.setdefault(key(ddp), ddp)
-        plans.setdefault(key(fsdp), fsdp)
-        listed, runs = saved[label] if args.replay else (list(plans.values()), None)
+        by_key.setdefault(key(ddp), ddp)
+        by_key.setdefault(key(fsdp), fsdp)
+        listed, runs = saved[label] if args.replay else (list(by_key.values()), None)
         cases.append((label, job, prof, listed, runs or measure(listed, args.steps, args.rounds), pick, key(ddp), key(fsdp)))
     if args.save:
         save(args.save, cases)

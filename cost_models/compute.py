@@ -36,7 +36,7 @@ FLOPs. Causal load balancing (Megatron-Core / Transformer Engine, torch's ``cont
 the sequence cut into 2c chunks, rank r taking chunks r and 2c-1-r) gives every rank the same
 share of the causal work, so the executed fraction stays ``causal_fraction(seq)`` on each. The
 core is always the fused kernel under CP (``Strategy.fused_attention``). The K,V exchange is
-communication (``cost_models.estimate.block_cp_s``).
+communication (``cost_models.blockcomm.block_cp_s``).
 """
 
 from __future__ import annotations

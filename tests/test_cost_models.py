@@ -8,7 +8,7 @@ import pytest
 
 from cost_models import (Axis, Degrees, ModelProfile, ProfileError, Strategy, estimate, even_stage_layers, load_profile,
                          model_flops_per_step, stage_costs)
-from cost_models import comm, compute, memory, pipeline
+from cost_models import blockcomm, comm, compute, memory, pipeline
 estimate_mod = importlib.import_module("cost_models.estimate")  # the package exports the function
 from cost_models.axes import parse_order
 from cost_models.memory import STATE_LAYOUTS, state_bytes
@@ -272,15 +272,15 @@ def test_gemm_shape_law_and_roofline():
 def test_tensor_parallel_overlap_and_sequence_parallel_gathers():
     g = comm.axis_groups(A0, Strategy(recipe=MC, mesh=Degrees(tp=8)))[Axis.TP]
     base = Strategy(recipe=M21, mesh=Degrees(tp=8), micro_batch=4)  # 2021: no TP overlap
-    plain = estimate_mod.block_tp_s(G22B, A0, base, g)
+    plain = blockcomm.block_tp_s(G22B, A0, base, g)
     unit = comm.all_reduce_s(4 * 2048 * 6144 * 2, g)
     assert plain.forward_s == pytest.approx(2 * unit) and plain.backward_s == pytest.approx(2 * unit)
-    hidden = estimate_mod.block_tp_s(G22B, A0, dataclasses.replace(base, recipe=MC), g)
+    hidden = blockcomm.block_tp_s(G22B, A0, dataclasses.replace(base, recipe=MC), g)
     assert hidden.backward_s == 0.0  # the all-reduce is shorter than the weight-gradient GEMMs
-    sp = estimate_mod.block_tp_s(G22B, A0, dataclasses.replace(base, recipe=MC,
+    sp = blockcomm.block_tp_s(G22B, A0, dataclasses.replace(base, recipe=MC,
                                                                    sequence_parallel=True), g)
     assert sp.backward_s == pytest.approx(4 * comm.all_gather_s(4 * 2048 * 6144 * 2, g))
-    full = estimate_mod.block_tp_s(G22B, A0, dataclasses.replace(base, recompute="full"), g)
+    full = blockcomm.block_tp_s(G22B, A0, dataclasses.replace(base, recompute="full"), g)
     assert full.recompute_s == pytest.approx(2 * unit)
 
 
@@ -505,7 +505,7 @@ def test_cp_divides_activations_and_attention_flops_and_keeps_cp_1():
         # ZeRO shards over dp x cp (the weights are replicated over cp).
         z = dataclasses.replace(s, zero=1)
         assert memory.state_bytes(1e9, z).optimizer == pytest.approx(12e9 / (4 * cp))
-    assert estimate_mod.block_cp_s(model, H100, one, comm.axis_groups(H100, one)[Axis.CP]).total_s == 0.0
+    assert blockcomm.block_cp_s(model, H100, one, comm.axis_groups(H100, one)[Axis.CP]).total_s == 0.0
     # cp = 1 named in the order is the same strategy (the order is canonical): the same price.
     listed = Strategy(recipe=TE, mesh=Degrees(tp=2, dp=4), axis_order=("pp", "dp", "cp", "tp"))
     assert listed == one and estimate(model, H100, listed, global_batch=4) == estimate(model, H100, one, global_batch=4)
@@ -520,7 +520,7 @@ def test_cp_exchange_is_positive_and_grows_with_cp(recipe):
     last = None
     for cp in (2, 4, 8, 16):
         s = Strategy(recipe=rec, mesh=Degrees(cp=cp, tp=8, dp=2), recompute="full")
-        t = estimate_mod.block_cp_s(model, H100, s, comm.axis_groups(H100, s)[Axis.CP])
+        t = blockcomm.block_cp_s(model, H100, s, comm.axis_groups(H100, s)[Axis.CP])
         assert t.forward_s > 0 and t.backward_s > t.forward_s and t.recompute_s == t.forward_s
         if last is not None:
             assert t.total_s > last
@@ -553,7 +553,7 @@ def test_autopar_cp_activations_fall_with_cp_and_none_is_priced_as_selective():
     assert compute.block_times(model, H100, one).recompute_s == 0.0
     assert compute.block_times(model, H100, two).recompute_s == \
         compute.block_times(model, H100, dataclasses.replace(two, recompute="selective")).recompute_s > 0
-    cp_comm = estimate_mod.block_cp_s(model, H100, two, comm.axis_groups(H100, two)[Axis.CP])
+    cp_comm = blockcomm.block_cp_s(model, H100, two, comm.axis_groups(H100, two)[Axis.CP])
     assert cp_comm.recompute_s == cp_comm.forward_s > 0
 
 
@@ -578,7 +578,7 @@ def test_moe_terms_experts_over_ep_all_to_all_over_its_tier():
     replicas' stride fits one, across nodes past it; model FLOPs (routed tokens only) do not
     move with ep; the load imbalance grows the expert GEMMs, the all-to-all and activations."""
     from tests.test_solver import moe_profile
-    from cost_models.estimate import block_ep_s
+    from cost_models.blockcomm import block_ep_s
     model = moe_profile(layers=4, hidden=1024, heads=8, experts=8, topk=2, seq=2048)
     hw = load_profile("dgx-h100")
     one, four = (Strategy(mesh=Degrees(dp=8, ep=e), zero=0) for e in (1, 4))
@@ -704,8 +704,8 @@ def test_vocab_parallel_loss_costs_three_small_all_reduces_under_tp():
     maximum, sum of exponentials and target logit: one fp32 value per token each."""
     g = comm.Group(size=2, bw_bytes_s=1e9, p2p_bytes_s=1e9, latency_s=1e-3, inter_node=False)
     tp2 = Strategy(recipe=MC, mesh=Degrees(tp=2), micro_batch=4)
-    assert estimate_mod._vocab_parallel_loss_s(G22B, tp2, g) == pytest.approx(3 * comm.all_reduce_s(4 * 2048 * 4.0, g))
-    assert estimate_mod._vocab_parallel_loss_s(G22B, Strategy(recipe=MC, mesh=Degrees(dp=2)), g) == 0.0
+    assert blockcomm.vocab_parallel_loss_s(G22B, tp2, g) == pytest.approx(3 * comm.all_reduce_s(4 * 2048 * 4.0, g))
+    assert blockcomm.vocab_parallel_loss_s(G22B, Strategy(recipe=MC, mesh=Degrees(dp=2)), g) == 0.0
 
 
 def test_pass_key_holds_everything_the_pass_times_read():

@@ -11,7 +11,7 @@ from autopar.solve.search import Alternative, search
 from autopar.solve.space import Pins, candidates
 from cost_models import HardwareProfile, ModelProfile, Strategy
 from cost_models.axes import Axis
-from cost_models.estimate import moe_terms
+from cost_models.blockcomm import moe_terms
 
 DIMENSIONS = ((Axis.TP, "tp"), (Axis.PP, "pp"), (Axis.CP, "cp"), (Axis.EP, "ep"), ("zero", "zero"), ("micro_batch", "micro_batch"),
               ("schedule", "schedule"), ("virtual_stages", "virtual_stages"),

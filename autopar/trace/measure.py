@@ -185,6 +185,10 @@ class Recorder:
     saved: dict[int, Saved] = field(default_factory=dict)
     state: dict[int, str] = field(default_factory=dict)
     producer: dict[int, str] = field(default_factory=dict)
+    alive: list[torch.Tensor] = field(default_factory=list)
+    """Every tensor keyed in ``state`` (meta: no data), held so its storage outlives the run: a
+    freed storage's address is reused by a later one, which would inherit its key's state
+    (a head read as row-parallel after a block's sharded intermediate, in some runs only)."""
     linears: dict[str, list[LinearInfo]] = field(default_factory=lambda: defaultdict(list))
     linear_at: dict[str, tuple[str, int]] = field(default_factory=dict)
     """Node name -> (segment, index in ``linears``) of each weight GEMM."""
@@ -324,6 +328,7 @@ class MeasureRun(fx.Interpreter):
             result = self.leaves[n.target](*args, **kwargs)
             for t in _tensors(result):
                 rec.state.setdefault(_key(t), REP)
+                rec.alive.append(t)
             return result
         if rec.segment:
             rec.blocks_started = True
@@ -384,6 +389,7 @@ class MeasureRun(fx.Interpreter):
             key = _key(t)
             rec.producer.setdefault(key, n.name)
             rec.state.setdefault(key, out_state)
+            rec.alive.append(t)
         shape = tuple(outputs[0].shape) if outputs else ()
         rec.nodes[rec.segment].append(NodeInfo(
             name=n.name, op=n.op, target=_target_name(n.target), module=_module_of(n, self.prefix),
