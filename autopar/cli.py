@@ -360,6 +360,7 @@ def explain(plan_file: Path = typer.Argument(..., help="A plan JSON from `autopa
 def profile(ranks: int = typer.Option(4, "--ranks", help="Processes to measure at once (devices of the cluster)"),
             out: Path = typer.Option(Path("my-cluster.json"), "--out", help="Where to write the hardware profile"),
             name: Optional[str] = typer.Option(None, "--name", help="The profile's name (default: --out's stem)"),
+            repeats: int = typer.Option(1, "--repeats", help="Runs of every measurement; each figure their median"),
             as_json: bool = JSON) -> None:
     """Measure this machine as a cluster (GEMMs, memory bandwidth, per-op dispatch, collectives
     fitted to the cost model's α-β law, then a reference training run's efficiencies) and write a
@@ -370,10 +371,10 @@ def profile(ranks: int = typer.Option(4, "--ranks", help="Processes to measure a
         with Progress(console=Console(stderr=True), transient=True) as bar:
             task = bar.add_task("profiling", total=len(PHASES))
 
-            def on_phase(phase: str) -> None:
+            def on_phase(phase: str, run: int) -> None:
                 bar.update(task, completed=PHASES.index(phase) if phase in PHASES else 0,
-                           description=f"profiling: {phase}")
-            result = profile_machine(ranks, out, name or out.stem, on_phase)
+                           description=f"profiling: {phase}" + (f" (run {run + 1} of {repeats})" if repeats > 1 else ""))
+            result = profile_machine(ranks, out, name or out.stem, on_phase, repeats)
         if as_json:
             typer.echo(json.dumps(result, indent=2))
             return

@@ -410,32 +410,68 @@ def worker(out: Path, name: str, command: str) -> None:
     dist.destroy_process_group()
 
 
-def profile_machine(ranks: int, out: Path, name: str, on_phase: Callable[[str], None] = lambda p: None) -> dict:
-    """Run the measurements on ``ranks`` local ranks; write and return the profile."""
+def profile_machine(ranks: int, out: Path, name: str, on_phase: Callable[[str, int], None] = lambda p, r: None,
+                    repeats: int = 1) -> dict:
+    """Run the measurements on ``ranks`` local ranks ``repeats`` times; write and return the
+    profile: each figure the median of its runs (``median_profile``), then calibrated on as many
+    reference runs, each refitted figure again their median. ``on_phase(phase, run)``: progress."""
     if ranks < 2:
         raise UserError(f"--ranks must be at least 2 (collectives need a group), got {ranks}")
+    if repeats < 1:
+        raise UserError(f"--repeats must be at least 1, got {repeats}")
     if not out.parent.is_dir():
         raise UserError(f"--out {out}: directory {out.parent} does not exist")
     threads = max(1, (os.cpu_count() or 1) // ranks)
-    command = f"autopar profile --ranks {ranks}"
+    command = f"autopar profile --ranks {ranks}" + (f" --repeats {repeats}" if repeats > 1 else "")
     with tempfile.TemporaryDirectory(prefix="autopar-profile-") as tmp:
-        result = Path(tmp) / "profile.json"
-        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={ranks}",
-               "-m", "autopar.profile", str(result), name, command]
-        env = {**os.environ, "OMP_NUM_THREADS": str(threads), "PYTHONWARNINGS": "ignore"}
-        with subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env) as proc:
-            log = []
-            assert proc.stdout is not None
-            for line in proc.stdout:
-                log.append(line)
-                if line.startswith("phase "):
-                    on_phase(line.split()[1])
-        if proc.returncode != 0 or not result.is_file():
-            raise UserError(f"profiling failed: {failure(log)}")
-        on_phase("reference")
-        profile = calibrated(result, ranks, command)
+        runs = []
+        for run in range(repeats):
+            result = Path(tmp) / f"profile-{run}.json"
+            cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={ranks}",
+                   "-m", "autopar.profile", str(result), name, command]
+            env = {**os.environ, "OMP_NUM_THREADS": str(threads), "PYTHONWARNINGS": "ignore"}
+            with subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env) as proc:
+                log = []
+                assert proc.stdout is not None
+                for line in proc.stdout:
+                    log.append(line)
+                    if line.startswith("phase "):
+                        on_phase(line.split()[1], run)
+            if proc.returncode != 0 or not result.is_file():
+                raise UserError(f"profiling failed: {failure(log)}")
+            runs.append(json.loads(result.read_text()))
+        merged = Path(tmp) / "profile.json"
+        merged.write_text(json.dumps(median_profile(runs, "measured figure"), indent=2) + "\n")
+        fits = []
+        for run in range(repeats):
+            on_phase("reference", run)
+            fits.append(calibrated(merged, ranks, command))
+        profile = median_profile(fits, "calibrated figure")
     out.write_text(json.dumps(profile, indent=2) + "\n")
     return profile
+
+
+def median_profile(runs: list[dict], what: str) -> dict:
+    """One profile of several runs of the same measurement: each number the median of its
+    runs, the rest (names, notes, flags) the first run's; with more than one run, the source
+    note says so of each ``what`` with the range of every figure that differed."""
+    spread: dict[str, tuple[float, float]] = {}
+
+    def merge(values: list, path: str):
+        first = values[0]
+        if isinstance(first, dict):
+            return {key: merge([v[key] for v in values], f"{path}.{key}" if path else key) for key in first}
+        if isinstance(first, (int, float)) and not isinstance(first, bool):
+            if min(values) != max(values):
+                spread[path] = (min(values), max(values))
+            return statistics.median(values)
+        return first
+    out = merge(runs, "")
+    if len(runs) > 1:
+        ranges = ", ".join(f"{path} {lo:.4g}..{hi:.4g}" for path, (lo, hi) in sorted(spread.items()))
+        out["notes"]["source"] += (f"; each {what} the median of {len(runs)} runs"
+                                   + (f" (ranges: {ranges})" if ranges else ""))
+    return out
 
 
 def failure(log: list[str]) -> str:

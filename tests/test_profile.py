@@ -52,6 +52,22 @@ def test_profile_writes_a_profile_the_cost_model_uses(tmp_path):
     assert est.exit_code == 0 and json.loads(est.stdout)["step_time_s"] > 0
     bad = runner.invoke(app, ["profile", "--ranks", "1", "--out", str(tmp_path / "x.json")])
     assert bad.exit_code == 2 and "--ranks must be at least 2" in bad.output
+    bad = runner.invoke(app, ["profile", "--repeats", "0", "--out", str(tmp_path / "x.json")])
+    assert bad.exit_code == 2 and "--repeats must be at least 1" in bad.output
+
+
+def test_repeated_runs_give_each_figure_its_median_and_say_the_ranges():
+    from autopar.profile import median_profile
+    runs = [{"name": "x", "peak_tflops": {"fp32": v}, "host_overlaps_device": False, "devices_per_node": 4,
+             "intra_node": {"bw_gbps": 1.0, "latency_us": lat}, "notes": {"source": "measured"}}
+            for v, lat in ((0.05, 900.0), (0.04, 1200.0), (0.06, 1000.0))]
+    out = median_profile(runs, "measured figure")
+    assert out["peak_tflops"]["fp32"] == 0.05 and out["intra_node"] == {"bw_gbps": 1.0, "latency_us": 1000.0}
+    assert out["host_overlaps_device"] is False and out["devices_per_node"] == 4 and out["name"] == "x"
+    assert out["notes"]["source"] == ("measured; each measured figure the median of 3 runs "
+                                      "(ranges: intra_node.latency_us 900..1200, peak_tflops.fp32 0.04..0.06)")
+    assert runs[0]["notes"]["source"] == "measured"  # the runs are left as they were
+    assert median_profile(runs[:1], "measured figure") == runs[0]
 
 
 TORCHRUN_ABORT = """phase p2p
