@@ -667,7 +667,7 @@ DEMO_TEXT = Path(__file__).resolve().parent / "corpora" / "declaration_of_indepe
 
 
 @app.command()
-def demo(steps: int = typer.Option(5, "--steps", min=2, help="Optimizer steps to run"),
+def demo(steps: int = typer.Option(10, "--steps", min=2, help="Optimizer steps to run (the first untimed)"),
          gpus: int = typer.Option(4, "--gpus", help="Local CPU ranks"),
          cluster: str = typer.Option("cpu-local", "--cluster",
                                      help="Profile of this machine (`autopar profile` writes one)")) -> None:

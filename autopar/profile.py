@@ -447,6 +447,8 @@ def profile_machine(ranks: int, out: Path, name: str, on_phase: Callable[[str, i
             on_phase("reference", run)
             fits.append(calibrated(merged, ranks, command))
         profile = median_profile(fits, "calibrated figure")
+    if repeats > 1:
+        profile["notes"]["calibrated"] = f"the first of {repeats} reference runs: {profile['notes']['calibrated']}"
     out.write_text(json.dumps(profile, indent=2) + "\n")
     return profile
 

@@ -49,6 +49,26 @@ def test_refit_recovers_the_constants_that_made_the_phases(dp, pp):
     assert after.step_time_s == pytest.approx(est.step_time_s, rel=1e-6)
 
 
+def test_gemms_faster_than_the_peak_raise_the_peak():
+    """A run whose GEMMs beat the profile's peak (CPU ranks measured all busy at once, a step
+    leaving some waiting) raises the peak, the efficiency staying 1, and the element-wise fit
+    then explains the rest of the step as it was made."""
+    plan = _plan(2, 2)
+    model = profile_spec(parse_model_spec(MODEL))
+    start = dataclasses.replace(load_profile("cpu-local"), matmul_efficiency=1.0, memory_efficiency=1.0,
+                                optimizer_memory_efficiency=1.0)
+    peak = start.peak_tflops["fp32"]
+    truth = dataclasses.replace(start, peak_tflops={"fp32": peak * 1.5}, optimizer_memory_efficiency=0.2,
+                                memory_efficiency=0.3)
+    est = estimate(model, truth, plan.strategy(), global_batch=plan.global_batch)
+    run = Measured(step_s=est.step_time_s, compute_s=est.time.compute_s, optimizer_s=est.time.optimizer_s,
+                   gemm_tflops=_gemm_tflops(model, truth, plan), peak_bytes=1.0)
+    new, fits = refit(plan, model, start, run)
+    assert new.peak_tflops["fp32"] == pytest.approx(peak * 1.5, rel=1e-9) and new.matmul_efficiency == 1.0
+    assert new.memory_efficiency == pytest.approx(0.3, rel=1e-6)
+    assert [f.name for f in fits][:2] == ["peak_tflops.fp32", "matmul_efficiency"] and "above the peak" in fits[0].why
+
+
 def test_a_phase_no_efficiency_can_explain_keeps_the_constant():
     plan = _plan()
     model = profile_spec(parse_model_spec(MODEL))
