@@ -1,15 +1,13 @@
 """The cost model against its formulas and the papers' closed forms (pure Python, fast)."""
 
 import dataclasses
-import importlib
 import math
 
 import pytest
 
 from cost_models import (Axis, Degrees, ModelProfile, ProfileError, Strategy, estimate, even_stage_layers, load_profile,
                          model_flops_per_step, stage_costs)
-from cost_models import blockcomm, comm, compute, memory, pipeline
-estimate_mod = importlib.import_module("cost_models.estimate")  # the package exports the function
+from cost_models import blockcomm, comm, compute, memory, pieces, pipeline
 from cost_models.axes import parse_order
 from cost_models.memory import STATE_LAYOUTS, state_bytes
 from cost_models.recipe import load_recipe
@@ -308,8 +306,8 @@ def test_overlapped_communication_costs_its_overlap_penalty():
 
 
 def test_optimizer_traffic_per_parameter():
-    assert estimate_mod.optimizer_bytes_per_param(STATE_LAYOUTS["megatron"]) == 50
-    assert estimate_mod.optimizer_bytes_per_param(STATE_LAYOUTS["fp32"]) == 5 * 4 + 2 * 12
+    assert pieces.optimizer_bytes_per_param(STATE_LAYOUTS["megatron"]) == 50
+    assert pieces.optimizer_bytes_per_param(STATE_LAYOUTS["fp32"]) == 5 * 4 + 2 * 12
 
 
 def test_tree_and_all_to_all_collectives():
@@ -442,7 +440,7 @@ def test_shipped_profiles_name_their_sources(name):
 def test_unfused_gradient_accumulation_costs_a_memory_pass_per_micro_batch():
     """Without gradient-accumulation fusion every micro-batch's backward adds the fresh 16-bit
     gradient into the buffer: read 2, read and write the buffer (2 + 2 with 16-bit gradients)."""
-    from cost_models.estimate import grad_accum_bytes_per_param
+    from cost_models.pieces import grad_accum_bytes_per_param
     model = gpt(4, 1024, 16)
     base = Strategy(mesh=Degrees(tp=2), num_microbatches=4, recipe=M21)
     fused = dataclasses.replace(base, recipe=dataclasses.replace(M21, grad_accum_fusion=True))
