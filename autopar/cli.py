@@ -1,152 +1,31 @@
-"""The ``autopar`` command line (design.md): plan, estimate, explain, inspect, verify, profile,
-run, launch, tokenize, export, report, demo.
-
-Bad input exits 2 with one line on stderr; ``--json`` prints machine-readable output.
+"""The ``autopar`` command line (design.md): the planning commands (plan, estimate, explain, inspect, export,
+launch, report) and ``main``; ``cli_local`` holds those that run here, ``cli_common`` what they share.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import json
-import sys
-from enum import Enum
 from pathlib import Path
 from typing import Optional
 
 import typer
-
-try:  # typer >= 0.22 carries its own copy of click
-    from typer._click import exceptions as _click_errors
-except ImportError:  # pragma: no cover - older typer on stock click
-    from click import exceptions as _click_errors  # type: ignore[no-redef]
 from rich import box
-from rich.console import Console
 from rich.table import Table
-from typer.core import TyperGroup
 
-from autopar.cli_checks import check_cp, check_out, check_pins, check_save, load_plan_file, parse_axis_order
+from autopar.cli_checks import check_cp, check_out, check_pins, load_plan_file, parse_axis_order
+from autopar.cli_common import (BATCH, CLUSTER, DATA, DTYPE, GPUS, JSON, MODEL, RECIPE, RESUME, SAVE, SAVE_EVERY, SEQ,
+                                TRUST, Recompute, Schedule, _estimate_dict, _gib, _guard, _print_estimate,
+                                _print_plan, app, console)
+from autopar.cli_local import DEMO_MODEL, DEMO_TEXT  # registers the local commands on ``app``
 from autopar.errors import UserError
 from autopar.spec import parse_model_spec
 from autopar.export.common import Target as ExportTarget
-from autopar.limits import MAX_LOCAL_RANKS, check_count, check_seconds
-from autopar.plan import Plan
+from autopar.limits import check_seconds
 from autopar.solve import Pins, Solution, explain as explain_plan, explanation_dict
-from autopar.workflow import estimate_strategy, fixed_strategy, launch_refusal, lead_refusal, make_plan, read_job
-from cost_models import ProfileError
-from cost_models.strategy import Estimate
+from autopar.workflow import estimate_strategy, fixed_strategy, lead_refusal, make_plan, read_job
 
-def _one_line(message: str) -> str:
-    return " ".join(str(message).split())
-
-
-class _OneLineGroup(TyperGroup):
-    """The command group: usage errors (unknown option, bad value) are one line on stderr and
-    exit 2, like every other bad input, however the app is called (console script, CliRunner)."""
-
-    def main(self, args=None, prog_name=None, complete_var=None, standalone_mode=True, **extra):  # type: ignore[override]
-        if not standalone_mode:
-            return super().main(args, prog_name, complete_var, standalone_mode=False, **extra)
-        try:
-            code = super().main(args, prog_name or "autopar", complete_var, standalone_mode=False, **extra)
-        except _click_errors.UsageError as exc:
-            if isinstance(exc, getattr(_click_errors, "NoArgsIsHelpError", ())) and exc.ctx is not None:
-                typer.echo(exc.ctx.get_help())
-                sys.exit(0)
-            hint = f" (see `autopar {exc.ctx.info_name} --help`)" if exc.ctx and exc.ctx.parent else ""
-            typer.echo(f"autopar: error: {_one_line(exc.format_message())}{hint}", err=True)
-            sys.exit(2)
-        except typer.Abort:
-            sys.exit(130)
-        sys.exit(code if isinstance(code, int) else 0)
-
-
-app = typer.Typer(cls=_OneLineGroup, add_completion=False, no_args_is_help=True, pretty_exceptions_enable=False,
-                  help="autopar: plan and run parallel training of transformers.")
-console = Console()
-
-
-class Schedule(str, Enum):
-    gpipe = "gpipe"
-    one_f_one_b = "1f1b"
-    interleaved = "interleaved"
-    zero_bubble = "zero-bubble"
-
-
-class Recompute(str, Enum):
-    none = "none"
-    selective = "selective"
-    full = "full"
-
-
-def _fail(message: str) -> None:
-    typer.echo(f"autopar: error: {_one_line(message)}", err=True)
-    raise typer.Exit(2)
-
-
-def _guard(fn):
-    """Run a command body; user errors become one line on stderr and exit 2."""
-    try:
-        return fn()
-    except (UserError, ProfileError) as exc:
-        _fail(str(exc))
-
-
-# Shared options (design.md names).
-MODEL = typer.Option(..., "--model", help="Preset (gpt3-175b, llama3-8b, ...) or spec gpt:layers=..,hidden=..,heads=..,vocab=..,seq=..")
-CLUSTER = typer.Option(..., "--cluster", help="Hardware profile name (dgx-a100-80g, dgx-a100-40g, dgx-h100, dgx-h200, dgx-h800, dgx-b200, grand-teton-h100-96g, cpu-local) or path")
-GPUS = typer.Option(..., "--gpus", help="Total number of devices")
-BATCH = typer.Option(..., "--global-batch", help="Sequences per optimizer step")
-SEQ = typer.Option(None, "--seq-len", help="Training sequence length (default: the model's)")
-DTYPE = typer.Option(None, "--dtype", help="bf16, fp16 or fp32 (default: bf16 where the profile has it)")
-JSON = typer.Option(False, "--json", help="Print JSON instead of tables")
-TRUST = typer.Option(False, "--trust-code", help="Allow what can run code: a plan file whose model is a Python "
-                     "file (path.py:factory), a checkpoint without autopar's manifest (README: What is code)")
-RECIPE = typer.Option(None, "--recipe", help="Execution recipe priced: autopar (default: the program "
-                      "autopar runs), torchtitan, megatron-2021, megatron-core, megatron-core-te, "
-                      "deepspeed, llm-foundry, or a path to a recipe .json")
-
-
-def _estimate_dict(est: Estimate) -> dict:
-    return dataclasses.asdict(est)
-
-
-def _gib(n: float) -> str:
-    return f"{n / 2**30:.2f} GiB"
-
-
-def _print_estimate(est: Estimate) -> None:
-    table = Table(title="estimate", show_header=False)
-    table.add_row("step time", f"{est.step_time_s:.4g} s")
-    table.add_row("tokens/s", f"{est.tokens_per_s:,.0f}")
-    table.add_row("TFLOP/s per device", f"{est.tflops_per_gpu:.1f}")
-    table.add_row("MFU", f"{est.mfu:.1%}")
-    table.add_row("fits", f"{'yes' if est.fits else 'NO'} (peak {_gib(est.memory.peak_bytes)})")
-    for k, v in dataclasses.asdict(est.time).items():
-        table.add_row(f"time.{k}", f"{v:.4g} s")
-    for k, v in dataclasses.asdict(est.memory).items():
-        table.add_row(f"memory.{k}", _gib(v))
-    console.print(table)
-
-
-def _print_plan(plan: Plan) -> None:
-    table = Table(title=f"plan: {plan.model} on {plan.gpus} x {plan.cluster}", show_header=False)
-    m = plan.mesh
-    table.add_row("mesh", f"dp={m.dp} tp={m.tp} pp={m.pp}" + (f" cp={m.cp}" if m.cp > 1 else "")
-                  + (f" ep={m.ep} (experts over ep x edp = {m.ep} x {m.edp} of dp x cp)" if m.ep > 1 else ""))
-    table.add_row("zero stage", str(plan.zero_stage))
-    table.add_row("micro-batch x micro-batches", f"{plan.micro_batch_size} x {plan.num_microbatches}")
-    table.add_row("schedule", plan.schedule + (f" (v={plan.virtual_stages})" if plan.virtual_stages > 1 else ""))
-    table.add_row("sequence parallel", str(plan.sequence_parallel))
-    table.add_row("cpu offload", str(plan.offload))
-    table.add_row("mesh axis order", " > ".join(plan.axis_order) + " (outermost first)")
-    table.add_row("execution recipe", plan.recipe)
-    table.add_row("stage layers", " ".join(map(str, plan.stage_layers)))
-    table.add_row("recompute", ", ".join(f"{mode} x{plan.recompute.count(mode)}"
-                                         for mode in ("none", "selective", "full") if mode in plan.recompute))
-    if plan.estimate is not None:
-        table.add_row("fits", f"{'yes' if plan.estimate.fits else 'NO'} (peak "
-                      f"{_gib(plan.estimate.memory.peak_bytes)} per device)")
-    console.print(table)
+__all__ = ("app", "main", "DEMO_MODEL", "DEMO_TEXT")
 
 
 @app.command()
@@ -357,63 +236,6 @@ def explain(plan_file: Path = typer.Argument(..., help="A plan JSON from `autopa
 
 
 @app.command()
-def profile(ranks: int = typer.Option(4, "--ranks", help="Processes to measure at once (devices of the cluster)"),
-            out: Path = typer.Option(Path("my-cluster.json"), "--out", help="Where to write the hardware profile"),
-            name: Optional[str] = typer.Option(None, "--name", help="The profile's name (default: --out's stem)"),
-            repeats: int = typer.Option(1, "--repeats", help="Runs of every measurement; each figure their median"),
-            as_json: bool = JSON) -> None:
-    """Measure this machine as a cluster (GEMMs, memory bandwidth, per-op dispatch, collectives
-    fitted to the cost model's α-β law, then a reference training run's efficiencies) and write a
-    hardware profile for --cluster."""
-    def body() -> None:
-        from rich.progress import Progress
-        from autopar.profile import PHASES, profile_machine
-        with Progress(console=Console(stderr=True), transient=True) as bar:
-            task = bar.add_task("profiling", total=len(PHASES))
-
-            def on_phase(phase: str, run: int) -> None:
-                bar.update(task, completed=PHASES.index(phase) if phase in PHASES else 0,
-                           description=f"profiling: {phase}" + (f" (run {run + 1} of {repeats})" if repeats > 1 else ""))
-            result = profile_machine(ranks, out, name or out.stem, on_phase, repeats)
-        if as_json:
-            typer.echo(json.dumps(result, indent=2))
-            return
-        table = Table("figure", "value", title=f"{result['name']}: {result['device']} x {ranks}")
-        tier = result["intra_node"]
-        for key, value in (("peak TFLOP/s", result["peak_tflops"]), ("matmul efficiency", result["matmul_efficiency"]),
-                           ("memory GB/s", result["hbm_bw_gbps"]),
-                           ("element-wise efficiency (reference run)", round(result["memory_efficiency"], 4)),
-                           ("optimizer efficiency (reference run)", round(result["optimizer_memory_efficiency"], 4)),
-                           ("dispatch us/op", result["kernel_dispatch_us"]),
-                           ("collective alpha us/step", tier["latency_us"]), ("bus GB/s", tier["bw_gbps"]),
-                           ("p2p GB/s", tier["p2p_bw_gbps"])):
-            table.add_row(key, str(value))
-        console.print(table)
-        console.print(f"written to {out}; use it with --cluster {out}")
-    _guard(body)
-
-
-@app.command()
-def verify(model: str = MODEL,
-           cached: bool = typer.Option(True, "--cache/--no-cache", help="Reuse verdicts cached for this architecture"),
-           as_json: bool = JSON) -> None:
-    """Prove each parallel dimension (FSDP, TP, SP, PP, selective recompute) on the model's tiny
-    twin: 2 gloo ranks against one process, losses and gradients."""
-    def body() -> None:
-        from autopar.verify import verify as run_checks
-        result = run_checks(model, use_cache=cached)
-        if as_json:
-            typer.echo(json.dumps({"model": result.model, "twin": result.twin, "checks": {
-                v.check.value: {"ok": v.ok, "reason": v.reason} for v in result.verdicts}}, indent=2, sort_keys=True))
-            return
-        table = Table("check", "result", "why", title=f"twin: {result.twin}")
-        for v in result.verdicts:
-            table.add_row(v.check.value, "equal to one process" if v.ok else "REFUSED", v.reason)
-        console.print(table)
-    _guard(body)
-
-
-@app.command()
 def inspect(model: str = MODEL, seq_len: Optional[int] = SEQ, as_json: bool = JSON) -> None:
     """Show what the tracer sees: parameters, repeated blocks, FLOPs and activation bytes."""
     def body() -> None:
@@ -448,109 +270,6 @@ def inspect(model: str = MODEL, seq_len: Optional[int] = SEQ, as_json: bool = JS
         shape = info["shape"]
         console.print("shape priced: " + (" ".join(f"{k}={int(v)}" for k, v in shape.items()) if shape
                                           else f"none ({info['shape_error']})"), markup=False)
-    _guard(body)
-
-
-SAVE = typer.Option(None, "--save", help="Write checkpoints (DCP) into this directory: DIR/step-N, DIR/latest; "
-                    "after the last step and every --save-every steps, each complete before it replaces the last")
-SAVE_EVERY = typer.Option(0, "--save-every", help="Save every K steps too (0: after the last step only)")
-RESUME = typer.Option(None, "--resume", help="Start from a checkpoint, or a --save directory's latest, saved by "
-                      "any plan of this model")
-def _local_plan(plan_file: Path, trust_code: bool, command: str) -> Plan:
-    """The plan ``autopar run``/``calibrate`` may start on this machine: every rank local
-    (torchrun --standalone), every feature it uses proven on the model's twin."""
-    the_plan = load_plan_file(plan_file, trust_code)
-    if the_plan.gpus > MAX_LOCAL_RANKS:
-        raise UserError(f"autopar {command} starts every rank on this machine (torchrun --standalone); a plan of "
-                        f"{the_plan.gpus} devices needs at most {MAX_LOCAL_RANKS}: plan for fewer --gpus")
-    refusal = launch_refusal(the_plan)
-    if refusal:
-        raise UserError(refusal)
-    return the_plan
-
-
-DATA = typer.Option(None, "--data", help="Train on this token file (nanoGPT's flat uint16 .bin, uint32 if "
-                    "named *.u32; `autopar tokenize` writes one) instead of synthetic tokens")
-
-
-@app.command()
-def run(plan_file: Path = typer.Argument(..., help="A plan JSON from `autopar plan --out`"),
-        steps: int = typer.Option(3, "--steps", min=1, help="Optimizer steps"),
-        save: Optional[Path] = SAVE, save_every: int = SAVE_EVERY, resume: Optional[Path] = RESUME,
-        max_restarts: int = typer.Option(0, "--max-restarts", help="torchrun restarts after a failure; each "
-                                         "resumes from the latest checkpoint in --save"),
-        data: Optional[Path] = DATA, trust_code: bool = TRUST, as_json: bool = JSON) -> None:
-    """Run a plan locally under torchrun (gloo on CPU) on a token file or synthetic tokens."""
-    def body() -> None:
-        if max_restarts < 0:
-            raise UserError(f"--max-restarts must be at least 0, got {max_restarts}")
-        check_save(save, resume, trust_code=trust_code, save_every=save_every)
-        the_plan = _local_plan(plan_file, trust_code, "run")
-        from functools import partial
-
-        from autopar.runtime import TrainConfig
-        from autopar.runtime import run_plan as run_one
-        cfg = TrainConfig(data=data)
-        run_plan = partial(run_one, save_every=save_every, max_restarts=max_restarts, trust_code=trust_code)
-        if as_json:
-            result = run_plan(the_plan, steps, resume=resume, save=save, cfg=cfg)
-            typer.echo(json.dumps({"losses": result.losses, "step_times_s": result.step_times_s}))
-            return
-        shown: set[int] = set()
-        if console.is_terminal:  # a live bar; plain lines otherwise (pipes, logs)
-            from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn
-            with Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(),
-                          console=console) as bar:
-                task = bar.add_task("starting ranks", total=steps)
-
-                def on_step(step: int, loss: float, seconds: float) -> None:
-                    shown.add(step)
-                    bar.console.print(f"step {step}: loss {loss:.6f}  {seconds:.3f} s")
-                    bar.update(task, advance=1, description=f"step {step}: loss {loss:.4f}")
-                result = run_plan(the_plan, steps, resume=resume, save=save, cfg=cfg, on_step=on_step)
-        else:
-            def on_step(step: int, loss: float, seconds: float) -> None:
-                shown.add(step)
-                typer.echo(f"step {step}: loss {loss:.6f}  {seconds:.3f} s")
-            result = run_plan(the_plan, steps, resume=resume, save=save, cfg=cfg, on_step=on_step)
-        for i, (loss, t) in enumerate(zip(result.losses, result.step_times_s), start=result.start_step):
-            if i not in shown:  # a step the live view missed
-                console.print(f"step {i}: loss {loss:.6f}  {t:.3f} s")
-    _guard(body)
-
-
-@app.command()
-def calibrate(plan_file: Path = typer.Argument(..., help="A plan JSON from `autopar plan --out`"),
-              steps: int = typer.Option(10, "--steps", min=2, help="Optimizer steps: warm-up, timed, then 3 "
-                                        "profiled"),
-              warmup: int = typer.Option(2, "--warmup", min=1, help="First steps, not timed"),
-              out: Optional[Path] = typer.Option(None, "--out", help="Write the refitted profile here (default: "
-                                                 "<profile>.calibrated.json); plan with --cluster FILE"),
-              trust_code: bool = TRUST, as_json: bool = JSON) -> None:
-    """Run a plan profiled, compare each phase with the estimate and refit the profile to it."""
-    def body() -> None:
-        from autopar.calibrate import calibrate_plan, write_profile
-        the_plan = _local_plan(plan_file, trust_code, "calibrate")
-        target = out or Path(f"{Path(the_plan.cluster).stem}.calibrated.json")
-        check_out(target)
-        cal = calibrate_plan(the_plan, steps, warmup, f"`autopar calibrate {plan_file.name} --steps {steps}`")
-        write_profile(cal.profile, target)
-        if as_json:
-            typer.echo(json.dumps({"phases": [dataclasses.asdict(p) for p in cal.phases],
-                                   "fits": [dataclasses.asdict(f) for f in cal.fits], "gemm_tflops": cal.gemm_tflops,
-                                   "peak_predicted_bytes": cal.peak_predicted_bytes,
-                                   "peak_measured_bytes": cal.peak_measured_bytes, "profile": str(target)}))
-            return
-        table = Table(title=f"{the_plan.model} on {the_plan.gpus} x {the_plan.cluster}", box=box.SQUARE)
-        for col in ("phase, ms per step", "predicted", "measured", "after refit"):
-            table.add_column(col)
-        for p in cal.phases:
-            table.add_row(p.name, f"{p.before_s * 1e3:.1f}", f"{p.measured_s * 1e3:.1f}", f"{p.after_s * 1e3:.1f}")
-        console.print(table)
-        for f in cal.fits:
-            console.print(f"{f.name}: {f.old:.4g} -> {f.new:.4g} ({f.why})")
-        console.print(f"peak memory: predicted {cal.peak_predicted_bytes / 2**30:.3f} GiB, measured "
-                      f"{cal.peak_measured_bytes / 2**30:.3f} GiB; refitted profile written to {target}")
     _guard(body)
 
 
@@ -625,20 +344,6 @@ def launch(plan_file: Path = typer.Argument(..., help="A plan JSON from `autopar
 
 
 @app.command()
-def tokenize(text: Path = typer.Argument(..., help="A text file"),
-             out: Path = typer.Option(..., "--out", help="The token file to write (uint16; uint32 if named *.u32)"),
-             tokenizer: Optional[Path] = typer.Option(None, "--tokenizer", help="An HF tokenizers file "
-                                                      "(tokenizer.json; needs the tokenizers package); "
-                                                      "default: byte-level, ids 0-255")) -> None:
-    """Tokenize a text file into a token file for `autopar run --data` and `autopar launch --data`."""
-    def body() -> None:
-        from autopar.data import tokenize_file
-        done = tokenize_file(text, out, tokenizer)
-        typer.echo(f"wrote {done.tokens:,} tokens ({done.dtype}, vocabulary {done.vocab:,}) to {done.path}")
-    _guard(body)
-
-
-@app.command()
 def report(plan_file: Path = typer.Argument(..., help="A plan JSON from `autopar plan --out`"),
            out: Optional[Path] = typer.Option(None, "--out", help="Directory for index.html and the figures "
                                               "(default: PLAN-report beside the plan file)"),
@@ -658,48 +363,6 @@ def report(plan_file: Path = typer.Argument(..., help="A plan JSON from `autopar
         target = out if out is not None else plan_file.with_name(plan_file.stem + "-report")
         files = write_report(plan_file, target, measured_file=measured, top_k=top_k, time_limit_s=time_limit)
         console.print(f"wrote {files['page']} and {len(files) - 1} figures (PNG and SVG) in {target}")
-    _guard(body)
-
-
-DEMO_MODEL = "gpt:layers=4,hidden=128,heads=4,vocab=512,seq=64,tied=0"
-DEMO_TEXT = Path(__file__).resolve().parent / "corpora" / "declaration_of_independence.txt"
-"""What the demo trains on, byte-level (public domain; ``autopar/corpora/README.md``)."""
-
-
-@app.command()
-def demo(steps: int = typer.Option(10, "--steps", min=2, help="Optimizer steps to run (the first untimed)"),
-         gpus: int = typer.Option(4, "--gpus", help="Local CPU ranks"),
-         cluster: str = typer.Option("cpu-local", "--cluster",
-                                     help="Profile of this machine (`autopar profile` writes one)")) -> None:
-    """Plan a small GPT for the local CPU cluster, train it on a short public-domain text, and
-    compare predicted and measured step time."""
-    def body() -> None:
-        import tempfile
-        from statistics import median
-
-        from autopar.data import tokenize_file
-        from autopar.runtime import TrainConfig, run_plan
-        check_count("--gpus", gpus, MAX_LOCAL_RANKS)
-        job = read_job(DEMO_MODEL, cluster, gpus, global_batch=8 * gpus, dtype="fp32")
-        if job.hw.launcher != "gloo":
-            raise UserError(f"--cluster {cluster} profiles GPUs ({job.hw.launcher}); the demo trains on local "
-                            "CPU ranks: pass cpu-local or a profile `autopar profile` wrote on this machine")
-        result_plan, sol = make_plan(job)
-        _print_plan(result_plan)
-        console.print(f"search: {sol.time_s:.2f} s over {sol.candidates} candidates")
-        with tempfile.TemporaryDirectory(prefix="autopar-demo-") as tmp:
-            corpus = tokenize_file(DEMO_TEXT, Path(tmp) / "declaration.bin")
-            console.print(f"training on the Declaration of Independence: {corpus.tokens:,} byte-level tokens")
-            result = run_plan(result_plan, steps, cfg=TrainConfig(data=corpus.path))
-        for i, (loss, t) in enumerate(zip(result.losses, result.step_times_s)):
-            console.print(f"step {i}: loss {loss:.4f}  {t:.3f} s")
-        measured = median(result.step_times_s[1:])
-        predicted = sol.estimate.step_time_s
-        console.print(f"predicted step time {predicted:.3f} s, measured {measured:.3f} s "
-                      f"(median of steps 1..{steps - 1}), ratio {measured / predicted:.2f}")
-        console.print(f"profile {job.hw.name}: {job.hw.notes.get('source', 'no source recorded')}"
-                      + ("; measure your machine with `autopar profile --out my.json`, then "
-                         "`autopar demo --cluster my.json`" if cluster == "cpu-local" else ""))
     _guard(body)
 
 
