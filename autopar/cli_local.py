@@ -31,6 +31,11 @@ def _local_plan(plan_file: Path, trust_code: bool, command: str) -> Plan:
     refusal = launch_refusal(the_plan)
     if refusal:
         raise UserError(refusal)
+    import torch
+    gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    if 0 < gpus < the_plan.gpus:  # with no GPU the ranks run on CPU (gloo)
+        raise UserError(f"autopar {command} starts one rank per GPU on this machine, which has {gpus}; a plan of "
+                        f"{the_plan.gpus} devices needs {the_plan.gpus}: plan for --gpus {gpus}")
     return the_plan
 
 
@@ -39,6 +44,8 @@ def profile(ranks: int = typer.Option(4, "--ranks", help="Processes to measure a
             out: Path = typer.Option(Path("my-cluster.json"), "--out", help="Where to write the hardware profile"),
             name: Optional[str] = typer.Option(None, "--name", help="The profile's name (default: --out's stem)"),
             repeats: int = typer.Option(1, "--repeats", help="Runs of every measurement; each figure their median"),
+            links: Optional[str] = typer.Option(None, "--links", help="With --ranks 1 (no peer to time collectives "
+                                                "with): the profile whose links plans of more devices use"),
             as_json: bool = JSON) -> None:
     """Measure this machine as a cluster (GEMMs, memory bandwidth, per-op dispatch, collectives
     fitted to the cost model's α-β law, then a reference training run's efficiencies) and write a
@@ -52,7 +59,7 @@ def profile(ranks: int = typer.Option(4, "--ranks", help="Processes to measure a
             def on_phase(phase: str, run: int) -> None:
                 bar.update(task, completed=PHASES.index(phase) if phase in PHASES else 0,
                            description=f"profiling: {phase}" + (f" (run {run + 1} of {repeats})" if repeats > 1 else ""))
-            result = profile_machine(ranks, out, name or out.stem, on_phase, repeats)
+            result = profile_machine(ranks, out, name or out.stem, on_phase, repeats, links)
         if as_json:
             typer.echo(json.dumps(result, indent=2))
             return

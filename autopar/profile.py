@@ -39,17 +39,19 @@ import statistics
 import subprocess
 import sys
 import tempfile
-import time
 from pathlib import Path
 from typing import TYPE_CHECKING, Callable
 
 import numpy as np
 
 from autopar.errors import UserError
+from autopar.profile_bench import (ADD_ELEMENTS, ATTENTION, BURST_GEMMS, DISPATCH_BLOCK, DISPATCH_RECIPE,
+                                   HOOK_GROUPS, OPTIMIZER_TENSORS, SHAPES, measure)
 from cost_models.recipe import load_recipe
 
 if TYPE_CHECKING:
     from autopar.plan import Plan
+    from cost_models import HardwareProfile
 
 PHASES = ("gemm", "memory", "dispatch", "collectives", "p2p", "reference")
 REFERENCE = {"cpu": ("gpt:layers=4,hidden=256,heads=4,vocab=1024,seq=128,tied=0", 4),
@@ -57,212 +59,6 @@ REFERENCE = {"cpu": ("gpt:layers=4,hidden=256,heads=4,vocab=1024,seq=128,tied=0"
 """The reference transformer per device type and its micro-batch per rank (one micro-batch)."""
 REFERENCE_STEPS = 10
 """Steps of the reference run: 2 warm-up, 5 timed, 3 profiled (``autopar.calibrate``)."""
-DISPATCH_BLOCK = "llama:layers=1,hidden=8,heads=2,kv_heads=2,ffn=16,vocab=8,seq=4"
-"""The block whose forward and backward time the host: a pass of the cost model's
-``kernels_per_block`` kernels (``DISPATCH_RECIPE``'s count, backward twice the forward's)."""
-DISPATCH_RECIPE = "autopar"
-SIZES = tuple(4 ** k for k in range(1, 13))
-"""Collective message sizes, bytes: 4 B to 16 MiB."""
-OPTIMIZER_TENSORS = 48
-"""Parameter tensors of the optimizer steps timed for ``dtensor_optimizer_us``."""
-BURST_GEMMS = 16
-"""256^3 GEMMs each CPU rank runs before a timed collective (``_in_step``): about 10 ms with 4
-ranks on 2 cores, the order of one block's pass of the small models CPU ranks train."""
-ATTENTION = {"cpu": (4, 4, 512, 32), "cuda": (2, 16, 4096, 128)}
-"""(batch, heads, sequence, head dim) of the causal SDPA whose forward and backward give the
-fused attention kernel's efficiency (``_attention_rate``)."""
-HOOK_GROUPS = 8
-"""Blocks, each an FSDP2 group, of the model whose passes time ``fsdp_hook_us``."""
-HOOK_REPEATS = 200
-"""Alternated wrapped / plain passes timed for ``fsdp_hook_us``."""
-SHAPES = ((512, 128, 384), (512, 128, 512), (512, 512, 128), (2048, 512, 2048), (2048, 2048, 512))
-"""(tokens, in, out) of the transformer-shaped GEMMs (b·s through h -> 3h, h -> 4h, 4h -> h)."""
-
-
-def _median_time(fn: Callable[[], object], repeats: int, sync: Callable[[], None]) -> float:
-    fn()
-    sync()
-    times = []
-    for _ in range(repeats):
-        t = time.perf_counter()
-        fn()
-        sync()
-        times.append(time.perf_counter() - t)
-    return statistics.median(times)
-
-
-def _attention_rate(device, dtype, sync: Callable[[], None]) -> float:
-    """FLOP/s of a causal ``scaled_dot_product_attention`` forward and backward (the kernel
-    torch dispatches: CPU flash on CPU ranks, FlashAttention-2 or cuDNN on CUDA), counted as
-    the cost model counts them (``cost_models.compute``): the forward's 4 b h s² d FLOPs times
-    ``causal_fraction(s)``, and the backward ``FLASH_BWD_RATIO`` times that."""
-    import torch
-    import torch.nn.functional as F
-    from cost_models.compute import FLASH_BWD_RATIO, causal_fraction
-    b, h, s, d = ATTENTION[device.type]
-    q, k, v = (torch.randn(b, h, s, d, device=device, dtype=dtype, requires_grad=True) for _ in range(3))
-    flops = (1 + FLASH_BWD_RATIO) * 4.0 * b * h * s * s * d * causal_fraction(s)
-    return flops / _median_time(lambda: F.scaled_dot_product_attention(q, k, v, is_causal=True).sum().backward(),
-                                10, sync)
-
-
-def _block_host_s(device, sync: Callable[[], None]) -> float:
-    """Forward and backward of one tiny built-in Llama block (``DISPATCH_BLOCK``): host time
-    only, its kernels move a few hundred bytes; s."""
-    import torch
-    from autopar.model import Block
-    from autopar.spec import parse_model_spec
-    block = Block(parse_model_spec(DISPATCH_BLOCK)).to(device)
-    x = torch.randn(1, 4, 8, device=device, requires_grad=True)
-    return _median_time(lambda: block(x).sum().backward(), 50, sync)
-
-
-def _dtensor_step_s(device, world: int, sync: Callable[[], None]) -> float:
-    """What a DTensor parameter adds to an AdamW step over a plain tensor, s per parameter
-    tensor: ``OPTIMIZER_TENSORS`` small tensors (the step's host time dominates), sharded over
-    every rank, against the same as plain tensors. Collective: every rank calls it."""
-    import torch
-    from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.tensor import Shard, distribute_tensor
-    mesh = init_device_mesh(device.type, (world,))
-
-    def step_s(sharded: bool) -> float:
-        params = []
-        for _ in range(OPTIMIZER_TENSORS):
-            t = torch.zeros(64 * world, device=device)
-            p = torch.nn.Parameter(distribute_tensor(t, mesh, [Shard(0)]) if sharded else t[:64].clone())
-            p.grad = torch.ones_like(p)
-            params.append(p)
-        opt = torch.optim.AdamW(params, lr=1e-3)
-        return _median_time(opt.step, 10, sync)
-
-    return max(0.0, step_s(True) - step_s(False)) / OPTIMIZER_TENSORS
-
-
-def _fsdp_hook_s(device, world: int, sync: Callable[[], None]) -> float:
-    """Host time of FSDP2's hooks per parameter group and micro-batch (forward and backward), s:
-    ``HOOK_GROUPS`` tiny blocks each wrapped by ``fully_shard``, weights kept gathered and
-    gradients unsynchronised (a pipeline's or an accumulation's inner micro-batch: no
-    collective runs), against the same blocks unwrapped, over one more group (the root). Each
-    rank shards over a group of its own, so the figure is the hooks' and not the peers'.
-    Collective: every rank calls it."""
-    import torch
-    import torch.distributed as dist
-    from torch.distributed.device_mesh import DeviceMesh
-    from torch.distributed.fsdp import fully_shard
-    groups = [dist.new_group([r]) for r in range(world)]
-    mesh = DeviceMesh.from_group(groups[dist.get_rank()], device.type)
-    x = torch.randn(2, 8, device=device)
-
-    def blocks() -> torch.nn.Sequential:
-        return torch.nn.Sequential(*(torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.ReLU())
-                                     for _ in range(HOOK_GROUPS))).to(device)
-
-    plain, wrapped = blocks(), blocks()
-    for block in wrapped:
-        fully_shard(block, mesh=mesh, reshard_after_forward=False)
-    root = fully_shard(wrapped, mesh=mesh, reshard_after_forward=False)
-    root.set_requires_gradient_sync(False)
-    root.set_reshard_after_backward(False)
-
-    def once(m: torch.nn.Module) -> float:
-        t = time.perf_counter()
-        m(x).sum().backward()
-        sync()
-        return time.perf_counter() - t
-
-    once(plain), once(wrapped)
-    # alternated, so both see the same contention from the peers on shared cores
-    extra = [once(wrapped) - once(plain) for _ in range(HOOK_REPEATS)]
-    return max(0.0, statistics.median(extra)) / (HOOK_GROUPS + 1)
-
-
-def _in_step(device, dtype, sync: Callable[[], None]) -> Callable[[Callable[[], object], int], float]:
-    """A timer of one collective as a training step meets it, s. On CUDA the median time of
-    the call alone (NCCL's kernels run beside the host). On CPU ranks the host runs both the
-    operators and the collective, and a step reaches each collective right after a block's
-    worth of compute (``BURST_GEMMS``) during which the ranks, more than the cores, were
-    time-sliced: they arrive skewed, and each ring step waits for a descheduled peer. So the
-    collective is timed after such a burst on every rank, less the burst's own median time."""
-    import torch
-    if device.type == "cuda":
-        return lambda fn, reps: _median_time(fn, reps, sync)
-    a, b = torch.randn(256, 256, dtype=dtype), torch.randn(256, 256, dtype=dtype)
-
-    def burst() -> None:
-        for _ in range(BURST_GEMMS):
-            torch.mm(a, b)
-
-    def timed(fn: Callable[[], object], reps: int) -> float:
-        def both() -> None:
-            burst()
-            fn()
-        return max(1e-6, _median_time(both, reps, sync) - alone)
-
-    alone = _median_time(burst, 20, sync)
-    return timed
-
-
-def _measure(rank: int, world: int, device, dtype, say: Callable[[str], None]) -> dict:
-    """This rank's timings (seconds, bytes, FLOP/s)."""
-    import torch
-    import torch.distributed as dist
-    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
-    big = 8192 if device.type == "cuda" else 1024
-    out: dict = {}
-    say("gemm")
-    dist.barrier()
-    a, b = torch.randn(big, big, device=device, dtype=dtype), torch.randn(big, big, device=device, dtype=dtype)
-    out["peak"] = 2.0 * big ** 3 / _median_time(lambda: torch.mm(a, b), 10, sync)
-    rates = []
-    for n, k, m in SHAPES:
-        x, w = torch.randn(n, k, device=device, dtype=dtype), torch.randn(k, m, device=device, dtype=dtype)
-        rates.append(2.0 * n * k * m / _median_time(lambda: torch.mm(x, w), 20, sync))
-    out["shaped"] = rates
-    out["attention"] = _attention_rate(device, dtype, sync)
-    say("memory")
-    dist.barrier()
-    x, y = torch.randn(2 ** 23, device=device), torch.randn(2 ** 23, device=device)
-    out["bw"] = 3 * x.numel() * 4 / _median_time(lambda: torch.add(x, y, out=x), 10, sync)
-    say("dispatch")
-    dist.barrier()
-    out["dispatch"] = _block_host_s(device, sync) / (3 * load_recipe(DISPATCH_RECIPE).kernels_per_block)
-    dist.barrier()
-    out["dtensor"] = _dtensor_step_s(device, world, sync)
-    dist.barrier()
-    out["hooks"] = _fsdp_hook_s(device, world, sync)
-    say("collectives")
-    in_step = _in_step(device, dtype, sync)
-    rows = []
-    for nbytes in SIZES:
-        numel = max(world, nbytes // 4 // world * world)
-        t = torch.zeros(numel, device=device)
-        shard = torch.zeros(numel // world, device=device)
-        reps = 20 if nbytes < 2 ** 20 else 5
-        dist.barrier()
-        rows.append(("all_reduce", numel * 4, in_step(lambda: dist.all_reduce(t), reps)))
-        dist.barrier()
-        rows.append(("reduce_scatter", numel * 4, in_step(lambda: dist.reduce_scatter_tensor(shard, t), reps)))
-        dist.barrier()
-        rows.append(("all_gather", numel * 4, in_step(lambda: dist.all_gather_into_tensor(t, shard), reps)))
-    out["collectives"] = rows
-    say("p2p")
-    p2p = []
-    peer = rank ^ 1
-    for nbytes in SIZES[::2]:
-        t = torch.zeros(max(1, nbytes // 4), device=device)
-        dist.barrier()
-        if peer < world:
-            def ping() -> None:
-                if rank % 2 == 0:
-                    dist.send(t, peer)
-                    dist.recv(t, peer)
-                else:
-                    dist.recv(t, peer)
-                    dist.send(t, peer)
-            p2p.append((t.numel() * 4, _median_time(ping, 10, sync) / 2))
-    out["p2p"] = p2p
-    return out
 
 
 def fit_collectives(rows: list[tuple[str, int, float]], world: int) -> tuple[float, float, float]:
@@ -321,12 +117,16 @@ def build_profile(results: list[dict], world: int, threads: int, device: str, dt
     med = lambda key: statistics.median(r[key] for r in results)  # noqa: E731
     peak = med("peak")
     shaped = statistics.median(statistics.median(r["shaped"]) for r in results)
-    rows = [row for r in results for row in r["collectives"]]
-    alpha, beta, rs_factor = fit_collectives(rows, world)
-    p2p = _fit_p2p([row for r in results for row in r["p2p"]])
-    tier = {"bw_gbps": round(beta / 1e9, 4), "latency_us": round(alpha * 1e6, 2), "efficiency": 1.0,
-            "p2p_bw_gbps": round(p2p / 1e9, 4), "reduce_scatter_factor": round(rs_factor, 3)}
+    tier = _tier(results, world) if world > 1 else None
     where = "GPU" if device == "cuda" else f"CPU rank ({threads} thread{'s' if threads > 1 else ''} of {os.cpu_count()} cores)"
+    links_note = {"intra_node": (
+        f"all-reduce, reduce-scatter and all-gather over {world} ranks at 4 B..16 MiB"
+        + ("" if device == "cuda" else f", each right after {BURST_GEMMS} 256^3 GEMMs on every "
+           "rank less their time (as a step meets it: autopar.profile_bench._in_step)")
+        + "; alpha per ring step and bus bandwidth fitted to cost_models.comm's ring formulas on the all-reduces "
+        "and all-gathers by non-negative least squares on relative error; reduce_scatter_factor: median ratio of "
+        "the reduce-scatters to their ring formula; p2p_bw_gbps: slope of send/recv time over bytes. "
+        "inter_node: one machine measured, the same tier")} if tier else {}
     return {
         "name": name,
         "device": where,
@@ -334,8 +134,7 @@ def build_profile(results: list[dict], world: int, threads: int, device: str, dt
         "memory_gib": round(_device_memory_gib(device) / (1 if device == "cuda" else world), 2),
         "peak_tflops": {dtype: round(peak / 1e12, 5)},
         "hbm_bw_gbps": round(med("bw") / 1e9, 3),
-        "intra_node": tier,
-        "inter_node": tier,
+        **({"intra_node": tier, "inter_node": tier} if tier else {}),
         "matmul_efficiency": round(min(1.0, shaped / peak), 3),
         "attention_efficiency": {load_recipe(DISPATCH_RECIPE).attention_kernel: round(min(1.0, med("attention") / peak), 3)},
         "memory_efficiency": 1.0,
@@ -349,20 +148,13 @@ def build_profile(results: list[dict], world: int, threads: int, device: str, dt
         "notes": {
             "source": f"measured by `{command}`: {world} ranks running at once, {threads} thread(s) each",
             "peak_tflops": f"median per-rank {dtype} rate of a square GEMM (1024^3 on CPU, 8192^3 on GPU)",
-            "matmul_efficiency": f"median rate of the GEMMs {SHAPES} (tokens, in, out) over the peak",
-            "hbm_bw_gbps": "median per-rank rate of a 32 MiB element-wise add (3 arrays touched)",
+            "matmul_efficiency": f"median rate of the GEMMs {SHAPES[device]} (tokens, in, out) over the peak",
+            "hbm_bw_gbps": f"median per-rank rate of a {ADD_ELEMENTS[device] * 4 >> 20} MiB element-wise add (3 arrays touched)",
             "attention_efficiency": (f"median per-rank rate of a causal scaled_dot_product_attention forward and "
                                      f"backward (batch, heads, seq, head dim {ATTENTION[device]}), its FLOPs as "
                                      f"cost_models.compute counts the fused kernel's, over the peak; under the "
                                      f"{DISPATCH_RECIPE} recipe's kernel family"),
-            "intra_node": (f"all-reduce, reduce-scatter and all-gather over {world} ranks at 4 B..16 MiB"
-                           + ("" if device == "cuda" else f", each right after {BURST_GEMMS} 256^3 GEMMs on every "
-                              "rank less their time (as a step meets it: autopar.profile._in_step)")
-                           + "; alpha per ring step and bus bandwidth fitted to cost_models.comm's ring "
-                           "formulas on the all-reduces and all-gathers by non-negative least squares on "
-                           "relative error; reduce_scatter_factor: median ratio of the reduce-scatters to "
-                           "their ring formula; p2p_bw_gbps: slope of send/recv time over bytes. "
-                           "inter_node: one machine measured, the same tier"),
+            **links_note,
             "memory_gib": "device memory (GPU) or host memory divided by the ranks (CPU)",
             "kernel_dispatch_us": (f"median host time of a forward and backward of {DISPATCH_BLOCK!r}'s block "
                                    f"over 3 x the {DISPATCH_RECIPE} recipe's kernels_per_block"),
@@ -370,12 +162,47 @@ def build_profile(results: list[dict], world: int, threads: int, device: str, dt
             "fsdp_hook_us": (f"median over ranks of (a forward and backward of {HOOK_GROUPS} Linear(8, 8) blocks, "
                              "each an FSDP2 fully_shard group over the rank alone, weights kept gathered and "
                              "gradients unsynchronised - the same unwrapped) / "
-                             f"{HOOK_GROUPS + 1} groups (autopar.profile._fsdp_hook_s)"),
+                             f"{HOOK_GROUPS + 1} groups (autopar.profile_bench._fsdp_hook_s)"),
             "ranks_per_core": "ranks x threads each over the machine's cores (os.cpu_count), at least 1; 1 on GPUs",
             "dtensor_optimizer_us": (f"median over ranks of (an AdamW step of {OPTIMIZER_TENSORS} DTensor parameters "
                                      f"sharded over the {world} ranks - the same of plain tensors) / {OPTIMIZER_TENSORS}"),
         },
     }
+
+
+def _tier(results: list[dict], world: int) -> dict:
+    """The measured tier of the ranks' collectives and point-to-point transfers."""
+    alpha, beta, rs_factor = fit_collectives([row for r in results for row in r["collectives"]], world)
+    p2p = _fit_p2p([row for r in results for row in r["p2p"]])
+    return {"bw_gbps": round(beta / 1e9, 4), "latency_us": round(alpha * 1e6, 2), "efficiency": 1.0,
+            "p2p_bw_gbps": round(p2p / 1e9, 4), "reduce_scatter_factor": round(rs_factor, 3)}
+
+
+def links_profile(links: str) -> "HardwareProfile":
+    """The profile ``--links`` names (shipped name or file)."""
+    from cost_models import ProfileError
+    from cost_models.hardware import load_profile
+    try:
+        return load_profile(links)
+    except ProfileError as exc:
+        raise UserError(f"--links: {exc}") from None
+
+
+def with_links(profile: dict, source: "HardwareProfile", links: str) -> dict:
+    """``profile`` (one rank's: no collective measured) with the interconnect tiers of
+    ``source`` (``--links links``), its notes saying so."""
+    import dataclasses
+    note = (f"not measured (one rank has no peer): {source.name}'s tiers (--links {links}), for plans of more "
+            "devices than this one")
+    return {**profile, "intra_node": dataclasses.asdict(source.intra_node),
+            "inter_node": dataclasses.asdict(source.inter_node),
+            "notes": {**profile["notes"], "intra_node": note, "inter_node": note}}
+
+
+def _cuda_devices() -> int:
+    """GPUs torch sees here (0 without CUDA)."""
+    import torch
+    return torch.cuda.device_count() if torch.cuda.is_available() else 0
 
 
 def _device_memory_gib(device: str) -> float:
@@ -399,7 +226,7 @@ def worker(out: Path, name: str, command: str) -> None:
     dist.init_process_group("nccl" if cuda else "gloo")
     say = (lambda phase: print(f"phase {phase}", flush=True)) if rank == 0 else (lambda phase: None)
     dtype = torch.bfloat16 if cuda else torch.float32
-    mine = _measure(rank, world, device, dtype, say)
+    mine = measure(rank, world, device, dtype, say)
     gathered: list = [None] * world
     dist.all_gather_object(gathered, mine)
     if rank == 0:
@@ -411,18 +238,31 @@ def worker(out: Path, name: str, command: str) -> None:
 
 
 def profile_machine(ranks: int, out: Path, name: str, on_phase: Callable[[str, int], None] = lambda p, r: None,
-                    repeats: int = 1) -> dict:
+                    repeats: int = 1, links: str | None = None) -> dict:
     """Run the measurements on ``ranks`` local ranks ``repeats`` times; write and return the
     profile: each figure the median of its runs (``median_profile``), then calibrated on as many
-    reference runs, each refitted figure again their median. ``on_phase(phase, run)``: progress."""
-    if ranks < 2:
-        raise UserError(f"--ranks must be at least 2 (collectives need a group), got {ranks}")
+    reference runs, each refitted figure again their median. ``on_phase(phase, run)``: progress.
+    One rank times no collective: its tiers are those of the profile ``links`` names."""
+    if ranks < 1:
+        raise UserError(f"--ranks must be at least 1, got {ranks}")
+    if ranks == 1 and links is None:
+        raise UserError("--ranks 1 times no collective (one rank has no peer): name the profile whose links plans "
+                        "of more devices should use, e.g. --links dgx-h100, or profile 2 or more ranks")
+    if ranks > 1 and links is not None:
+        raise UserError(f"--links lends another profile's links to --ranks 1; {ranks} ranks measure their own: "
+                        "drop --links")
+    gpus = _cuda_devices()
+    if gpus and ranks > gpus:
+        raise UserError(f"--ranks {ranks}: this machine has {gpus} GPU{'s' if gpus > 1 else ''}; "
+                        f"profile --ranks {gpus} or fewer")
+    source = links_profile(links) if links is not None else None
     if repeats < 1:
         raise UserError(f"--repeats must be at least 1, got {repeats}")
     if not out.parent.is_dir():
         raise UserError(f"--out {out}: directory {out.parent} does not exist")
     threads = max(1, (os.cpu_count() or 1) // ranks)
-    command = f"autopar profile --ranks {ranks}" + (f" --repeats {repeats}" if repeats > 1 else "")
+    command = (f"autopar profile --ranks {ranks}" + (f" --links {links}" if links is not None else "")
+               + (f" --repeats {repeats}" if repeats > 1 else ""))
     with tempfile.TemporaryDirectory(prefix="autopar-profile-") as tmp:
         runs = []
         for run in range(repeats):
@@ -439,7 +279,8 @@ def profile_machine(ranks: int, out: Path, name: str, on_phase: Callable[[str, i
                         on_phase(line.split()[1], run)
             if proc.returncode != 0 or not result.is_file():
                 raise UserError(f"profiling failed: {failure(log)}")
-            runs.append(json.loads(result.read_text()))
+            measured = json.loads(result.read_text())
+            runs.append(with_links(measured, source, str(links)) if source is not None else measured)
         merged = Path(tmp) / "profile.json"
         merged.write_text(json.dumps(median_profile(runs, "measured figure"), indent=2) + "\n")
         fits = []

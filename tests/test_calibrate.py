@@ -108,3 +108,32 @@ def test_calibrate_refuses_bad_input_in_one_line(tmp_path):
     assert res.exit_code == 2 and "--steps 6" in res.output
     res = runner.invoke(app, ["calibrate", str(tmp_path / "missing.json")])
     assert res.exit_code == 2
+
+
+def test_gpu_profile_counts_each_kernel_once_under_its_operator():
+    """On CUDA the profiler lists every kernel twice: as an event of its own (device type
+    CUDA) and in the device time of the operator that launched it. The phases count it once."""
+    from types import SimpleNamespace
+
+    import torch
+    from torch.autograd import DeviceType
+
+    from autopar.runtime import phases
+
+    def event(name: str, kind: DeviceType, us: float, total_us: float | None = None, flops: float = 0.0):
+        return SimpleNamespace(name=name, device_type=kind, self_device_time_total=us,
+                               device_time_total=us if total_us is None else total_us, flops=flops)
+    events = [event("aten::mm", DeviceType.CPU, 300.0, flops=6e9),
+              event("sm90_xmma_gemm_bf16", DeviceType.CUDA, 300.0),
+              event("aten::_scaled_dot_product_flash_attention", DeviceType.CPU, 100.0),
+              event("flash_fwd_kernel", DeviceType.CUDA, 100.0),
+              event("Optimizer.step#AdamW.step", DeviceType.CPU, 0.0, total_us=50.0),
+              event("Optimizer.step#AdamW.step", DeviceType.CUDA, 55.0),
+              event("aten::_foreach_add_", DeviceType.CPU, 50.0),
+              event("aten::gelu", DeviceType.CPU, 20.0),
+              event("vectorized_elementwise_kernel", DeviceType.CUDA, 70.0)]
+    prof = SimpleNamespace(events=lambda: events)
+    got = phases.summary(prof, 1, torch.device("cuda"))  # type: ignore[arg-type]
+    assert got["gemm"] == pytest.approx(300e-6) and got["attention"] == pytest.approx(100e-6)
+    assert got["optimizer"] == pytest.approx(50e-6) and got["gemm_flops"] == 6e9
+    assert got["other"] == pytest.approx(20e-6)  # the gelu; the foreach add is the optimizer's

@@ -10,7 +10,8 @@ import pytest
 from typer.testing import CliRunner
 
 from autopar.cli import app
-from autopar.profile import SIZES, failure, fit_collectives
+from autopar.profile import failure, fit_collectives
+from autopar.profile_bench import SIZES
 from cost_models import comm, load_profile
 
 runner = CliRunner()
@@ -51,7 +52,13 @@ def test_profile_writes_a_profile_the_cost_model_uses(tmp_path):
                               "--tp", "1", "--pp", "1", "--json"])
     assert est.exit_code == 0 and json.loads(est.stdout)["step_time_s"] > 0
     bad = runner.invoke(app, ["profile", "--ranks", "1", "--out", str(tmp_path / "x.json")])
-    assert bad.exit_code == 2 and "--ranks must be at least 2" in bad.output
+    assert bad.exit_code == 2 and "--links dgx-h100" in bad.output  # one rank times no link
+    bad = runner.invoke(app, ["profile", "--ranks", "0", "--out", str(tmp_path / "x.json")])
+    assert bad.exit_code == 2 and "--ranks must be at least 1" in bad.output
+    bad = runner.invoke(app, ["profile", "--ranks", "2", "--links", "dgx-h100", "--out", str(tmp_path / "x.json")])
+    assert bad.exit_code == 2 and "drop --links" in bad.output
+    bad = runner.invoke(app, ["profile", "--ranks", "1", "--links", "nowhere", "--out", str(tmp_path / "x.json")])
+    assert bad.exit_code == 2 and "unknown cluster 'nowhere'" in bad.output
     bad = runner.invoke(app, ["profile", "--repeats", "0", "--out", str(tmp_path / "x.json")])
     assert bad.exit_code == 2 and "--repeats must be at least 1" in bad.output
 
@@ -97,3 +104,19 @@ def test_a_failed_profile_names_what_a_rank_said_and_the_root_cause():
     assert failure(["[rank0]: Traceback (most recent call last):", '[rank0]:   File "x.py", line 1',
                     "[rank0]: ValueError: no such shape", "===="]) == "[rank0]: ValueError: no such shape"
     assert failure([]) == "no output"
+
+
+def test_one_rank_profile_takes_its_links_from_the_named_profile():
+    """A single GPU (or one CPU rank) has no peer to time collectives with: its profile carries
+    the tiers of the profile --links names, and says so; everything else is its own."""
+    from autopar.profile import build_profile, links_profile, with_links
+    from cost_models.hardware import profile_from_dict
+    rank = {"peak": 7e14, "shaped": [5e14, 6e14], "attention": 4e14, "bw": 3e12, "dispatch": 5e-6,
+            "dtensor": 1e-4, "hooks": 2e-4, "collectives": [], "p2p": []}
+    alone = build_profile([rank], 1, 16, "cpu", "bf16", "one", "autopar profile --ranks 1 --links dgx-h100")
+    assert "intra_node" not in alone and "intra_node" not in alone["notes"]  # nothing measured, nothing said
+    shipped = links_profile("dgx-h100")
+    hw = profile_from_dict(with_links(alone, shipped, "dgx-h100"))
+    assert hw.intra_node == shipped.intra_node and hw.inter_node == shipped.inter_node
+    assert hw.peak_tflops["bf16"] == 700.0 and hw.devices_per_node == 1 and hw.hbm_bw_gbps == 3000.0
+    assert "--links dgx-h100" in hw.notes["intra_node"] and "not measured" in hw.notes["inter_node"]

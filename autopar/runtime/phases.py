@@ -15,7 +15,8 @@ exactly one profiler event, so summing self times by operator kind splits the st
 
 What no operator covers (Python between ops, waiting for another rank's data, barriers) is
 ``step - (sum of the above)``: the exposed communication and imbalance. On CUDA the operator
-times are device times. Times are seconds per optimizer step; FLOPs per step.
+times are device times: each kernel counted once, under the operator that launched it (the
+profiler also lists every kernel as an event of its own, which is skipped). Times are seconds per optimizer step; FLOPs per step.
 
 Peak memory on CPU, which has no allocator statistics: what was live when profiling began
 (``live_bytes``: weights, gradients, optimizer state and every other tensor Python holds, such as
@@ -41,6 +42,7 @@ from typing import Iterable, Iterator
 
 import torch
 from torch._C._profiler import _EventType
+from torch.autograd import DeviceType
 from torch.profiler import ProfilerActivity, profile
 
 GEMM_OPS = frozenset({"aten::mm", "aten::addmm", "aten::bmm", "aten::baddbmm", "aten::_addmm_activation",
@@ -125,6 +127,8 @@ def summary(prof: profile, steps: int, device: torch.device) -> dict[str, float]
     out["gemm_flops"] = 0.0
     nested = 0.0  # operator time inside the optimizer step, counted there
     for evt in prof.events():
+        if evt.device_type != DeviceType.CPU:
+            continue  # a kernel (or a GPU-side annotation): its time is its launching operator's too
         if evt.name.startswith("Optimizer.step#"):
             inclusive = evt.device_time_total if cuda else evt.cpu_time_total
             out["optimizer"] += inclusive * 1e-6

@@ -372,6 +372,8 @@ def train(plan: Plan, steps: int, ctx: ParallelContext, cfg: TrainConfig = Train
             dist.barrier()
         start = time.perf_counter()
         counted = _local_step(prog, *_step_batch(prog, step, cfg, corpus, first + i * plan.global_batch))
+        if ctx.device.type == "cuda":
+            torch.cuda.synchronize(ctx.device)  # the optimizer step's kernels belong to this step
         loss, seconds = _reduce_step(prog, counted, time.perf_counter() - start)
         losses.append(loss)
         times.append(seconds)
