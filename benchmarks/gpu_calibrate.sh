@@ -21,7 +21,7 @@ step() {  # step NAME SECONDS COMMAND...: run it, keep its output, say how it en
   timeout "$limit" "$@" >"$out/$name.log" 2>&1
   local rc=$?
   echo "== $name: rc $rc in $((SECONDS - t0)) s"
-  tail -n 40 "$out/$name.log"
+  tail -n 8 "$out/$name.log" | cut -c1-400
 }
 links=()
 [ "$gpus" = 1 ] && links=(--links dgx-h100)
