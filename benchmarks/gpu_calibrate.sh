@@ -14,7 +14,6 @@ mkdir -p "$out"
 py=${PYTHON:-python3}
 gpus=${GPUS:-1}
 model="gpt:layers=16,hidden=2048,heads=16,vocab=32000,seq=2048,tied=0"
-ap() { "$py" -m autopar.cli "$@"; }
 step() {  # step NAME SECONDS COMMAND...: run it, keep its output, say how it ended
   local name=$1 limit=$2; shift 2
   local t0=$SECONDS
@@ -27,18 +26,18 @@ links=()
 [ "$gpus" = 1 ] && links=(--links dgx-h100)
 nvidia-smi --query-gpu=name,memory.total,driver_version,clocks.max.sm --format=csv,noheader
 "$py" -c "import torch; print('torch', torch.__version__, torch.cuda.get_device_name(0))"
-step profile 180 ap profile --ranks "$gpus" "${links[@]}" --out "$out/local-gpu.json"
-step plan-shipped 60 ap plan --model "$model" --cluster dgx-h100 --gpus "$gpus" --global-batch 16 \
+step profile 180 "$py" -m autopar.cli profile --ranks "$gpus" "${links[@]}" --out "$out/local-gpu.json"
+step plan-shipped 60 "$py" -m autopar.cli plan --model "$model" --cluster dgx-h100 --gpus "$gpus" --global-batch 16 \
   --out "$out/plan-shipped.json"
-step calibrate-shipped 120 ap calibrate "$out/plan-shipped.json" --steps 10 \
+step calibrate-shipped 120 "$py" -m autopar.cli calibrate "$out/plan-shipped.json" --steps 10 \
   --out "$out/dgx-h100.calibrated.json" --json
-step plan-accum 60 ap plan --model "$model" --cluster dgx-h100 --gpus "$gpus" --global-batch 16 --mbs 4 \
+step plan-accum 60 "$py" -m autopar.cli plan --model "$model" --cluster dgx-h100 --gpus "$gpus" --global-batch 16 --mbs 4 \
   --out "$out/plan-accum.json"
-step calibrate-accum 120 ap calibrate "$out/plan-accum.json" --steps 10 \
+step calibrate-accum 120 "$py" -m autopar.cli calibrate "$out/plan-accum.json" --steps 10 \
   --out "$out/dgx-h100.accum.calibrated.json" --json
 if [ -f "$out/local-gpu.json" ]; then
-  step plan-local 60 ap plan --model "$model" --cluster "$out/local-gpu.json" --gpus "$gpus" --global-batch 16 \
+  step plan-local 60 "$py" -m autopar.cli plan --model "$model" --cluster "$out/local-gpu.json" --gpus "$gpus" --global-batch 16 \
     --out "$out/plan-local.json"
-  step calibrate-local 120 ap calibrate "$out/plan-local.json" --steps 10 \
+  step calibrate-local 120 "$py" -m autopar.cli calibrate "$out/plan-local.json" --steps 10 \
     --out "$out/local-gpu.calibrated.json" --json
 fi

@@ -266,10 +266,11 @@ def _step_no_pipeline(prog: Program, x: torch.Tensor, y: torch.Tensor) -> float:
     """Gradient accumulation over the micro-batches; returns the sum of micro-batch losses.
     Under ZeRO 1/2 (FSDP2 without resharding after forward) the gathered weights are kept
     until the last micro-batch's backward: one all-gather per step, as the cost model prices
-    it, not one per micro-batch."""
+    it, not one per micro-batch. The losses are read after the last backward: reading each
+    micro-batch's would stall the GPU until the host launched the next one's first kernels."""
     plan, (module,) = prog.plan, prog.modules
     m = plan.num_microbatches
-    total = 0.0
+    losses: list[torch.Tensor] = []
     ddp = module if isinstance(module, nn.parallel.DistributedDataParallel) else None
     for i, (xb, yb) in enumerate(zip(x.chunk(m), y.chunk(m))):
         last = i == m - 1
@@ -282,8 +283,8 @@ def _step_no_pipeline(prog: Program, x: torch.Tensor, y: torch.Tensor) -> float:
             with _autocast(plan, prog.ctx):
                 loss = cross_entropy(module(xb), yb)
             (loss / m).backward()
-        total += loss.item()
-    return total
+        losses.append(loss.detach())
+    return sum(loss.item() for loss in losses)  # read after the last backward
 
 
 def _step_pipeline(prog: Program, x: torch.Tensor, y: torch.Tensor) -> float:
