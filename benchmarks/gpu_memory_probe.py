@@ -50,8 +50,8 @@ def _run(spec_text: str, mode: str) -> dict[str, float]:
     loss.backward()
     torch.cuda.synchronize()
     bwd_peak = torch.cuda.max_memory_allocated() - base
-    out = {"live": live, "fwd_peak": fwd_peak, "bwd_peak": bwd_peak,
-           "cache": _cache_bytes(model) if mode == "autocast" else 0}
+    out: dict[str, float] = {"live": live, "fwd_peak": fwd_peak, "bwd_peak": bwd_peak,
+                             "cache": _cache_bytes(model) if mode == "autocast" else 0}
     del model, loss
     torch.cuda.empty_cache()
     return out
