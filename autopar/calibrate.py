@@ -18,11 +18,15 @@ by bisection on the estimate itself, so the cost model's own formulas decide wha
    rate above the peak raises the plan's dtype's ``peak_tflops`` instead (efficiency 1), and
    with it every rate the profile states as a fraction of the peak (fused attention);
 2. ``optimizer_memory_efficiency``: so that the predicted optimizer step equals measured;
-3. ``memory_efficiency`` (element-wise throughput): so that the predicted step equals
-   measured. On CPU ranks element-wise operators are not memory-bound (GELU's tanh, softmax and
-   normalisation run at a fraction of a streaming add's rate), so this fit is what prices them;
-   the host time per kernel is measured alone by ``autopar profile`` (a tiny block's pass) and
-   is not refitted: one run cannot tell it from element-wise time.
+3. ``memory_efficiency`` (element-wise throughput): on CPU ranks so that the predicted step
+   equals measured. There element-wise operators are not memory-bound (GELU's tanh, softmax
+   and normalisation run at a fraction of a streaming add's rate), so this fit is what prices
+   them; the host time per kernel is measured alone by ``autopar profile`` (a tiny block's
+   pass) and is not refitted: one run cannot tell it from element-wise time. On GPUs so that
+   the predicted compute equals the kernels' measured device time: the GPU's idle gaps (the
+   host launching after each step's synchronisation) are no element-wise throughput, and a
+   short reference step would otherwise spread them over every plan's element-wise bytes
+   (an H100's 50 ms reference step fitted 0.41, a 0.42 s step of a 1B GPT 0.61).
 
 The links' α and β are not refitted: they come from ``autopar profile``'s collective
 benchmarks, which time them alone, while a training step's time outside operators mixes
@@ -177,8 +181,12 @@ def refit(plan: Plan, model: ModelProfile, hw: HardwareProfile, run: Measured) -
                 lambda e: replace(base, optimizer_memory_efficiency=e), lambda x: x.time.optimizer_s,
                 run.optimizer_s, "optimizer step")
     base = hw
-    hw = fitted("memory_efficiency", hw.memory_efficiency, lambda e: replace(base, memory_efficiency=e),
-                lambda x: x.step_time_s, run.step_s, "step")
+    if hw.host_overlaps_device:  # GPU: the kernels' own time, not the host's gaps between them
+        hw = fitted("memory_efficiency", hw.memory_efficiency, lambda e: replace(base, memory_efficiency=e),
+                    lambda x: x.time.compute_s, run.compute_s, "compute (device time)")
+    else:
+        hw = fitted("memory_efficiency", hw.memory_efficiency, lambda e: replace(base, memory_efficiency=e),
+                    lambda x: x.step_time_s, run.step_s, "step")
     return hw, tuple(fits)
 
 

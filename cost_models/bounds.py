@@ -67,7 +67,7 @@ def least_memory_costs(model: ModelProfile, hw: HardwareProfile, strat: Strategy
         first_static_bytes=first_state.total + lead_static,
         first_act_bytes=memory.first_act_bytes(model, s) + lead_act,
         last_static_bytes=last_state.total + memory.head_gather_bytes(model, s),
-        last_act_bytes=memory.last_act_bytes(model, s),
+        last_act_bytes=memory.last_act_bytes(model, s), last_transient_bytes=memory.loss_backward_bytes(model, s),
         inflight=pipeline.inflight(s), buffer_bytes=memory.base_buffer_bytes(model, hw, s),
         sum_weight=0.0, max_weight=0.0,
         layer_host_bytes=memory.layer_host_bytes(model, s),

@@ -307,10 +307,17 @@ def first_act_bytes(model: ModelProfile, strat: Strategy) -> float:
 def last_act_bytes(model: ModelProfile, strat: Strategy) -> float:
     """Head: inputs of the final norm and of the projection, 4 s b h (/ tp with SP), and what
     the loss keeps per logit (``ExecutionRecipe.logits_bytes``: Megatron's fp32 logits, 4,
-    Korthikanti et al. Sec. 4.3; eager cross-entropy under autocast, 16-bit logits and fp32
-    log-probabilities, 6), s b V / tp."""
+    Korthikanti et al. Sec. 4.3; eager fp32 cross-entropy's log-probabilities, 4), s b V / tp.
+    What its backward allocates beyond that is ``loss_backward_bytes`` (once, not per
+    micro-batch in flight)."""
     sp = strat.mesh.tp if strat.sequence_parallel else 1
     return act_scale(strat) * strat.tokens(model.seq) * 4 * model.hidden / sp + loss_act_bytes(model, strat)
+
+
+def loss_backward_bytes(model: ModelProfile, strat: Strategy) -> float:
+    """What the loss's backward allocates beyond its kept bytes while it runs, once per stage
+    peak (one micro-batch's loss runs backward at a time), s b V / tp, bytes."""
+    return strat.tokens(model.seq) * strat.recipe.loss_backward_bytes * model.vocab / strat.mesh.tp
 
 
 def loss_act_bytes(model: ModelProfile, strat: Strategy) -> float:

@@ -124,8 +124,14 @@ class ExecutionRecipe:
     scaling, torchao's tensorwise default (read for the amax, read again and write one byte);
     3 with Transformer Engine's delayed scaling (the amax comes from history)."""
     logits_bytes: float = 4.0
-    """Bytes per logit the loss keeps for backward: 4 for Megatron's fp32 logits, 6 for eager
-    cross-entropy under autocast (16-bit logits and fp32 log-probabilities)."""
+    """Bytes per logit the loss keeps for backward: 4 for Megatron's fp32 logits and for eager
+    fp32 cross-entropy (its fp32 log-probabilities), 6 where the 16-bit logits are kept too."""
+    loss_backward_bytes: float = 0.0
+    """Bytes per logit the loss's backward allocates beyond ``logits_bytes`` while it runs (one
+    micro-batch at a time): 8 for eager fp32 cross-entropy (log_softmax's backward holds the
+    incoming gradient and its result, both fp32: 4 kept + 8 = 12, measured on an H100 by
+    ``benchmarks/gpu_memory_probe.py``); 0 where the gradient is computed in place (Megatron's
+    fused vocab-parallel cross-entropy)."""
     elementwise_traffic: float = 1.0
     """Element-wise device-memory traffic relative to Megatron-LM's fused kernels (fused
     LayerNorm, bias-GeLU, bias-dropout-add, scale-mask-softmax): above 1 for eager unfused
@@ -174,7 +180,7 @@ class ExecutionRecipe:
             raise RecipeError(f"recipe {self.name!r}: kernels_per_block must be >= 0")
 
 
-_BOUNDS = {"moe_load_imbalance": (1.0, 64.0), "fp8_cast_bytes": (0.5, 64.0), "logits_bytes": (0.5, 64.0), "elementwise_traffic": (0.01, 100.0),
+_BOUNDS = {"moe_load_imbalance": (1.0, 64.0), "fp8_cast_bytes": (0.5, 64.0), "logits_bytes": (0.5, 64.0), "loss_backward_bytes": (0.0, 64.0), "elementwise_traffic": (0.01, 100.0),
            "kernels_per_block": (0, 1_000_000)}
 """Plausible range of each numeric switch."""
 

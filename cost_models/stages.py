@@ -9,7 +9,8 @@ blocks with recompute mode r (none, selective, full) costs, per micro-batch and 
           + Σ_r n_{s,r} (layer_static_bytes + inflight[s] layer_act_bytes[r]
                          + pending[s] layer_wgrad_bytes)
           + [s = 0] (first_static_bytes + inflight[0] first_act_bytes + first_workspace_bytes)
-          + [s = p-1] (last_static_bytes + inflight[p-1] last_act_bytes - last_freed_bytes)
+          + [s = p-1] (last_static_bytes + inflight[p-1] last_act_bytes + last_transient_bytes
+                       - last_freed_bytes)
           + held_bytes[s]
 
 and, with CPU offload, the host-memory row (offloaded shards, independent of recompute)
@@ -94,6 +95,9 @@ class StageCosts:
     held_bytes: tuple[float, ...] = ()
     """What else stage s holds for its schedule's deferred passes, bytes (``()``: nothing;
     may be negative where that schedule frees what the per-piece terms count)."""
+    last_transient_bytes: float = 0.0
+    """What the loss's backward allocates beyond ``last_act_bytes`` while it runs, once at the
+    last stage's peak (``memory.loss_backward_bytes``), bytes."""
     last_freed_bytes: float = 0.0
     """What the last stage has freed of its ``inflight`` micro-batches' ``last_act_bytes`` by
     its peak, bytes (at most all but one's)."""
@@ -182,7 +186,7 @@ class StageCosts:
 
     def last_live_bytes(self) -> float:
         """The head's activations at the last stage's peak, bytes."""
-        return self.inflight[self.pp - 1] * self.last_act_bytes - self.last_freed_bytes
+        return self.inflight[self.pp - 1] * self.last_act_bytes + self.last_transient_bytes - self.last_freed_bytes
 
     def stage_grad_bytes(self, s: int, load: Load) -> float:
         """With ``grads_absent``, the gradients live at stage s's peak, bytes: what each piece's

@@ -69,6 +69,30 @@ def test_gemms_faster_than_the_peak_raise_the_peak():
     assert [f.name for f in fits][:2] == ["peak_tflops.fp32", "matmul_efficiency"] and "above the peak" in fits[0].why
 
 
+def test_on_a_gpu_the_element_wise_fit_explains_the_kernels_not_the_idle_gaps():
+    """On a GPU profile (kernels behind the host) the element-wise efficiency is fitted to the
+    measured compute (device time): idle gaps around the step's synchronisation, which a short
+    reference step has proportionally more of, do not move it."""
+    plan = Plan(model="gpt:layers=4,hidden=1024,heads=8,vocab=32000,seq=1024,tied=0", cluster="dgx-h100", gpus=1,
+                global_batch=8, seq_len=1024, dtype="bf16", mesh=Mesh(dp=1), zero_stage=0, micro_batch_size=8,
+                num_microbatches=1, schedule="1f1b", stage_layers=(4,), recompute=("none",) * 4)
+    model = profile_spec(parse_model_spec(plan.model))
+    start = load_profile("dgx-h100")
+    truth = dataclasses.replace(start, memory_efficiency=0.3, optimizer_memory_efficiency=0.4)
+    est = estimate(model, truth, plan.strategy(), global_batch=plan.global_batch)
+    idle = 0.5 * est.step_time_s  # the host launching after each synchronisation
+    run = Measured(step_s=est.step_time_s + idle, compute_s=est.time.compute_s, optimizer_s=est.time.optimizer_s,
+                   gemm_tflops=_gemm_tflops(model, truth, plan), peak_bytes=1.0)
+    new, fits = refit(plan, model, start, run)
+    assert "device time" in fits[-1].why and new.memory_efficiency == pytest.approx(0.3, rel=0.02)
+    after = estimate(model, new, plan.strategy(), global_batch=plan.global_batch)
+    assert after.time.compute_s == pytest.approx(est.time.compute_s, rel=1e-6)  # passes floored by the host
+    cpu = dataclasses.replace(truth, host_overlaps_device=False)  # on CPU ranks the step is what is fitted
+    cpu_est = estimate(model, cpu, plan.strategy(), global_batch=plan.global_batch)
+    cpu_run = dataclasses.replace(run, step_s=cpu_est.step_time_s * 1.5, compute_s=cpu_est.time.compute_s)
+    assert refit(plan, model, dataclasses.replace(start, host_overlaps_device=False), cpu_run)[0].memory_efficiency < 0.3
+
+
 def test_a_phase_no_efficiency_can_explain_keeps_the_constant():
     plan = _plan()
     model = profile_spec(parse_model_spec(MODEL))
