@@ -267,6 +267,12 @@ def fused_attention(strat: Strategy) -> bool:
     return strat.fused_attention
 
 
+def runs_autocast(strat: Strategy) -> bool:
+    """Whether ``strat``'s blocks run under ``torch.autocast`` (``ExecutionRecipe.autocast``):
+    16-bit training, except ZeRO 2/3 over dp > 1 (autopar/runtime/train.py ``_autocast``)."""
+    return strat.recipe.autocast and strat.dtype != "fp32" and not (strat.zero >= 2 and strat.mesh.dp > 1)
+
+
 def block_act_bytes(model: ModelProfile, strat: Strategy, recompute: str | None = None) -> float:
     """Bytes one block keeps for backward per micro-batch (Korthikanti et al. Table 2, in the
     recipe's attention accounting).
@@ -278,9 +284,12 @@ def block_act_bytes(model: ModelProfile, strat: Strategy, recompute: str | None 
     recompute = strat.recompute_run(recompute)
     tokens = strat.tokens(model.seq)
     sp = strat.mesh.tp if strat.sequence_parallel else 1
-    if recompute == "full":
-        return act_scale(strat) * tokens * 2 * model.hidden / sp
+    autocast = runs_autocast(strat)
+    if recompute == "full":  # under autocast the block input is the fp32 residual stream
+        return act_scale(strat) * tokens * (4 if autocast else 2) * model.hidden / sp
     repl, sharded, attn = model.act_bytes_per_token(fused_attention(strat))
+    if autocast:
+        repl += model.autocast_act_bytes_per_token
     per_token = repl / sp + sharded / strat.mesh.tp
     if strat.fp8 and strat.recipe.fp8_saves_fp8_inputs:
         # The weight GEMMs' saved inputs (two norm outputs, the attention output, the MLP's
@@ -389,12 +398,16 @@ def grads_absent(strat: Strategy) -> bool:
     in the backward, ``zero_grad(set_to_none=True)`` having freed the last step's, and the
     peak comes first: with one micro-batch and no pipeline (the forward's end, or the last
     block's all-gather at the backward's start: a census of the live tensors on CPU ranks),
-    or under torch's zero-bubble schedule with m <= p (``pipeline.grads_absent``). Not under
+    or under torch's zero-bubble schedule with m <= p (``pipeline.grads_absent``). Likewise one
+    replica (no wrapper: autograd makes each gradient in the backward; the peak is the loss's
+    backward, measured on an H100 for a 1B GPT: 64.34 GiB, the cost model 65.5). Not under
     DDP or Megatron, whose gradient buffers live all step."""
     if grads_absent_zero_bubble(strat):
         return True
-    fsdp = strat.recipe.fsdp_copies and strat.replicas > 1 and (strat.zero > 0 or fsdp_replicate(strat))
-    return fsdp and strat.mesh.pp == 1 and strat.num_microbatches == 1
+    torch_native = strat.recipe.fsdp_copies
+    fsdp = torch_native and strat.replicas > 1 and (strat.zero > 0 or fsdp_replicate(strat))
+    alone = torch_native and strat.replicas == 1
+    return (fsdp or alone) and strat.mesh.pp == 1 and strat.num_microbatches == 1
 
 
 def communicators(strat: Strategy) -> int:

@@ -53,6 +53,11 @@ class ModelProfile:
     scores kept, a float32 log-sum-exp per head instead) and the model's own dropout."""
     fused_act_bytes_sharded_per_token: float
     fused_act_bytes_attn_per_token: float
+    autocast_act_bytes_per_token: float = 0.0
+    """What one block keeps beyond the above per token when it runs under ``torch.autocast``
+    (``ExecutionRecipe.autocast``), replicated bytes: a norm module (an fp32 op there) keeps
+    its input in fp32, 2 more bytes per element, and each GEMM reading a norm's output beyond
+    the first keeps its own 16-bit cast of it (autocast casts per call), 2 bytes per element."""
     experts: int = 0
     """Routed experts of each block's MoE layer (0: a dense model). The routed experts'
     weights are in ``block_params`` (``expert_params``), their GEMMs' FLOPs of the routed

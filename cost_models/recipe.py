@@ -126,6 +126,11 @@ class ExecutionRecipe:
     logits_bytes: float = 4.0
     """Bytes per logit the loss keeps for backward: 4 for Megatron's fp32 logits and for eager
     fp32 cross-entropy (its fp32 log-probabilities), 6 where the 16-bit logits are kept too."""
+    autocast: bool = False
+    """The program runs its 16-bit training under ``torch.autocast`` where FSDP2 does not cast
+    the weights alone (autopar's runtime: every plan but ZeRO 2/3 over dp > 1): norms in fp32
+    and one 16-bit cast of a norm's output per GEMM reading it, each kept
+    (``ModelProfile.autocast_act_bytes_per_token``)."""
     loss_backward_bytes: float = 0.0
     """Bytes per logit the loss's backward allocates beyond ``logits_bytes`` while it runs (one
     micro-batch at a time): 8 for eager fp32 cross-entropy (log_softmax's backward holds the

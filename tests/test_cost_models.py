@@ -1,7 +1,9 @@
 """The cost model against its formulas and the papers' closed forms (pure Python, fast)."""
 
 import dataclasses
+import json
 import math
+from pathlib import Path
 
 import pytest
 
@@ -10,6 +12,8 @@ from cost_models import (Axis, Degrees, ModelProfile, ProfileError, Strategy, es
 from cost_models import blockcomm, comm, compute, memory, pieces, pipeline
 from cost_models.axes import parse_order
 from cost_models.memory import STATE_LAYOUTS, state_bytes
+from autopar.profiles import profile_spec
+from autopar.spec import parse_model_spec
 from cost_models.recipe import load_recipe
 
 MC, M21 = load_recipe("megatron-core"), load_recipe("megatron-2021")
@@ -732,3 +736,31 @@ def test_pass_key_holds_everything_the_pass_times_read():
                 assert times.setdefault(compute.pass_key(st), got) == got, st
         assert len(times) == 2 * 2 + 2 * 2 * 2  # b x recompute at tp 1, and x SP at tp 2: all differ
         assert len(set(times.values())) == len(times)
+
+
+def test_autocast_blocks_keep_what_an_h100_kept():
+    """Under torch.autocast (the runtime's DDP and one-device paths) a block keeps its norms'
+    inputs in fp32 and one 16-bit cast of a norm's output per GEMM reading it. The trace's
+    count equals what an H100 kept (tests/data/gpu_saved_tensors.json: the autograd graph's
+    saved tensors, autocast less bf16 weights, less the final norm's share)."""
+    data = json.loads((Path(__file__).parent / "data" / "gpu_saved_tensors.json").read_text())
+    totals = {(r["model"], r["mode"]): r["total_h_per_token_per_layer_incl_head"] for r in data["runs"]}
+    for arch, spec_text in data["models"].items():
+        spec = parse_model_spec(spec_text)
+        final_norm = 2.0 / spec.layers  # the final norm's fp32 input, h per token, over the layers
+        measured = totals[(arch, "autocast")] - totals[(arch, "bf16")] - final_norm
+        assert profile_spec(spec).autocast_act_bytes_per_token / spec.hidden == pytest.approx(measured, abs=0.1)
+
+
+def test_one_gpu_peak_memory_is_what_an_h100_measured():
+    """A 1B GPT on one H100 under the autopar recipe (autocast, eager fp32 cross-entropy, no
+    gradient until the backward): the predicted peak within 5 % of the allocator's, with one
+    micro-batch of 16 and with 4 of 4 (tests/data/gpu_saved_tensors.json, ``full_plan``)."""
+    data = json.loads((Path(__file__).parent / "data" / "gpu_saved_tensors.json").read_text())["full_plan"]
+    model = profile_spec(parse_model_spec("gpt:layers=16,hidden=2048,heads=16,vocab=32000,seq=2048,tied=0"))
+    hw = load_profile("dgx-h100")
+    for mbs, measured in ((16, data["peak_gib_mbs16"]), (4, data["peak_gib_mbs4_x4"])):
+        strat = Strategy(mesh=Degrees(), micro_batch=mbs, num_microbatches=16 // mbs, dtype="bf16",
+                         recipe=load_recipe("autopar"))
+        peak = estimate(model, hw, strat, global_batch=16).memory.peak_bytes / 2**30
+        assert peak == pytest.approx(measured, rel=0.05)
