@@ -91,7 +91,7 @@ def _gpipe_wide(plan: Plan, row: dict) -> bool:
 
 @pytest.mark.parametrize("plan,row", [
     pytest.param(p, r, marks=pytest.mark.xfail(strict=True, reason="GPipe on the wide model is predicted "
-                                               "10-13 % above its measured peak: not yet priced"))
+                                               "10-14 % above its measured peak: not yet priced"))
     if _gpipe_wide(p, r) else (p, r) for p, r in LATER_ROWS], ids=[_name(r) for _, r in LATER_ROWS])
 def test_peak_of_the_later_grid_within_10_percent_of_measured(plan, row):
     """The second grid (the ranking under shared cores: ZeRO 1-3 with 1F1B and GPipe under a
@@ -102,7 +102,7 @@ def test_peak_of_the_later_grid_within_10_percent_of_measured(plan, row):
 
 def test_the_later_grid_has_zero_3_under_a_pipeline():
     assert len(LATER_ROWS) == 75 and sum(p.zero_stage == 3 and p.mesh.pp > 1 for p, _ in LATER_ROWS) >= 4
-    assert sum(_gpipe_wide(p, r) for p, r in LATER_ROWS) == 4
+    assert sum(_gpipe_wide(p, r) for p, r in LATER_ROWS) == 5  # 4 before the loss's backward was priced
 
 
 # --- the measurement (runtime.phases) ---------------------------------------------------------
