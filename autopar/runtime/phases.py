@@ -16,7 +16,8 @@ exactly one profiler event, so summing self times by operator kind splits the st
 What no operator covers (Python between ops, waiting for another rank's data, barriers) is
 ``step - (sum of the above)``: the exposed communication and imbalance. On CUDA the operator
 times are device times: each kernel counted once, under the operator that launched it (the
-profiler also lists every kernel as an event of its own, which is skipped). Times are seconds per optimizer step; FLOPs per step.
+profiler also lists every kernel as an event of its own, which is skipped). Times are seconds
+per optimizer step; FLOPs per step.
 
 Peak memory on CPU, which has no allocator statistics: what was live when profiling began
 (``live_bytes``: weights, gradients, optimizer state and every other tensor Python holds, such as
