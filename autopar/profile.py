@@ -149,7 +149,8 @@ def build_profile(results: list[dict], world: int, threads: int, device: str, dt
             "source": f"measured by `{command}`: {world} ranks running at once, {threads} thread(s) each",
             "peak_tflops": f"median per-rank {dtype} rate of a square GEMM (1024^3 on CPU, 8192^3 on GPU)",
             "matmul_efficiency": f"median rate of the GEMMs {SHAPES[device]} (tokens, in, out) over the peak",
-            "hbm_bw_gbps": f"median per-rank rate of a {ADD_ELEMENTS[device] * 4 >> 20} MiB element-wise add (3 arrays touched)",
+            "hbm_bw_gbps": (f"median per-rank rate of a {ADD_ELEMENTS[device] * 4 >> 20} MiB element-wise add "
+                            "(3 arrays touched)"),
             "attention_efficiency": (f"median per-rank rate of a causal scaled_dot_product_attention forward and "
                                      f"backward (batch, heads, seq, head dim {ATTENTION[device]}), its FLOPs as "
                                      f"cost_models.compute counts the fused kernel's, over the peak; under the "
