@@ -284,7 +284,8 @@ def _stage_memory(parts: _Parts, c: StageCosts, s: int, counts: tuple[int, ...],
         grads_bytes=(c.stage_grad_bytes(s, counts) if c.grads_absent
                      else sum(n * p.state.grads for n, p in pieces)),
         optimizer_bytes=sum(n * p.state.optimizer for n, p in pieces),
-        activations_bytes=k * sum(n * p.act_bytes for n, p in pieces) + c.stage_pending_bytes(s, counts),
+        activations_bytes=(k * sum(n * p.act_bytes for n, p in pieces) + c.stage_pending_bytes(s, counts)
+                           + (c.last_transient_bytes if s == c.pp - 1 else 0.0)),
         buffers_bytes=c.buffer_bytes + c.stage_workspace_bytes(counts) + (c.first_workspace_bytes if s == 0 else 0.0),
         host_bytes=c.stage_host_bytes(s, counts))
 

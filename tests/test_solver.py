@@ -99,7 +99,9 @@ def test_optimal_against_exhaustive_enumeration_on_200_instances():
         checked += 1
         used = {i for c in sol.strategy.stage_recompute for i, n in enumerate(c) if n}
         mixed += len(used) > 1
-    assert checked >= 150  # most instances are feasible, so the comparison is not vacuous
+    # most instances are feasible, so the comparison is not vacuous (144 of 200 since what autocast
+    # keeps and the loss's backward are priced; 150 or more before)
+    assert checked >= 140
     assert mixed >= 1  # some optima mix recompute modes across blocks
 
 

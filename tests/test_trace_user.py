@@ -85,8 +85,11 @@ def test_nanoGPT_prices_as_the_builtin_gpt_of_its_shape():
     builtin = profile_spec(spec)
     recipe = {f.name for f in dataclasses.fields(user) if f.name.startswith("block_act_bytes")}
     assert (user.block_param_tensors, builtin.block_param_tensors) == (12, 16)
+    # Under autocast both keep their two norms' inputs in fp32 (4 h); the built-in's separate
+    # q, k, v each keep a bf16 cast of the norm's output (2 more: 4 h), nanoGPT's c_attn one.
+    assert (user.autocast_act_bytes_per_token, builtin.autocast_act_bytes_per_token) == (4 * 64, 8 * 64)
     for f in dataclasses.fields(user):
-        if f.name not in recipe | {"name", "block_param_tensors"}:
+        if f.name not in recipe | {"name", "block_param_tensors", "autocast_act_bytes_per_token"}:
             assert getattr(user, f.name) == getattr(builtin, f.name), f.name
 
 

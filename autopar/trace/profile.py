@@ -19,7 +19,7 @@ from functools import lru_cache
 
 from autopar.layout import Anatomy
 from autopar.spec import ModelSpec
-from autopar.trace.graph import BlockInfo, ModelGraph
+from autopar.trace.graph import BlockInfo, ModelGraph, NodeInfo
 from autopar.trace.shape import leading_blocks, traced_spec
 from autopar.trace.anatomy import anatomy
 from autopar.trace.tracer import trace_spec, trace_spec_model
@@ -62,10 +62,19 @@ def profile_from_graph(graph: ModelGraph, spec: ModelSpec) -> ModelProfile:
                                - sum(b.param_tensors * b.count for b in graph.blocks)))
 
 
+def _is_norm(n: NodeInfo) -> bool:
+    """A norm with weights: a module call with weights and no split (the built-in models'
+    LayerNorm and RMSNorm), or an exported ``layer_norm`` / ``rms_norm`` / ``group_norm`` op
+    (a user module's). A norm written out op by op (HF's RMSNorm upcasts inside) is not one:
+    it keeps its fp32 input under autocast and without it alike."""
+    return bool(n.params) and not n.split and (
+        n.op == "call_module" or any(k in n.target for k in ("layer_norm", "rms_norm", "group_norm")))
+
+
 def autocast_extra_bytes(block: BlockInfo) -> int:
     """What ``block`` keeps beyond its 16-bit trace when run under CUDA autocast with a 16-bit
     dtype, bytes (``ModelProfile.autocast_act_bytes_per_token``): each norm module (a module
-    call with weights and no split: LayerNorm and RMSNorm are fp32 ops under autocast) keeps
+    call or norm op with weights, ``_is_norm``: LayerNorm and RMSNorm are fp32 ops there) keeps
     its input in fp32, 2 more bytes per element; the column GEMMs between two norms or row
     GEMMs read one norm output, and autocast casts it to 16 bits once per GEMM, each kept: 2
     bytes per element of each beyond the first (q, k, v: 2; gate, up: 1). Measured on an H100
@@ -73,13 +82,12 @@ def autocast_extra_bytes(block: BlockInfo) -> int:
     (tests/data/gpu_saved_tensors.json)."""
     extra, readers, width = 0, 0, 0
     for n in [*block.nodes, None]:
-        ends = n is None or n.split == "row" or (n.op == "call_module" and n.params and not n.split)
-        if ends:
+        if n is None or n.split == "row" or _is_norm(n):
             extra += 2 * max(0, readers - 1) * width
             readers = 0
         if n is None:
             break
-        if n.op == "call_module" and n.params and not n.split:
+        if _is_norm(n):
             extra += 2 * math.prod(n.shape)
             width = math.prod(n.shape)
         elif n.split == "column":
