@@ -45,6 +45,7 @@ from dataclasses import dataclass
 
 from cost_models.hardware import HardwareProfile, ProfileError
 from cost_models.model_profile import ModelProfile
+from cost_models.recipe import Fp8WeightCast
 from cost_models.strategy import Strategy
 
 FLASH_TILE = 128
@@ -183,7 +184,9 @@ def fp8_cast_bytes(model: ModelProfile, strat: Strategy) -> tuple[float, float]:
     """(forward, backward) device-memory bytes of one block's Float8 casts per micro-batch on
     one tp rank: each weight GEMM's input (forward) and output gradient (backward) scaled and
     cast per element, ``recipe.fp8_cast_bytes`` each (dynamic scaling: read for the amax, read
-    and write one byte), and its weight once per pass (0 without ``fp8``)."""
+    and write one byte), and its weights as often as ``recipe.fp8_weight_cast`` says: in each
+    pass, in the forward, or once per step (spread over the step's micro-batches). 0 without
+    ``fp8``."""
     if not strat.fp8:
         return 0.0, 0.0
     weights, _ = block_gemms(model, strat)
@@ -191,7 +194,12 @@ def fp8_cast_bytes(model: ModelProfile, strat: Strategy) -> tuple[float, float]:
     ins = sum(g.m * g.k for g in weights)
     grads = sum(g.m * g.n for g in weights)
     w = (model.dense_block_params + model.expert_params / strat.mesh.ep) / strat.mesh.tp
-    return per * (ins + w), per * (grads + w)
+    cast = strat.recipe.fp8_weight_cast
+    if cast == Fp8WeightCast.EVERY_PASS:
+        return per * (ins + w), per * (grads + w)
+    if cast == Fp8WeightCast.FORWARD:
+        return per * (ins + w), per * grads
+    return per * (ins + w / max(1, strat.num_microbatches)), per * grads
 
 
 def fused(strat: Strategy) -> bool:
@@ -290,8 +298,9 @@ def pass_key(strat: Strategy) -> tuple:
     the recompute mode the program runs. They read the device, never the topology (nodes,
     links), so profiles that differ in links only may share them."""
     m = strat.mesh
+    per_step = strat.fp8 and strat.recipe.fp8_weight_cast == Fp8WeightCast.ONCE_PER_STEP
     return (m.tp, m.cp, m.ep, strat.micro_batch, strat.sequence_parallel, strat.dtype, strat.fp8,
-            strat.recipe, strat.recompute_run())
+            strat.recipe, strat.recompute_run(), strat.num_microbatches if per_step else 0)
 
 
 def block_times(model: ModelProfile, hw: HardwareProfile, strat: Strategy) -> PassTimes:

@@ -70,6 +70,22 @@ class ContextParallel(str, Enum):
     ``_RotateMethod.ALL_GATHER``, torchtitan's ``context_parallel_rotate_method``)."""
 
 
+class Fp8WeightCast(str, Enum):
+    """How often Float8 linears cast their 16-bit weights to fp8 (with ``Strategy.fp8``)."""
+
+    EVERY_PASS = "every_pass"
+    """In every forward and every backward of every micro-batch (torchao's Float8Linear keeps
+    the 16-bit weight for the backward and casts it again there)."""
+    FORWARD = "forward"
+    """Once per micro-batch, in the forward: the cast writes the fp8 weight and its transpose,
+    and the backward reuses the transpose (Transformer Engine's linears called without
+    ``is_first_microbatch``, as llm-foundry's ``te.Linear`` layers are)."""
+    ONCE_PER_STEP = "once_per_step"
+    """Once per step, on the first micro-batch, the cast kept for the others (Transformer
+    Engine's fp8 weight cache: Megatron-Core's schedules call ``set_is_first_microbatch`` on
+    each model chunk's first micro-batch)."""
+
+
 @dataclass(frozen=True, kw_only=True, slots=True)
 class ExecutionRecipe:
     """How a framework runs a strategy: the switches the cost model prices (see module)."""
@@ -123,6 +139,8 @@ class ExecutionRecipe:
     """Device-memory bytes per element of a Float8 cast: 5 with dynamic (just-in-time)
     scaling, torchao's tensorwise default (read for the amax, read again and write one byte);
     3 with Transformer Engine's delayed scaling (the amax comes from history)."""
+    fp8_weight_cast: Fp8WeightCast = Fp8WeightCast.EVERY_PASS
+    """How often the weights are cast to fp8 (``Fp8WeightCast``)."""
     logits_bytes: float = 4.0
     """Bytes per logit the loss keeps for backward: 4 for Megatron's fp32 logits and for eager
     fp32 cross-entropy (its fp32 log-probabilities), 6 where the 16-bit logits are kept too."""
@@ -216,7 +234,7 @@ def recipe_from_dict(data: object, where: str) -> ExecutionRecipe:
     hints = get_type_hints(ExecutionRecipe)
     for key, value in data.items():
         kind = hints[key]
-        if kind in (Attention, DpOverlap, ContextParallel):
+        if kind in (Attention, DpOverlap, ContextParallel, Fp8WeightCast):
             if value not in [e.value for e in kind]:
                 raise RecipeError(f"recipe {where} is malformed: {key} must be one of "
                                   f"{', '.join(e.value for e in kind)}, got {_shown(value)}")
@@ -241,6 +259,7 @@ def recipe_from_dict(data: object, where: str) -> ExecutionRecipe:
         kw["attention"] = Attention(kw.get("attention"))
         kw["dp_overlap"] = DpOverlap(kw.get("dp_overlap"))
         kw["context_parallel"] = ContextParallel(kw.get("context_parallel", ContextParallel.NONE.value))
+        kw["fp8_weight_cast"] = Fp8WeightCast(kw.get("fp8_weight_cast", Fp8WeightCast.EVERY_PASS.value))
         kw = {k: float(v) if hints[k] is float else v for k, v in kw.items()}
         recipe = ExecutionRecipe(**kw)
     except (TypeError, ValueError) as exc:

@@ -478,6 +478,30 @@ def test_fp8_linears_run_at_the_fp8_peak_and_pay_their_casts():
         compute.block_gemm_s(model, A100, f8)
 
 
+
+def test_fp8_weights_are_cast_as_often_as_the_program_casts_them():
+    """torchao casts each weight in both passes, Transformer Engine in the forward (the backward
+    reuses its transpose), and under Megatron-Core's fp8 weight cache once per step: the
+    weight's share of the cast traffic is w x bytes per pass, per forward, or w x bytes / m."""
+    from cost_models.recipe import Fp8WeightCast
+    te, h100 = load_recipe("megatron-core-te"), load_profile("dgx-h100")
+    model = gpt(4, 4096, 32, seq=4096)
+    w = model.dense_block_params * te.fp8_cast_bytes
+    every, fwd, step = (Strategy(micro_batch=2, fp8=True, num_microbatches=8,
+                                 recipe=dataclasses.replace(te, fp8_weight_cast=c)) for c in Fp8WeightCast)
+    (f_every, b_every), (f_fwd, b_fwd), (f_step, b_step) = (compute.fp8_cast_bytes(model, s) for s in (every, fwd, step))
+    assert f_every == f_fwd and b_every - b_fwd == pytest.approx(w)
+    assert b_step == b_fwd and f_fwd - f_step == pytest.approx(w * 7 / 8)
+    # Once per step: the forward gets cheaper as the step has more micro-batches, so the
+    # micro-batch count is part of what block times are cached by.
+    fewer = dataclasses.replace(step, num_microbatches=2)
+    assert compute.block_times(model, h100, fewer).forward_s > compute.block_times(model, h100, step).forward_s
+    assert compute.pass_key(fewer) != compute.pass_key(step)
+    assert compute.pass_key(dataclasses.replace(every, num_microbatches=2)) == compute.pass_key(every)
+    assert load_recipe("megatron-core-te").fp8_weight_cast == Fp8WeightCast.ONCE_PER_STEP
+    assert load_recipe("llm-foundry").fp8_weight_cast == Fp8WeightCast.FORWARD
+    assert load_recipe("torchtitan").fp8_weight_cast == Fp8WeightCast.EVERY_PASS
+
 @pytest.mark.parametrize("name", ["dgx-h100", "cpu-local"])
 def test_every_profile_field_round_trips_through_the_loader(name):
     """A profile written with every field (as ``autopar calibrate`` and ``profile`` write it)
