@@ -296,8 +296,8 @@ def pass_key(strat: Strategy) -> tuple:
     (tests/test_cost_models.py checks that strategies equal in it get equal times): the
     degrees that split a micro-batch's work, the micro-batch, SP, precision, the recipe and
     the recompute mode the program runs, and the micro-batch count where Float8 weights are
-    cast once per step (``Fp8WeightCast.ONCE_PER_STEP``). They read the device, never the topology (nodes,
-    links), so profiles that differ in links only may share them."""
+    cast once per step (``Fp8WeightCast.ONCE_PER_STEP``). They read the device, never the
+    topology (nodes, links), so profiles that differ in links only may share them."""
     m = strat.mesh
     per_step = strat.fp8 and strat.recipe.fp8_weight_cast == Fp8WeightCast.ONCE_PER_STEP
     return (m.tp, m.cp, m.ep, strat.micro_batch, strat.sequence_parallel, strat.dtype, strat.fp8,
