@@ -61,11 +61,15 @@ def block_tp_s(model: ModelProfile, hw: HardwareProfile, strat: Strategy,
         else:
             bwd = comm.exposed_s(bwd, window, hw)
     fwd = 2 * unit
+    if strat.fp8 and strat.recipe.fp8_tp_gather and strat.sequence_parallel:
+        # The all-gathers feeding the column-parallel Float8 linears move 1-byte elements.
+        vol = strat.tokens(model.seq) * model.hidden * compute.elem_bytes(strat)
+        fwd -= 2 * (comm.all_gather_s(vol, g) - comm.all_gather_s(vol / compute.elem_bytes(strat), g))
     if strat.recipe.tp_comm_overlap:
         # Every collective pipelined with the GEMM it feeds or follows (Transformer Engine's
         # userbuffers): what is longer than the forward's GEMMs (backward: twice them) shows.
         gemms_fwd, _ = compute.block_gemm_s(model, hw, strat)
-        fwd = comm.exposed_s(2 * unit, gemms_fwd, hw)
+        fwd = comm.exposed_s(fwd, gemms_fwd, hw)
         bwd = comm.exposed_s(bwd, 2 * gemms_fwd, hw)
     return compute.PassTimes(forward_s=fwd, recompute_s=fwd if strat.recompute == "full"
                              else 0.0, backward_s=bwd)

@@ -194,6 +194,8 @@ def fp8_cast_bytes(model: ModelProfile, strat: Strategy) -> tuple[float, float]:
     ins = sum(g.m * g.k for g in weights)
     grads = sum(g.m * g.n for g in weights)
     w = (model.dense_block_params + model.expert_params / strat.mesh.ep) / strat.mesh.tp
+    if strat.recipe.fp8_all_gather and strat.zero >= 1:
+        w /= strat.replicas  # each rank casts its shard before the gather
     cast = strat.recipe.fp8_weight_cast
     if cast == Fp8WeightCast.EVERY_PASS:
         return per * (ins + w), per * (grads + w)
@@ -296,12 +298,14 @@ def pass_key(strat: Strategy) -> tuple:
     (tests/test_cost_models.py checks that strategies equal in it get equal times): the
     degrees that split a micro-batch's work, the micro-batch, SP, precision, the recipe and
     the recompute mode the program runs, and the micro-batch count where Float8 weights are
-    cast once per step (``Fp8WeightCast.ONCE_PER_STEP``). They read the device, never the
+    cast once per step (``Fp8WeightCast.ONCE_PER_STEP``), the shard where they are cast
+    before the gather (``recipe.fp8_all_gather``). They read the device, never the
     topology (nodes, links), so profiles that differ in links only may share them."""
     m = strat.mesh
     per_step = strat.fp8 and strat.recipe.fp8_weight_cast == Fp8WeightCast.ONCE_PER_STEP
+    shard = strat.replicas if strat.fp8 and strat.recipe.fp8_all_gather and strat.zero >= 1 else 1
     return (m.tp, m.cp, m.ep, strat.micro_batch, strat.sequence_parallel, strat.dtype, strat.fp8,
-            strat.recipe, strat.recompute_run(), strat.num_microbatches if per_step else 0)
+            strat.recipe, strat.recompute_run(), strat.num_microbatches if per_step else 0, shard)
 
 
 def block_times(model: ModelProfile, hw: HardwareProfile, strat: Strategy) -> PassTimes:

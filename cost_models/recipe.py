@@ -141,6 +141,15 @@ class ExecutionRecipe:
     3 with Transformer Engine's delayed scaling (the amax comes from history)."""
     fp8_weight_cast: Fp8WeightCast = Fp8WeightCast.EVERY_PASS
     """How often the weights are cast to fp8 (``Fp8WeightCast``)."""
+    fp8_all_gather: bool = False
+    """With ZeRO/FSDP, Float8 linears cast each rank's weight shard to fp8 before the weight
+    all-gather, which then moves 1 byte per parameter, and the cast reads and writes the
+    shard only (torchao's ``enable_fsdp_float8_all_gather`` with
+    ``precompute_float8_dynamic_scale_for_fsdp``: one amax all-reduce per step)."""
+    fp8_tp_gather: bool = False
+    """With sequence parallelism, the all-gather before each column-parallel Float8 linear
+    moves the fp8-cast input, 1 byte per element (torchao's ``Float8ColwiseParallel``); the
+    backward's reduce-scatters and the row-parallel outputs stay 16-bit."""
     logits_bytes: float = 4.0
     """Bytes per logit the loss keeps for backward: 4 for Megatron's fp32 logits and for eager
     fp32 cross-entropy (its fp32 log-probabilities), 6 where the 16-bit logits are kept too."""

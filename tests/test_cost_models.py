@@ -502,6 +502,27 @@ def test_fp8_weights_are_cast_as_often_as_the_program_casts_them():
     assert load_recipe("llm-foundry").fp8_weight_cast == Fp8WeightCast.FORWARD
     assert load_recipe("torchtitan").fp8_weight_cast == Fp8WeightCast.EVERY_PASS
 
+def test_torchtitan_float8_gathers_one_byte_weights_and_inputs():
+    """torchao's Float8 under FSDP casts each rank's shard before the weight all-gather (1 byte
+    per parameter moved, the cast on the shard only) and, under SP, all-gathers the
+    column-parallel inputs in fp8; without the switches both stay 16-bit."""
+    tt, h100 = load_recipe("torchtitan"), load_profile("dgx-h100")
+    plain = dataclasses.replace(tt, fp8_all_gather=False, fp8_tp_gather=False)
+    model = gpt(4, 4096, 32, seq=4096)
+    f8 = Strategy(mesh=Degrees(dp=8, tp=2), zero=3, sequence_parallel=True, fp8=True, recipe=tt)
+    off = dataclasses.replace(f8, recipe=plain)
+    assert memory.gather_bytes(f8) == 1.0 and memory.gather_bytes(off) == 2.0
+    (f_on, b_on), (f_off, b_off) = compute.fp8_cast_bytes(model, f8), compute.fp8_cast_bytes(model, off)
+    w = model.dense_block_params / 2 * tt.fp8_cast_bytes
+    assert f_off - f_on == pytest.approx(w * 7 / 8) and b_off - b_on == pytest.approx(w * 7 / 8)
+    g = comm.axis_groups(h100, f8)[Axis.TP]
+    on, no = blockcomm.block_tp_s(model, h100, f8, g), blockcomm.block_tp_s(model, h100, off, g)
+    vol = f8.tokens(model.seq) * model.hidden * 2
+    assert no.forward_s - on.forward_s == pytest.approx(2 * (comm.all_gather_s(vol, g) - comm.all_gather_s(vol / 2, g)))
+    assert on.backward_s == no.backward_s
+    assert estimate(model, h100, f8, global_batch=8).step_time_s < estimate(model, h100, off, global_batch=8).step_time_s
+
+
 @pytest.mark.parametrize("name", ["dgx-h100", "cpu-local"])
 def test_every_profile_field_round_trips_through_the_loader(name):
     """A profile written with every field (as ``autopar calibrate`` and ``profile`` write it)
