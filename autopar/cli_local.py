@@ -31,8 +31,8 @@ def _local_plan(plan_file: Path, trust_code: bool, command: str) -> Plan:
     refusal = launch_refusal(the_plan)
     if refusal:
         raise UserError(refusal)
-    import torch
-    gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    from autopar.profile import cuda_devices
+    gpus = cuda_devices()
     if 0 < gpus < the_plan.gpus:  # with no GPU the ranks run on CPU (gloo)
         raise UserError(f"autopar {command} starts one rank per GPU on this machine, which has {gpus}; a plan of "
                         f"{the_plan.gpus} devices needs {the_plan.gpus}: plan for --gpus {gpus}")

@@ -200,7 +200,7 @@ def with_links(profile: dict, source: "HardwareProfile", links: str) -> dict:
             "notes": {**profile["notes"], "intra_node": note, "inter_node": note}}
 
 
-def _cuda_devices() -> int:
+def cuda_devices() -> int:
     """GPUs torch sees here (0 without CUDA)."""
     import torch
     return torch.cuda.device_count() if torch.cuda.is_available() else 0
@@ -252,7 +252,7 @@ def profile_machine(ranks: int, out: Path, name: str, on_phase: Callable[[str, i
     if ranks > 1 and links is not None:
         raise UserError(f"--links lends another profile's links to --ranks 1; {ranks} ranks measure their own: "
                         "drop --links")
-    gpus = _cuda_devices()
+    gpus = cuda_devices()
     if gpus and ranks > gpus:
         raise UserError(f"--ranks {ranks}: this machine has {gpus} GPU{'s' if gpus > 1 else ''}; "
                         f"profile --ranks {gpus} or fewer")
