@@ -82,9 +82,8 @@ def compute_copy_bytes(strat: Strategy) -> float:
 
 
 def gather_bytes(strat: Strategy) -> float:
-    """Bytes per parameter a ZeRO all-gather moves: the weights in their compute dtype, or
-    1 where Float8 linears cast their shards before the gather (``recipe.fp8_all_gather``;
-    the embedding and head, kept 16-bit, are priced so too: a few % of a large model)."""
+    """Bytes per parameter a ZeRO all-gather moves: the weights in their compute dtype, or 1
+    under ``recipe.fp8_all_gather`` (the 16-bit embedding and head priced so too)."""
     if strat.fp8 and strat.recipe.fp8_all_gather:
         return 1.0
     return compute_copy_bytes(strat) or state_layout(strat).weight
