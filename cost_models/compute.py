@@ -194,14 +194,19 @@ def fp8_cast_bytes(model: ModelProfile, strat: Strategy) -> tuple[float, float]:
     ins = sum(g.m * g.k for g in weights)
     grads = sum(g.m * g.n for g in weights)
     w = (model.dense_block_params + model.expert_params / strat.mesh.ep) / strat.mesh.tp
-    if strat.recipe.fp8_all_gather and strat.zero >= 1:
-        w /= strat.replicas  # each rank casts its shard before the gather
+    w /= fp8_cast_shards(strat)
     cast = strat.recipe.fp8_weight_cast
     if cast == Fp8WeightCast.EVERY_PASS:
         return per * (ins + w), per * (grads + w)
     if cast == Fp8WeightCast.FORWARD:
         return per * (ins + w), per * grads
     return per * (ins + w / max(1, strat.num_microbatches)), per * grads
+
+
+def fp8_cast_shards(strat: Strategy) -> int:
+    """Ranks a weight's Float8 cast is split over: each casts its ZeRO shard before the
+    gather under ``recipe.fp8_all_gather``, else every rank casts the whole weight."""
+    return strat.replicas if strat.fp8 and strat.recipe.fp8_all_gather and strat.zero >= 1 else 1
 
 
 def fused(strat: Strategy) -> bool:
@@ -303,9 +308,9 @@ def pass_key(strat: Strategy) -> tuple:
     topology (nodes, links), so profiles that differ in links only may share them."""
     m = strat.mesh
     per_step = strat.fp8 and strat.recipe.fp8_weight_cast == Fp8WeightCast.ONCE_PER_STEP
-    shard = strat.replicas if strat.fp8 and strat.recipe.fp8_all_gather and strat.zero >= 1 else 1
     return (m.tp, m.cp, m.ep, strat.micro_batch, strat.sequence_parallel, strat.dtype, strat.fp8,
-            strat.recipe, strat.recompute_run(), strat.num_microbatches if per_step else 0, shard)
+            strat.recipe, strat.recompute_run(), strat.num_microbatches if per_step else 0,
+            fp8_cast_shards(strat))
 
 
 def block_times(model: ModelProfile, hw: HardwareProfile, strat: Strategy) -> PassTimes:
