@@ -81,10 +81,12 @@ fit of Narayanan Table 1 and Korthikanti Tables 4-5 (``validate_published.py --f
 over every source they would move to 0.74 / 0.58 and Korthikanti's worst row to 4.8 %, its
 1F1B and interleaved rows pulling opposite ways (a pipeline-model residual, not a GEMM one).
 H100 has no Megatron rows: its constants come from the rows that ran on it, except the
-element-wise efficiency, measured by ``autopar calibrate`` on an H100 (dgx-h100's notes). A
-constant no training row exercises (``_exercised``: 16-bit GEMMs in a fold of FP8 rows only)
-keeps its shipped value, so that fold is not out-of-sample for it.
-``matmul_half_dim`` and ``kernel_dispatch_us`` were tried (0-800, 0-40 us) and fitted to 0."""
+element-wise efficiency, measured by ``autopar calibrate`` on an H100, and the GEMM shape law
+(``matmul_half_dim``, ``matmul_half_depth``), measured by ``gpu_kernels.py`` on one (dgx-h100's
+notes). A constant no training row exercises (``_exercised``: 16-bit GEMMs in a fold of FP8
+rows only) keeps its shipped value, so that fold is not out-of-sample for it. On A100 the
+one-dimension shape law and ``kernel_dispatch_us`` were tried (0-800, 0-40 us) and fitted to 0;
+no A100 has measured the two-dimension one."""
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True, slots=True)

@@ -69,8 +69,9 @@ def block_tp_s(model: ModelProfile, hw: HardwareProfile, strat: Strategy,
         # Every collective pipelined with the GEMM it feeds or follows (Transformer Engine's
         # userbuffers): what is longer than the forward's GEMMs (backward: twice them) shows.
         gemms_fwd, _ = compute.block_gemm_s(model, hw, strat)
+        gemms_bwd, _ = compute.block_gemm_s(model, hw, strat, backward=True)
         fwd = comm.exposed_s(fwd, gemms_fwd, hw)
-        bwd = comm.exposed_s(bwd, 2 * gemms_fwd, hw)
+        bwd = comm.exposed_s(bwd, gemms_bwd, hw)
     return compute.PassTimes(forward_s=fwd, recompute_s=fwd if strat.recompute == "full"
                              else 0.0, backward_s=bwd)
 
@@ -153,7 +154,7 @@ def moe_terms(model: ModelProfile, hw: HardwareProfile, strat: Strategy) -> MoeT
     n = max(counts)
     a2a = block_ep_s(model, strat, comm.axis_groups(hw, strat)[Axis.EP])
     rc = 2.0 if strat.recompute == "full" else 1.0
-    gemm = compute.expert_gemm_s(model, hw, strat) * (2 + rc)
+    gemm = compute.expert_gemm_s(model, hw, strat) * rc + compute.expert_gemm_s(model, hw, strat, backward=True)
     e = memory.state_bytes(memory.expert_layer_params(model, strat), memory.expert_strategy(strat))
     m = strat.num_microbatches
     return MoeTerms(all_to_all_s=m * n * (a2a.forward_s + a2a.recompute_s + a2a.backward_s),

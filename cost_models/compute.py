@@ -3,19 +3,24 @@
 Every kernel is a roofline: the larger of its FLOPs at the GEMM's efficiency and its bytes at
 ``hbm_bw · memory_efficiency``. A block's GEMMs are rebuilt from the profile's shape (QKV,
 attention output, MLP up and down on one tp rank; QKᵀ and AV batched over heads): the
-efficiency of each depends on its smallest dimension n as the profile states,
-``matmul_efficiency · n / (n + matmul_half_dim)`` (a GEMM narrower than ``matmul_half_dim``
-cannot fill the tensor cores). The times are scaled to the profile's own FLOP counts, so an
-architecture with other GEMMs keeps the traced FLOPs at the efficiency of its shape.
+efficiency of an (m x k) @ (k x n) GEMM follows the profile's shape law,
+``matmul_efficiency · m / (m + H) · n / (n + H) · k / (k + D)`` (H ``matmul_half_dim``, D
+``matmul_half_depth``: a thin output cannot fill the tensor cores, a shallow reduction cannot
+hide a tile's loads and epilogue; ``benchmarks/gpu_kernels.py`` measures both: on an H100 H is
+0 and D 112, so a k = 512 reduction runs at 0.82 of a deep one). The backward
+runs each GEMM's two gradients at their own shapes: the input gradient (m x n) @ (n x k) and
+the weight gradient (k x m) @ (m x n), whose reduction is the tokens. The times are scaled to
+the profile's own FLOP counts, so an architecture with other GEMMs keeps the traced FLOPs at
+the efficiency of its shape.
 
 Element-wise kernels are memory-bound; their traffic is counted per byte the block saves for
 backward (``memory.block_act_bytes`` parts), from the fused kernels Megatron-LM runs
 (``FWD_TRAFFIC``/``BWD_TRAFFIC``). The part tensor parallelism leaves replicated is computed
 redundantly on every tp rank unless sequence parallelism splits it (Korthikanti et al. Table 4).
 
-Backward runs each GEMM twice (input and weight gradients) and the element-wise backward
-kernels. Recompute repeats, per block, the whole forward (full) or the attention core's
-QKᵀ, softmax, dropout and AV (selective).
+Backward runs each GEMM's two gradients and the element-wise backward kernels. Recompute
+repeats, per block, the whole forward (full) or the attention core's QKᵀ, softmax, dropout
+and AV (selective).
 
 The execution recipe (``Strategy.recipe``) sets what runs: with fused attention the core is
 one FlashAttention-style kernel that skips the masked causal blocks (it executes
@@ -100,17 +105,29 @@ def elem_bytes(strat: Strategy) -> int:
     return 4 if strat.dtype == "fp32" else 2
 
 
-def gemm_efficiency(n_min: float, hw: HardwareProfile, dtype: str = "bf16") -> float:
-    """Fraction of dense peak a GEMM whose smallest dimension is ``n_min`` reaches (fp8
-    GEMMs at ``fp8_matmul_efficiency`` of the fp8 peak where the profile gives it)."""
-    base = (hw.fp8_matmul_efficiency or hw.matmul_efficiency) if dtype == "fp8" else hw.matmul_efficiency
-    return base * n_min / (n_min + hw.matmul_half_dim)
+def gemm_efficiency(g: Gemm, hw: HardwareProfile, dtype: str = "bf16") -> float:
+    """Fraction of dense peak the GEMM ``g`` reaches under the profile's shape law; Float8
+    GEMMs at ``fp8_matmul_efficiency`` of the fp8 peak and with ``fp8_matmul_half_depth``
+    where the profile gives them (an H100 needs a reduction four times deeper in fp8 than in
+    bf16 to reach the same fraction: ``benchmarks/gpu_kernels.py``)."""
+    h, d = hw.matmul_half_dim, hw.matmul_half_depth
+    if dtype == "fp8":
+        base = hw.fp8_matmul_efficiency or hw.matmul_efficiency
+        d = hw.fp8_matmul_half_depth or d
+    else:
+        base = hw.matmul_efficiency
+    return base * g.m / (g.m + h) * g.n / (g.n + h) * g.k / (g.k + d)
+
+
+def grad_gemms(g: Gemm) -> tuple[Gemm, Gemm]:
+    """The backward's GEMMs of ``g``: the input gradient (m x n) @ (n x k) and the weight
+    gradient (k x m) @ (m x n)."""
+    return (Gemm(batch=g.batch, m=g.m, n=g.k, k=g.n), Gemm(batch=g.batch, m=g.k, n=g.n, k=g.m))
 
 
 def gemm_s(g: Gemm, hw: HardwareProfile, dtype: str, elem: float) -> float:
     """Roofline time of one GEMM: FLOPs at its shape's efficiency, or its operand bytes."""
-    eff = gemm_efficiency(min(g.m, g.n, g.k), hw, dtype)
-    return max(g.flops / (hw.peak_flops(dtype) * eff), memory_s(g.nbytes(elem), hw))
+    return max(g.flops / (hw.peak_flops(dtype) * gemm_efficiency(g, hw, dtype)), memory_s(g.nbytes(elem), hw))
 
 
 def memory_s(nbytes: float, hw: HardwareProfile) -> float:
@@ -171,13 +188,15 @@ def block_gemms(model: ModelProfile, strat: Strategy) -> tuple[list[Gemm], list[
 
 
 def _scaled_s(gemms: list[Gemm], flops: float, hw: HardwareProfile, strat: Strategy,
-              dtype: str | None = None) -> float:
-    """Time of ``gemms`` rescaled to ``flops`` (the traced count) at their own efficiency."""
+              dtype: str | None = None, backward: bool = False) -> float:
+    """Time of ``gemms`` (``backward``: of their gradients, ``grad_gemms``) rescaled to
+    ``flops`` (the traced count of the forward) at their own efficiency."""
     shape_flops = sum(g.flops for g in gemms)
     if shape_flops <= 0 or flops <= 0:
         return 0.0
     elem = 1 if dtype == "fp8" else elem_bytes(strat)
-    return sum(gemm_s(g, hw, dtype or strat.dtype, elem) for g in gemms) * flops / shape_flops
+    run = [x for g in gemms for x in grad_gemms(g)] if backward else gemms
+    return sum(gemm_s(g, hw, dtype or strat.dtype, elem) for g in run) * flops / shape_flops
 
 
 def fp8_cast_bytes(model: ModelProfile, strat: Strategy) -> tuple[float, float]:
@@ -233,15 +252,16 @@ def expert_gemms(model: ModelProfile, strat: Strategy) -> list[Gemm]:
     return [Gemm(batch=local, m=rows, n=ups * f / t, k=h), Gemm(batch=local, m=rows, n=h, k=f / t)]
 
 
-def expert_gemm_s(model: ModelProfile, hw: HardwareProfile, strat: Strategy) -> float:
-    """Forward seconds of one block's routed-expert GEMMs on the busiest rank (the traced FLOPs
-    of the routed tokens over tp, times the load, at the grouped GEMMs' shape efficiency; the
-    local experts' weights are read whatever the rows: small batches are bandwidth-bound)."""
+def expert_gemm_s(model: ModelProfile, hw: HardwareProfile, strat: Strategy, backward: bool = False) -> float:
+    """Forward (``backward``: backward) seconds of one block's routed-expert GEMMs on the
+    busiest rank (the traced FLOPs of the routed tokens over tp, times the load, at the
+    grouped GEMMs' shape efficiency; the local experts' weights are read whatever the rows:
+    small batches are bandwidth-bound)."""
     if not model.moe:
         return 0.0
     from cost_models.memory import moe_load
     flops = strat.tokens(model.seq) * model.expert_flops_per_token / strat.etp * moe_load(model, strat)
-    return _scaled_s(expert_gemms(model, strat), flops, hw, strat, "fp8" if strat.fp8 else None)
+    return _scaled_s(expert_gemms(model, strat), flops, hw, strat, "fp8" if strat.fp8 else None, backward)
 
 
 def moe_traffic_bytes(model: ModelProfile, strat: Strategy) -> float:
@@ -259,20 +279,23 @@ def moe_traffic_bytes(model: ModelProfile, strat: Strategy) -> float:
     return router + permute
 
 
-def block_gemm_s(model: ModelProfile, hw: HardwareProfile, strat: Strategy) -> tuple[float, float]:
-    """(weight GEMMs, attention core) forward seconds of one block, one micro-batch; the
-    weight GEMMs include the routed experts' (``expert_gemm_s``)."""
+def block_gemm_s(model: ModelProfile, hw: HardwareProfile, strat: Strategy,
+                 backward: bool = False) -> tuple[float, float]:
+    """(weight GEMMs, attention core) seconds of one block's forward (``backward``: its
+    backward), one micro-batch; the weight GEMMs include the routed experts'
+    (``expert_gemm_s``)."""
     tokens = strat.tokens(model.seq)
     weights, core = block_gemms(model, strat)
     attn_flops = tokens * model.block_attn_flops_per_token / strat.mesh.tp
     if fused(strat):
         eff = hw.attention_eff(strat.recipe.attention_kernel)
         core_s = attn_flops * causal_fraction(model.seq) / (hw.peak_flops(strat.dtype) * eff)
+        core_s *= FLASH_BWD_RATIO if backward else 1.0
     else:
-        core_s = _scaled_s(core, attn_flops, hw, strat)
+        core_s = _scaled_s(core, attn_flops, hw, strat, backward=backward)
     dense = tokens * (model.block_matmul_flops_per_token - model.expert_flops_per_token) / strat.mesh.tp
-    return (_scaled_s(weights, dense, hw, strat, "fp8" if strat.fp8 else None)
-            + expert_gemm_s(model, hw, strat), core_s)
+    return (_scaled_s(weights, dense, hw, strat, "fp8" if strat.fp8 else None, backward)
+            + expert_gemm_s(model, hw, strat, backward), core_s)
 
 
 def block_elementwise_bytes(model: ModelProfile, strat: Strategy,
@@ -316,15 +339,15 @@ def pass_key(strat: Strategy) -> tuple:
 def block_times(model: ModelProfile, hw: HardwareProfile, strat: Strategy) -> PassTimes:
     """One block, one micro-batch, on one tp rank (communication not included)."""
     weights_s, core_s = block_gemm_s(model, hw, strat)
+    weights_bwd, core_bwd = block_gemm_s(model, hw, strat, backward=True)
     fwd_rest, fwd_core = block_elementwise_bytes(model, strat, FWD_TRAFFIC)
     bwd_rest, bwd_core = block_elementwise_bytes(model, strat, BWD_TRAFFIC)
-    core_bwd = FLASH_BWD_RATIO * core_s if fused(strat) else 2 * core_s
     cast_fwd, cast_bwd = fp8_cast_bytes(model, strat)
     moe = moe_traffic_bytes(model, strat)
     cast_fwd, cast_bwd = cast_fwd + moe, cast_bwd + moe
     host = dispatch_s(hw, strat)
     fwd = with_host(host, weights_s + core_s + memory_s(fwd_rest + fwd_core + cast_fwd, hw), hw)
-    bwd = with_host(2 * host, 2 * weights_s + core_bwd + memory_s(bwd_rest + bwd_core + cast_bwd, hw), hw)
+    bwd = with_host(2 * host, weights_bwd + core_bwd + memory_s(bwd_rest + bwd_core + cast_bwd, hw), hw)
     mode = strat.recompute_run()
     if mode == "full":
         rc = fwd
@@ -340,7 +363,7 @@ def wgrad_window_s(model: ModelProfile, hw: HardwareProfile, strat: Strategy) ->
     hides the backward's tensor-parallel collectives when the runtime overlaps them."""
     weights, _ = block_gemms(model, strat)
     cols = weights[0::2]
-    return sum(gemm_s(g, hw, strat.dtype, elem_bytes(strat)) for g in cols)
+    return sum(gemm_s(grad_gemms(g)[1], hw, strat.dtype, elem_bytes(strat)) for g in cols)
 
 
 def first_times(model: ModelProfile, hw: HardwareProfile, strat: Strategy) -> PassTimes:
@@ -354,10 +377,10 @@ def first_times(model: ModelProfile, hw: HardwareProfile, strat: Strategy) -> Pa
 def last_times(model: ModelProfile, hw: HardwareProfile, strat: Strategy) -> PassTimes:
     """Final norm, output projection and cross-entropy: the projection GEMM at its shape's
     efficiency plus the fp32 logits written, read by the softmax and written back as
-    probabilities (3 x 4 s b V / tp); backward runs the GEMM twice."""
+    probabilities (3 x 4 s b V / tp); backward runs the GEMM's two gradients."""
     tokens = strat.tokens(model.seq)
     flops = tokens * model.head_flops_per_token / strat.mesh.tp
-    g = Gemm(batch=1, m=tokens, n=model.vocab / strat.mesh.tp, k=model.hidden)
-    gemm = _scaled_s([g], flops, hw, strat)
+    g = [Gemm(batch=1, m=tokens, n=model.vocab / strat.mesh.tp, k=model.hidden)]
     logits = memory_s(3 * tokens * model.vocab / strat.mesh.tp * 4, hw)
-    return PassTimes(forward_s=gemm + logits, recompute_s=0.0, backward_s=2 * gemm + logits)
+    return PassTimes(forward_s=_scaled_s(g, flops, hw, strat) + logits, recompute_s=0.0,
+                     backward_s=_scaled_s(g, flops, hw, strat, backward=True) + logits)

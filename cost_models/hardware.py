@@ -52,12 +52,17 @@ class HardwareProfile:
     intra_node: LinkTier
     inter_node: LinkTier
     matmul_efficiency: float = 1.0
-    """Calibrated fraction of peak reached by large GEMMs (all dimensions >> matmul_half_dim)."""
+    """Calibrated fraction of peak reached by large GEMMs (every dimension >> the half-dims)."""
     fp8_matmul_efficiency: float = 0.0
     """Calibrated fraction of the fp8 peak reached by large Float8 GEMMs (0: matmul_efficiency)."""
     matmul_half_dim: float = 0.0
-    """GEMM shape law: a GEMM whose smallest dimension is n reaches
-    ``matmul_efficiency · n / (n + matmul_half_dim)`` of peak (0: no shape dependence)."""
+    """GEMM shape law: an (m x k) @ (k x n) GEMM reaches ``matmul_efficiency · m / (m + H) ·
+    n / (n + H) · k / (k + D)`` of peak, H this (the output's dimensions), D
+    ``matmul_half_depth`` (the reduction's); 0: no shape dependence."""
+    matmul_half_depth: float = 0.0
+    """The reduction dimension's half-dim of the GEMM shape law (``matmul_half_dim``)."""
+    fp8_matmul_half_depth: float = 0.0
+    """The reduction half-dim of Float8 GEMMs (0: ``matmul_half_depth``)."""
     memory_efficiency: float = 1.0
     """Calibrated fraction of ``hbm_bw_gbps`` reached by element-wise kernels."""
     optimizer_memory_efficiency: float = 0.0
@@ -191,6 +196,8 @@ _RANGES: dict[str, tuple[float, float, str]] = {
     "matmul_efficiency": (_EFF, 1.0, "(a fraction)"),
     "fp8_matmul_efficiency": (0.0, 1.0, "(a fraction; 0: matmul_efficiency)"),
     "matmul_half_dim": (0.0, 1e6, "(a GEMM dimension)"),
+    "matmul_half_depth": (0.0, 1e6, "(a GEMM dimension)"),
+    "fp8_matmul_half_depth": (0.0, 1e6, "(a GEMM dimension; 0: matmul_half_depth)"),
     "memory_efficiency": (_EFF, 1.0, "(a fraction)"),
     "optimizer_memory_efficiency": (0.0, 1.0, "(a fraction; 0: memory_efficiency)"),
     "reserve_gib": (0.0, 1 << 16, "GiB"),

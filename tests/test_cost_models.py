@@ -245,7 +245,7 @@ def test_block_time_roofline_and_recompute_order():
     none = compute.block_times(G22B, A100, strat)
     weights, core = compute.block_gemm_s(G22B, A100, strat)
     flops = 4 * 2048 * 24 * 6144**2 / 8
-    assert weights == pytest.approx(flops / (312e12 * compute.gemm_efficiency(768, A100)))
+    assert weights == pytest.approx(flops / (312e12 * A100.matmul_efficiency))
     rest, attn = compute.block_elementwise_bytes(G22B, strat, compute.FWD_TRAFFIC)
     # Korthikanti's 10 + 24/t bytes per token·h, and 5as for the attention core, times traffic.
     bsh = 4 * 2048 * 6144
@@ -261,14 +261,40 @@ def test_block_time_roofline_and_recompute_order():
 
 
 def test_gemm_shape_law_and_roofline():
-    hw = dataclasses.replace(A100, matmul_efficiency=0.8, matmul_half_dim=100.0)
-    assert compute.gemm_efficiency(100, hw) == pytest.approx(0.4)
-    assert compute.gemm_efficiency(900, hw) == pytest.approx(0.72)
+    hw = dataclasses.replace(A100, matmul_efficiency=0.8, matmul_half_dim=100.0, matmul_half_depth=300.0)
+    thin_out = compute.Gemm(batch=1, m=8192, n=100, k=8192)
+    shallow = compute.Gemm(batch=1, m=8192, n=8192, k=100)
+    assert compute.gemm_efficiency(thin_out, hw) == pytest.approx(0.8 * 0.5 * 8192 / 8292 * 8192 / 8492)
+    assert compute.gemm_efficiency(shallow, hw) == pytest.approx(0.8 * (8192 / 8292) ** 2 * 0.25)
     big = compute.Gemm(batch=1, m=8192, n=8192, k=8192)
-    assert compute.gemm_s(big, hw, "bf16", 2) == pytest.approx(big.flops / (312e12 * 0.8 * 8192 / 8292))
+    assert compute.gemm_s(big, hw, "bf16", 2) == pytest.approx(
+        big.flops / (312e12 * 0.8 * (8192 / 8292) ** 2 * 8192 / 8492))
+    # The backward's gradients: input (m x n) @ (n x k), weight (k x m) @ (m x n).
+    dgrad, wgrad = compute.grad_gemms(compute.Gemm(batch=1, m=4096, n=512, k=2048))
+    assert (dgrad.m, dgrad.n, dgrad.k) == (4096, 2048, 512) and (wgrad.m, wgrad.n, wgrad.k) == (2048, 512, 4096)
+    # Under the law a block's backward GEMMs are priced at their own shapes (a tp-split
+    # output is the input gradient's reduction), exactly twice the forward without it.
+    model = profile_spec(parse_model_spec("gpt:layers=2,hidden=4096,heads=32,vocab=32000,seq=2048"))
+    strat = Strategy(recipe=MC, mesh=Degrees(tp=8), micro_batch=1)
+    weights, _ = compute.block_gemms(model, strat)
+    fwd, _ = compute.block_gemm_s(model, hw, strat)
+    bwd, _ = compute.block_gemm_s(model, hw, strat, backward=True)
+    own = sum(compute.gemm_s(x, hw, "bf16", 2) for g in weights for x in compute.grad_gemms(g))
+    assert bwd / fwd == pytest.approx(own / sum(compute.gemm_s(g, hw, "bf16", 2) for g in weights))
+    assert bwd != pytest.approx(2 * fwd, rel=1e-3)
+    flat = dataclasses.replace(hw, matmul_half_dim=0.0, matmul_half_depth=0.0)
+    assert compute.block_gemm_s(model, flat, strat, backward=True)[0] == pytest.approx(
+        2 * compute.block_gemm_s(model, flat, strat)[0])
+    # Float8 GEMMs have their own reduction half-dim where the profile gives one.
+    h100 = dataclasses.replace(load_profile("dgx-h100"), matmul_half_dim=100.0, matmul_half_depth=300.0,
+                               fp8_matmul_efficiency=0.6, fp8_matmul_half_depth=0.0)
+    assert compute.gemm_efficiency(shallow, h100, "fp8") == pytest.approx(0.6 * (8192 / 8292) ** 2 * 0.25)
+    deep = dataclasses.replace(h100, fp8_matmul_half_depth=900.0)
+    assert compute.gemm_efficiency(shallow, deep, "fp8") == pytest.approx(0.6 * (8192 / 8292) ** 2 * 0.1)
+    assert compute.gemm_efficiency(shallow, deep) == compute.gemm_efficiency(shallow, h100)
     # QKᵀ with head dim 16 writes s² scores per head: memory-bound, the bytes term rules.
     thin = compute.Gemm(batch=64, m=2048, n=2048, k=16)
-    assert compute.gemm_s(thin, hw, "bf16", 2) == pytest.approx(compute.memory_s(thin.nbytes(2), hw))
+    assert compute.gemm_s(thin, flat, "bf16", 2) == pytest.approx(compute.memory_s(thin.nbytes(2), flat))
 
 
 def test_tensor_parallel_overlap_and_sequence_parallel_gathers():
@@ -465,7 +491,8 @@ def test_optimizer_memory_efficiency_falls_back_to_memory_efficiency():
 
 def test_fp8_linears_run_at_the_fp8_peak_and_pay_their_casts():
     """Float8 weight GEMMs at the fp8 peak, plus the cast traffic; attention stays 16-bit."""
-    h100 = load_profile("dgx-h100")
+    h100 = dataclasses.replace(load_profile("dgx-h100"), matmul_half_dim=0.0, matmul_half_depth=0.0,
+                               fp8_matmul_half_depth=0.0)
     model = gpt(4, 4096, 32, seq=4096)
     bf16 = Strategy(micro_batch=2)
     f8 = dataclasses.replace(bf16, fp8=True)

@@ -20,6 +20,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "benchmarks"))
 import validate_rows as validate  # noqa: E402
 
 from autopar.cli import app  # noqa: E402
+from cost_models.hardware import available_profiles, load_profile  # noqa: E402
 
 SOURCES = validate.load_sources()
 MODELS = validate.Models()
@@ -70,6 +71,20 @@ def test_shipped_constants_are_the_fit():
         shipped = validate.constants(validate.load_profile(names[0]))
         refit = validate.constants(hws[names[0]])
         assert refit == pytest.approx(shipped), names[0]
+
+
+def test_carried_over_constants_are_the_source_profiles():
+    """A profile whose note says a constant is carried over from another profile holds that
+    profile's value (a refit of dgx-h100 reaches Grand Teton, H200, H800 and B200 with it)."""
+    carried = 0
+    for name in available_profiles():
+        hw = load_profile(name)
+        for key, note in hw.notes.items():
+            if note.startswith("carried over from "):
+                src = load_profile(note.split()[3])
+                assert getattr(hw, key) == getattr(src, key), (name, key)
+                carried += 1
+    assert carried >= 15
 
 
 @pytest.fixture(scope="module")

@@ -1,0 +1,306 @@
+"""The kernel rates a GPU profile's constants stand for, measured on the local GPU: GEMMs over
+their smallest dimension (bf16, and fp8 through ``torch._scaled_mm`` with tensor-wise scales,
+as torchao's Float8Linear and Transformer Engine's delayed scaling run them), each fused SDPA
+backend's causal forward and backward, and the dynamic Float8 cast.
+
+    python benchmarks/gpu_kernels.py --out gpu_kernels.json     # one GPU, about a minute
+    python benchmarks/gpu_kernels.py --pool benchmarks/measured/gpu_kernels_h100_*.json  # the fit
+
+For each dtype it fits the cost model's GEMM shape law (``cost_models.compute.gemm_efficiency``),
+e · m/(m+H) · n/(n+H) · k/(k+D) for an (m x k) @ (k x n) product, to the rates of three
+families of shapes with one dimension small (few tokens; a tp-split output; a tp-split input),
+and beside it the older one-dimension law e · n / (n + h) over the smallest; then checks the
+bf16 law out of sample on transformer linears' forward and backward (input and weight
+gradients at their own shapes).
+Rates are FLOP/s over the datasheet peak of ``--profile`` (default dgx-h100), counted as the
+cost model counts them (attention: ``compute.causal_fraction`` of 4·b·h·s²·d forward and
+``FLASH_BWD_RATIO`` times that backward). Medians of CUDA-event timed repeats after warm-up.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import statistics
+from typing import Callable
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+
+from cost_models.compute import FLASH_BWD_RATIO, causal_fraction
+from cost_models.hardware import load_profile
+
+SMALL = (128, 256, 512, 1024, 2048, 4096, 8192)
+"""The small dimension of the GEMM families; the other two are ``LARGE``."""
+LARGE = 8192
+FAMILIES = {"tokens": lambda n: (n, LARGE, LARGE), "out": lambda n: (LARGE, LARGE, n),
+            "in": lambda n: (LARGE, n, LARGE)}
+"""(m, k, n) of a GEMM (m x k) @ (k x n) with one small dimension: few tokens (a small
+micro-batch), a column-parallel output split by tp, a row-parallel input split by tp."""
+LINEARS = ((8192, 4096, 6144), (8192, 4096, 28672), (8192, 14336, 4096), (8192, 4096, 768),
+           (8192, 512, 4096), (8192, 1792, 4096), (16384, 1536, 4608), (16384, 6144, 1536),
+           (2048, 8192, 8192), (4096, 2048, 2048))
+"""(tokens, in, out) of the bf16 linears whose forward and backward check the fitted law out
+of sample: Llama-3 8B's at tp 1 and 8, a 760M GPT's, few tokens, a 1B GPT's."""
+ATTENTION = ((4, 32, 2048, 128), (2, 32, 4096, 128), (1, 32, 8192, 128), (1, 16, 16384, 128),
+             (4, 32, 2048, 64))
+"""(batch, heads, sequence, head dim) of the causal SDPA shapes timed."""
+BACKENDS = ("FLASH_ATTENTION", "CUDNN_ATTENTION", "EFFICIENT_ATTENTION")
+E4M3_MAX = 448.0
+BATCH_S = 5e-3
+"""Device seconds of back-to-back calls each timed repeat spans (``timed``)."""
+
+
+def timed(fn: Callable[[], object], repeats: int = 20) -> float:
+    """Median seconds of one call of ``fn`` on the current stream, after 3 warm-ups: each
+    repeat times (CUDA events) enough back-to-back calls to fill ``BATCH_S``, so the host
+    queues them ahead of the device and no launch latency is counted (one call of a small
+    GEMM is a few tens of microseconds, the order of a launch)."""
+    for _ in range(3):
+        fn()
+    torch.cuda.synchronize()
+    a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    a.record()
+    fn()
+    b.record()
+    b.synchronize()
+    calls = max(1, min(200, int(BATCH_S / max(a.elapsed_time(b) * 1e-3, 1e-6))))
+    times = []
+    for _ in range(repeats):
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        for _ in range(calls):
+            fn()
+        b.record()
+        b.synchronize()
+        times.append(a.elapsed_time(b) * 1e-3 / calls)
+    return statistics.median(times)
+
+
+def gemm_rate(m: int, k: int, n: int, dtype: str) -> float:
+    """FLOP/s of an (m x k) @ (k x n) product; fp8: e4m3 operands, tensor-wise fp32 scales,
+    bf16 output (the weight operand column-major, as ``_scaled_mm`` requires)."""
+    dev = "cuda"
+    if dtype == "bf16":
+        a = torch.randn(m, k, device=dev, dtype=torch.bfloat16)
+        b = torch.randn(k, n, device=dev, dtype=torch.bfloat16)
+        fn: Callable[[], object] = lambda: a @ b
+    else:
+        a = torch.randn(m, k, device=dev).to(torch.float8_e4m3fn)
+        b = torch.randn(n, k, device=dev).to(torch.float8_e4m3fn).t()
+        one = torch.ones((), device=dev)
+        fn = lambda: torch._scaled_mm(a, b, scale_a=one, scale_b=one, out_dtype=torch.bfloat16)
+    return 2.0 * m * k * n / timed(fn)
+
+
+def attention_rate(shape: tuple[int, int, int, int], backend: str) -> float | None:
+    """FLOP/s of a causal SDPA forward and backward on one backend, None where it cannot run."""
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+    b, h, s, d = shape
+    q, k, v = (torch.randn(b, h, s, d, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+               for _ in range(3))
+    flops = (1 + FLASH_BWD_RATIO) * 4.0 * b * h * s * s * d * causal_fraction(s)
+    try:
+        with sdpa_kernel(getattr(SDPBackend, backend)):
+            return flops / timed(lambda: F.scaled_dot_product_attention(q, k, v, is_causal=True).sum().backward(), 10)
+    except RuntimeError:
+        return None
+
+
+def cast_rate(elements: int) -> dict:
+    """Bytes/s of a dynamic tensor-wise Float8 cast of a bf16 tensor, eager (amax, scale,
+    clamp, cast): counted as the cost model counts it, 2 bytes read for the amax plus 2 read
+    and 1 written for the cast, and the kernels' own traffic beside it for comparison."""
+    x = torch.randn(elements, device="cuda", dtype=torch.bfloat16)
+
+    def cast() -> torch.Tensor:
+        scale = E4M3_MAX / x.abs().max().float().clamp(min=1e-12)
+        return (x.float() * scale).clamp(-E4M3_MAX, E4M3_MAX).to(torch.float8_e4m3fn)
+
+    t = timed(cast)
+    compiled = torch.compile(cast)
+    tc = timed(compiled)
+    return {"elements": elements, "seconds": t, "model_bytes_per_s": 5.0 * elements / t,
+            "compiled_seconds": tc, "compiled_model_bytes_per_s": 5.0 * elements / tc}
+
+
+def linear_times(t: int, i: int, o: int) -> tuple[float, float]:
+    """(forward, backward) seconds of a bf16 ``F.linear`` of t tokens, i -> o features: the
+    forward's (t x i) @ (i x o) and the backward's input and weight gradients."""
+    x = torch.randn(t, i, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    w = torch.randn(o, i, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    g = torch.randn(t, o, device="cuda", dtype=torch.bfloat16)
+    def step() -> None:
+        x.grad = w.grad = None  # fresh gradients: no accumulation kernels
+        F.linear(x, w).backward(g)
+
+    fwd = timed(lambda: F.linear(x, w))
+    return fwd, timed(step) - fwd
+
+
+def gemm_time(m: float, k: float, n: float, law: dict, hw) -> float:
+    """The cost model's bf16 time of an (m x k) @ (k x n) GEMM (``compute.gemm_s``) with
+    ``law``'s constants in ``hw``."""
+    import dataclasses
+    from cost_models.compute import Gemm, gemm_s
+    fitted = dataclasses.replace(hw, matmul_efficiency=law["efficiency"], matmul_half_dim=law["half_dim"],
+                                 matmul_half_depth=law["half_depth"])
+    return gemm_s(Gemm(batch=1, m=m, n=n, k=k), fitted, "bf16", 2)
+
+
+def fit_product_law(gemms: list[dict], peak: float, memory_bytes_s: float, elem: float,
+                    half_dim: float | None = None) -> dict:
+    """e, H, D minimising the squared log error of the cost model's GEMM time over ``gemms``:
+    the roofline ``compute.gemm_s``, the larger of the FLOPs at e · m/(m+H) · n/(n+H) · k/(k+D)
+    of ``peak`` and the operands' bytes (``elem`` each) at ``memory_bytes_s`` (H on a grid of
+    0-1024 by 8 unless ``half_dim`` fixes it, D 0-2048 by 16, e 0.40-1.00 by 0.005), over
+    the compute-bound shapes (``compute_bound``)."""
+    gemms = compute_bound(gemms, peak, elem)
+    m, k, n = (np.array([g[x] for g in gemms], float)[:, None] for x in "mkn")
+    flops = 2 * m * k * n
+    measured = np.log(flops / (np.array([g["efficiency"] for g in gemms])[:, None] * peak))
+    mem_s = elem * (m * k + k * n + m * n) / memory_bytes_s
+    effs = np.arange(0.40, 1.0001, 0.005)[None, :]
+    best = (math.inf, 0.0, 0.0, 0.0)
+    for h in np.arange(0.0, 1025.0, 8.0) if half_dim is None else [half_dim]:
+        out = m / (m + h) * n / (n + h)
+        for d in np.arange(0.0, 2049.0, 16.0):
+            t = np.maximum(flops / (peak * effs * out * k / (k + d)), mem_s)
+            err = ((np.log(t) - measured) ** 2).sum(axis=0)
+            i = int(err.argmin())
+            if err[i] < best[0]:
+                best = (float(err[i]), float(effs[0, i]), float(h), float(d))
+    err, e, h, d = best
+    return {"efficiency": e, "half_dim": h, "half_depth": d, "rms_log_error": math.sqrt(err / len(gemms)),
+            "shapes": len(gemms)}
+
+
+HBM_PEAK_GBPS = 3350.0
+"""H100 SXM's datasheet HBM3 bandwidth, GB/s (``compute_bound``)."""
+
+
+def compute_bound(gemms: list[dict], peak: float, elem: float) -> list[dict]:
+    """The GEMMs of ``gemms`` whose operands (``elem`` bytes each) at the full HBM bandwidth
+    take less than half their measured time: the shape law is fitted on these alone. Thinner
+    ones stream their operands at 0.8 of the datasheet bandwidth, a bound that is not the
+    law's (the cost model's roofline prices GEMM bytes at ``memory_efficiency``, the
+    element-wise kernels' fraction, so it over-prices them; no training GEMM of the rows we
+    hold is that thin)."""
+    out = []
+    for g in gemms:
+        m, k, n = g["m"], g["k"], g["n"]
+        measured_s = 2.0 * m * k * n / (g["efficiency"] * peak)
+        if elem * (m * k + k * n + m * n) / (HBM_PEAK_GBPS * 1e9) < 0.5 * measured_s:
+            out.append(g)
+    return out
+
+
+def fit_law(ns: list[int], effs: list[float]) -> tuple[float, float]:
+    """(e, h) minimising the squared log error of e · n / (n + h) over the points (h on a grid
+    of 0-2048, e its closed-form optimum for each h)."""
+    best = (math.inf, 0.0, 0.0)
+    for h in np.arange(0.0, 2048.5, 1.0):
+        r = np.log(np.array(effs)) - np.log(np.array(ns) / (np.array(ns) + h))
+        e = float(np.exp(r.mean()))
+        err = float(((r - r.mean()) ** 2).sum())
+        if err < best[0]:
+            best = (err, e, float(h))
+    return best[1], best[2]
+
+
+def pool(paths: list[str], hw) -> None:
+    """Print the shape laws fitted to the median efficiency of each GEMM shape over the runs in
+    ``paths`` (a single GPU's rates move by 5-10 % between runs): bf16's asymptote and both
+    half-dims; Float8's asymptote and reduction half-dim, its output half-dim the bf16 one
+    (``compute.gemm_efficiency``)."""
+    runs = [json.loads(open(p).read()) for p in paths]
+    shapes = [(g["dtype"], g["m"], g["k"], g["n"]) for g in runs[0]["gemms"]]
+    rates = {s: [g["efficiency"] for r in runs for g in r["gemms"] if (g["dtype"], g["m"], g["k"], g["n"]) == s]
+             for s in shapes}
+    print(f"{len(runs)} runs on {', '.join(sorted({r['device'] for r in runs}))}")
+    half_dim = None
+    for dtype in ("bf16", "fp8"):
+        med = [{"m": m, "k": k, "n": n, "efficiency": statistics.median(rates[(d, m, k, n)])}
+               for d, m, k, n in shapes if d == dtype]
+        law = fit_product_law(med, hw.peak_flops(dtype), hw.hbm_bw_gbps * 1e9 * hw.memory_efficiency,
+                              1 if dtype == "fp8" else 2, half_dim)
+        half_dim = law["half_dim"]
+        print(f"{dtype}: {law['efficiency']:.3f} * m/(m+{law['half_dim']:.0f}) * n/(n+{law['half_dim']:.0f}) * "
+              f"k/(k+{law['half_depth']:.0f}), rms log error {law['rms_log_error']:.3f} over the "
+              f"{law['shapes']} of {len(med)} shapes that are compute-bound")
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--profile", default="dgx-h100", help="profile whose datasheet peaks the rates are over")
+    ap.add_argument("--out", default=None, help="write the figures as JSON here")
+    ap.add_argument("--pool", nargs="+", metavar="RUN.json", default=None,
+                    help="measure nothing: fit the laws to the per-shape medians of these runs' GEMMs")
+    args = ap.parse_args()
+    hw = load_profile(args.profile)
+    if args.pool:
+        pool(args.pool, hw)
+        return
+    torch.backends.cuda.matmul.allow_tf32 = False
+    out: dict = {"device": torch.cuda.get_device_name(0), "torch": torch.__version__,
+                 "profile": hw.name, "peak_tflops": {"bf16": hw.peak_flops("bf16") / 1e12,
+                                                     "fp8": hw.peak_flops("fp8") / 1e12},
+                 "gemms": [], "laws": {}, "attention": [], "casts": []}
+    for dtype in ("bf16", "fp8"):
+        peak = hw.peak_flops(dtype)
+        ns: list[int] = []
+        effs: list[float] = []
+        for family, dims in FAMILIES.items():
+            for small in SMALL:
+                m, k, n = dims(small)
+                rate = gemm_rate(m, k, n, dtype)
+                out["gemms"].append({"dtype": dtype, "family": family, "m": m, "k": k, "n": n,
+                                     "tflops": rate / 1e12, "efficiency": rate / peak})
+                ns.append(small)
+                effs.append(rate / peak)
+                print(f"{dtype} {family:6s} m {m:5d} k {k:5d} n {n:5d}: {rate / 1e12:7.1f} TFLOP/s "
+                      f"({rate / peak:.3f} of peak)", flush=True)
+        e, h = fit_law(ns, effs)
+        law = fit_product_law([g for g in out["gemms"] if g["dtype"] == dtype], peak,
+                              hw.hbm_bw_gbps * 1e9 * hw.memory_efficiency, 1 if dtype == "fp8" else 2)
+        out["laws"][dtype] = {"smallest_dim": {"efficiency": e, "half_dim": h}, "product": law}
+        print(f"{dtype}: efficiency = {e:.3f} * n / (n + {h:.0f}) over the smallest dimension; "
+              f"{law['efficiency']:.3f} * m/(m+{law['half_dim']:.0f}) * n/(n+{law['half_dim']:.0f}) * "
+              f"k/(k+{law['half_depth']:.0f}), rms log error {law['rms_log_error']:.3f}", flush=True)
+    law = out["laws"]["bf16"]["product"]
+    out["linears"] = []
+    for t, i, o in LINEARS:
+        fwd, bwd = linear_times(t, i, o)
+        pred_f = gemm_time(t, i, o, law, hw)
+        pred_b = gemm_time(t, o, i, law, hw) + gemm_time(i, t, o, law, hw)
+        out["linears"].append({"tokens": t, "in": i, "out": o, "forward_s": fwd, "backward_s": bwd,
+                               "forward_predicted_s": pred_f, "backward_predicted_s": pred_b})
+        print(f"linear {t:5d} x {i:5d} -> {o:5d}: forward {fwd * 1e3:6.3f} ms (law {pred_f / fwd:.3f}x), "
+              f"backward {bwd * 1e3:6.3f} ms (law {pred_b / bwd:.3f}x; twice the forward "
+              f"{2 * fwd / bwd:.3f}x)", flush=True)
+    for shape in ATTENTION:
+        for backend in BACKENDS:
+            arate = attention_rate(shape, backend)
+            eff = None if arate is None else arate / hw.peak_flops("bf16")
+            out["attention"].append({"shape": list(shape), "backend": backend,
+                                     "tflops": None if arate is None else arate / 1e12, "efficiency": eff})
+            print(f"sdpa {backend:20s} {shape}: " + ("unavailable" if arate is None else
+                  f"{arate / 1e12:6.1f} TFLOP/s ({eff:.3f} of peak)"), flush=True)
+    for elements in (2 ** 24, 2 ** 27):
+        c = cast_rate(elements)
+        c["memory_efficiency"] = c["model_bytes_per_s"] / (hw.hbm_bw_gbps * 1e9)
+        c["compiled_memory_efficiency"] = c["compiled_model_bytes_per_s"] / (hw.hbm_bw_gbps * 1e9)
+        out["casts"].append(c)
+        print(f"fp8 cast of {elements} elements: eager {c['seconds'] * 1e3:.3f} ms, torch.compile "
+              f"{c['compiled_seconds'] * 1e3:.3f} ms: {c['memory_efficiency']:.3f} and "
+              f"{c['compiled_memory_efficiency']:.3f} of {args.profile}'s HBM at the model's 5 "
+              "bytes/element", flush=True)
+    if args.out:
+        with open(args.out, "w") as f:
+            json.dump(out, f, indent=1, sort_keys=True)
+
+
+if __name__ == "__main__":
+    main()
