@@ -109,6 +109,20 @@ def attention_rate(shape: tuple[int, int, int, int], backend: str) -> float | No
         return None
 
 
+def default_kernels(shape: tuple[int, int, int, int]) -> list[str]:
+    """The CUDA kernels a causal SDPA forward and backward runs with no backend forced (what
+    autopar's runtime calls): which backend torch picks on this device."""
+    b, h, s, d = shape
+    q, k, v = (torch.randn(b, h, s, d, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+               for _ in range(3))
+    F.scaled_dot_product_attention(q, k, v, is_causal=True).sum().backward()
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+        F.scaled_dot_product_attention(q, k, v, is_causal=True).sum().backward()
+        torch.cuda.synchronize()
+    names = {e.name for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA}
+    return sorted(n[:120] for n in names if any(w in n.lower() for w in ("attn", "fmha", "flash", "cudnn", "sdpa")))
+
+
 def cast_rate(elements: int) -> dict:
     """Bytes/s of a dynamic tensor-wise Float8 cast of a bf16 tensor, eager (amax, scale,
     clamp, cast): counted as the cost model counts it, 2 bytes read for the amax plus 2 read
@@ -214,7 +228,7 @@ def pool(paths: list[str], hw) -> None:
     """Print the shape laws fitted to the median efficiency of each GEMM shape over the runs in
     ``paths`` (a single GPU's rates move by 5-10 % between runs): bf16's asymptote and both
     half-dims; Float8's asymptote and reduction half-dim, its output half-dim the bf16 one
-    (``compute.gemm_efficiency``)."""
+    (``compute.gemm_efficiency``); each SDPA backend's sequence law (``fit_seq_law``)."""
     runs = [json.loads(open(p).read()) for p in paths]
     shapes = [(g["dtype"], g["m"], g["k"], g["n"]) for g in runs[0]["gemms"]]
     rates = {s: [g["efficiency"] for r in runs for g in r["gemms"] if (g["dtype"], g["m"], g["k"], g["n"]) == s]
@@ -230,6 +244,31 @@ def pool(paths: list[str], hw) -> None:
         print(f"{dtype}: {law['efficiency']:.3f} * m/(m+{law['half_dim']:.0f}) * n/(n+{law['half_dim']:.0f}) * "
               f"k/(k+{law['half_depth']:.0f}), rms log error {law['rms_log_error']:.3f} over the "
               f"{law['shapes']} of {len(med)} shapes that are compute-bound")
+    for backend in BACKENDS:
+        points: dict[int, list[float]] = {}
+        for r in runs:
+            for a in r["attention"]:
+                if a["backend"] == backend and a["efficiency"] and a["shape"][3] == 128:
+                    points.setdefault(a["shape"][2], []).append(a["efficiency"])
+        if points:
+            seqs = sorted(points)
+            e, half, rms = fit_seq_law(seqs, [statistics.median(points[q]) for q in seqs])
+            print(f"sdpa {backend}: {e:.3f} * s / (s + {half:.0f}) over seq {seqs[0]}-{seqs[-1]}, head dim 128, "
+                  f"rms log error {rms:.3f}")
+
+
+def fit_seq_law(seqs: list[int], effs: list[float]) -> tuple[float, float, float]:
+    """(e, S, rms log error) of e · s / (s + S) fitted to attention efficiencies over sequence
+    lengths (``HardwareProfile.attention_half_seq``; S on a grid of 0-8192 by 16, e its
+    closed-form optimum)."""
+    s, eff = np.array(seqs, float), np.log(np.array(effs))
+    best = (math.inf, 0.0, 0.0)
+    for half in np.arange(0.0, 8193.0, 16.0):
+        r = eff - np.log(s / (s + half))
+        err = float(((r - r.mean()) ** 2).sum())
+        if err < best[0]:
+            best = (err, float(np.exp(r.mean())), float(half))
+    return best[1], best[2], math.sqrt(best[0] / len(seqs))
 
 
 def main() -> None:
@@ -288,6 +327,8 @@ def main() -> None:
                                      "tflops": None if arate is None else arate / 1e12, "efficiency": eff})
             print(f"sdpa {backend:20s} {shape}: " + ("unavailable" if arate is None else
                   f"{arate / 1e12:6.1f} TFLOP/s ({eff:.3f} of peak)"), flush=True)
+    out["default_attention_kernels"] = default_kernels(ATTENTION[1])
+    print(f"sdpa with no backend forced runs: {out['default_attention_kernels']}", flush=True)
     for elements in (2 ** 24, 2 ** 27):
         c = cast_rate(elements)
         c["memory_efficiency"] = c["model_bytes_per_s"] / (hw.hbm_bw_gbps * 1e9)

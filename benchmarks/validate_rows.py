@@ -73,17 +73,22 @@ GRID = {
 """The constants ``fit`` may choose and their grids."""
 FIT_KEYS = {
     "A100": ("attention_efficiency:flash2", "attention_efficiency:triton", "overlap_penalty"),
-    "H100": ("matmul_efficiency", "attention_efficiency:triton",
-             "attention_efficiency:cudnn", "fp8_matmul_efficiency", "overlap_penalty"),
+    "H100": ("matmul_efficiency", "attention_efficiency:triton", "overlap_penalty"),
 }
+TIED = {"H100": {"fp8_matmul_efficiency": ("matmul_efficiency", 0.937)}}
+"""Constants that follow a fitted one by a measured ratio, per family: on one H100 deep
+Float8 GEMMs run at 0.665 of the fp8 peak where bf16 ones run at 0.71 of theirs (``python
+benchmarks/gpu_kernels.py --pool benchmarks/measured/gpu_kernels_h100_*.json``), so the fit
+moves the two together (rounded to the grid's 0.01)."""
 """What is fitted per family. A100's GEMM and element-wise efficiencies stay as the Megatron
 fit of Narayanan Table 1 and Korthikanti Tables 4-5 (``validate_published.py --fit``): refit
 over every source they would move to 0.74 / 0.58 and Korthikanti's worst row to 4.8 %, its
 1F1B and interleaved rows pulling opposite ways (a pipeline-model residual, not a GEMM one).
-H100 has no Megatron rows: its constants come from the rows that ran on it, except the
-element-wise efficiency, measured by ``autopar calibrate`` on an H100, and the GEMM shape law
-(``matmul_half_dim``, ``matmul_half_depth``), measured by ``gpu_kernels.py`` on one (dgx-h100's
-notes). A constant no training row exercises (``_exercised``: 16-bit GEMMs in a fold of FP8
+H100 has no Megatron rows: its constants come from the rows that ran on it, except what was
+measured on one H100 (dgx-h100's notes): the element-wise efficiency (``autopar calibrate``),
+the GEMM shape law (``matmul_half_dim``, ``matmul_half_depth``), the cuDNN and FlashAttention-2
+kernels' efficiencies and sequence laws, and the Float8 GEMMs' ratio to the 16-bit ones
+(``TIED``; all ``gpu_kernels.py``). A constant no training row exercises (``_exercised``: 16-bit GEMMs in a fold of FP8
 rows only) keeps its shipped value, so that fold is not out-of-sample for it. On A100 the
 one-dimension shape law and ``kernel_dispatch_us`` were tried (0-800, 0-40 us) and fitted to 0;
 no A100 has measured the two-dimension one."""
@@ -267,6 +272,11 @@ def _exercised(key: str, sources: list[Source], kernels: set[str]) -> bool:
     return True
 
 
+def tied(values: dict[str, float], family: str) -> dict[str, float]:
+    """``values`` with the constants ``TIED`` sets in ``family`` recomputed from theirs."""
+    return {**values, **{key: round(ratio * values[src], 2) for key, (src, ratio) in TIED.get(family, {}).items()}}
+
+
 def fit(sources: list[Source], models: Models, sweeps: int = 2) -> dict[str, HardwareProfile]:
     """Per family, the grid values of ``GRID`` minimising ``objective`` on ``sources`` by
     coordinate descent from the shipped constants (``sweeps`` passes over the parameters).
@@ -286,13 +296,13 @@ def fit(sources: list[Source], models: Models, sweeps: int = 2) -> dict[str, Har
             for key in keys:
                 best: tuple[float, float] | None = None
                 for value in [current[key]] + GRID[key]:
-                    trial = {**current, key: value}
+                    trial = tied({**current, key: value}, family)
                     trial_hws = {**hws, **{n: with_constants(hws[n], trial) for n in names}}
                     score = objective(evaluate(rows, trial_hws, models))
                     if best is None or score < best[0] - 1e-12:
                         best = (score, value)
                 assert best is not None
-                current[key] = best[1]
+                current = tied({**current, key: best[1]}, family)
         hws.update({n: with_constants(hws[n], current) for n in names})
     return hws
 
@@ -310,8 +320,8 @@ def summary(results: list[Result]) -> dict[str, tuple[int, float, float]]:
     return out
 
 
-DOCUMENTED = {"dgx-h100": ("flash2",), "dgx-a100-80g": ("cudnn",), "dgx-a100-40g": ("cudnn",)}
-"""Kernels whose ``attention_efficiency`` a profile takes from documentation, not from a fit
+DOCUMENTED = {"dgx-h100": ("flash2", "cudnn"), "dgx-a100-80g": ("cudnn",), "dgx-a100-40g": ("cudnn",)}
+"""Kernels whose ``attention_efficiency`` a profile takes from documentation or a measurement, not a fit
 (its notes say which): usable as out-of-sample priors."""
 
 

@@ -288,7 +288,7 @@ def block_gemm_s(model: ModelProfile, hw: HardwareProfile, strat: Strategy,
     weights, core = block_gemms(model, strat)
     attn_flops = tokens * model.block_attn_flops_per_token / strat.mesh.tp
     if fused(strat):
-        eff = hw.attention_eff(strat.recipe.attention_kernel)
+        eff = hw.attention_eff(strat.recipe.attention_kernel, model.seq / strat.mesh.cp)
         core_s = attn_flops * causal_fraction(model.seq) / (hw.peak_flops(strat.dtype) * eff)
         core_s *= FLASH_BWD_RATIO if backward else 1.0
     else:

@@ -80,7 +80,18 @@ class HardwareProfile:
     """Fraction of dense peak a fused attention kernel family reaches on its executed FLOPs,
     forward and backward alike (``flash2``: FlashAttention-2 as torch SDPA dispatches it,
     ``cudnn``: cuDNN / FlashAttention-3-class fused attention, ``triton``: FlashAttention's
-    Triton kernel as MPT/llm-foundry ran it)."""
+    Triton kernel as MPT/llm-foundry ran it): at long sequences where ``attention_half_seq``
+    gives the family a half-length."""
+    sdpa_kernel: str = "flash2"
+    """The fused kernel family torch's ``scaled_dot_product_attention`` dispatches here (what
+    the recipes' ``sdpa`` kernel means, unless ``attention_efficiency`` measured ``sdpa``
+    itself): FlashAttention-2 on A100 and CPU flash on CPU; cuDNN on sm90/sm100 (H100, H200,
+    B200), which torch puts first where cuDNN is 9.15 or newer (``sdp_utils.cpp``,
+    ``check_prefer_cudnn_attention``; seen on an H100 with torch 2.11)."""
+    attention_half_seq: dict[str, float] = field(default_factory=dict)
+    """Sequence law of a fused attention kernel family: at s tokens per sequence (per context-
+    parallel rank) it reaches ``attention_efficiency · s / (s + S)``, S its value here (a row
+    block's fixed work amortised over the keys it visits); a family not listed has none."""
     overlap_penalty: float = 0.0
     """Fraction of a collective's time that still costs the compute it overlaps with (its
     kernels occupy SMs and HBM bandwidth): 0 is perfect overlap, 1 none."""
@@ -135,16 +146,23 @@ class HardwareProfile:
             raise ProfileError(f"profile {self.name!r}: price_per_gpu_hour must be >= 0")
         if any(not 0.0 < e <= 1.0 for e in self.attention_efficiency.values()):
             raise ProfileError(f"profile {self.name!r}: attention_efficiency values must be in (0, 1]")
+        if any(not 0.0 <= x < math.inf for x in self.attention_half_seq.values()):
+            raise ProfileError(f"profile {self.name!r}: attention_half_seq values must be tokens >= 0")
 
     @property
     def memory_bytes(self) -> float:
         """What a plan may fill with tensors: the device memory less the allocator headroom."""
         return self.memory_gib * 2**30 * (1.0 - self.allocator_headroom)
 
-    def attention_eff(self, kernel: str) -> float:
-        """``attention_efficiency`` of a fused kernel family; a profile without it prices
-        fused attention at ``matmul_efficiency``."""
-        return self.attention_efficiency.get(kernel, self.matmul_efficiency)
+    def attention_eff(self, kernel: str, seq: float = math.inf) -> float:
+        """``attention_efficiency`` of a fused kernel family at ``seq`` tokens per sequence
+        (``attention_half_seq``; the default: its long-sequence value); a profile without it
+        prices fused attention at ``matmul_efficiency``."""
+        if kernel == "sdpa" and kernel not in self.attention_efficiency:
+            kernel = self.sdpa_kernel
+        eff = self.attention_efficiency.get(kernel, self.matmul_efficiency)
+        half = self.attention_half_seq.get(kernel, 0.0)
+        return eff * seq / (seq + half) if half and seq < math.inf else eff
 
     @property
     def host_memory_bytes(self) -> float:
@@ -286,6 +304,11 @@ def profile_from_dict(data: Any) -> HardwareProfile:
             if not isinstance(value, str) or not value.strip() or "\n" in value:
                 raise ProfileError(f"profile {where}: {key} must be a non-empty one-line string, got {_shown(value)}")
             out[key] = value
+        elif key == "sdpa_kernel":
+            if not isinstance(value, str) or not value.strip() or value == "sdpa":
+                raise ProfileError(f"profile {where}: sdpa_kernel must name a fused attention kernel family "
+                                   f"(flash2, cudnn, ...), got {_shown(value)}")
+            out[key] = value
         elif key == "launcher":
             if value not in LAUNCHERS:
                 raise ProfileError(f"profile {where}: launcher must be one of {', '.join(LAUNCHERS)}, got {_shown(value)}")
@@ -311,6 +334,10 @@ def profile_from_dict(data: Any) -> HardwareProfile:
             effs = _object(value, key, where)
             out[key] = {k: _number(f"attention_efficiency[{_shown(k)}]", where, v, (_EFF, 1.0, "(a fraction)"))
                         for k, v in effs.items()}
+        elif key == "attention_half_seq":
+            halves = _object(value, key, where)
+            out[key] = {k: _number(f"attention_half_seq[{_shown(k)}]", where, v, (0.0, 1e7, "tokens"))
+                        for k, v in halves.items()}
         elif key == "notes":
             notes = _object(value, key, where)
             if any(not isinstance(v, str) for v in notes.values()):

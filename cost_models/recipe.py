@@ -95,8 +95,9 @@ class ExecutionRecipe:
     attention: Attention
     attention_kernel: str = "flash2"
     """The fused kernel family (a key of the profile's ``attention_efficiency``): ``flash2``
-    (FlashAttention-2, what torch SDPA runs on CUDA), ``cudnn`` (cuDNN / FA3-class) or
-    ``triton`` (FlashAttention's Triton kernel)."""
+    (FlashAttention-2), ``cudnn`` (cuDNN / FA3-class), ``triton`` (FlashAttention's Triton
+    kernel) or ``sdpa`` (whichever torch's scaled_dot_product_attention dispatches on the
+    device: the profile's ``sdpa_kernel``)."""
     state: str
     """Training-state layout (``cost_models.memory.STATE_LAYOUTS``): ``megatron`` 16-bit
     weights + fp32 gradients + fp32 master and moments (2 + 4 + 12 bytes per parameter),

@@ -262,10 +262,12 @@ NEAR_PROFILE: dict[str, st.SearchStrategy[Any]] = {
                    st.sampled_from([0, 0.0, -1.0, 1e-9, 1e-3, 0.5, 1.0, 1.5, 1e6, 1e7, "80"]))
     for key in ("memory_gib", "hbm_bw_gbps", "matmul_efficiency", "memory_efficiency", "reserve_gib",
                 "nccl_gib_per_group", "allocator_headroom", "overlap_penalty", "kernel_dispatch_us",
-                "matmul_half_dim", "matmul_half_depth", "fp8_matmul_half_depth", "host_memory_gib", "host_link_bw_gbps", "host_optimizer_gbps",
+                "matmul_half_dim", "matmul_half_depth", "fp8_matmul_half_depth", "host_memory_gib",
+                "host_link_bw_gbps", "host_optimizer_gbps",
                 "fp8_matmul_efficiency", "optimizer_memory_efficiency", "intra_node.bw_gbps",
                 "intra_node.latency_us", "intra_node.efficiency", "inter_node.bw_gbps", "inter_node.latency_us",
-                "inter_node.p2p_bw_gbps", "peak_tflops.fp32", "peak_tflops.bf16", "attention_efficiency.flash2")}
+                "inter_node.p2p_bw_gbps", "peak_tflops.fp32", "peak_tflops.bf16", "attention_efficiency.flash2",
+                "attention_half_seq.cudnn")}
 NEAR_PROFILE["devices_per_node"] = st.one_of(ints, st.sampled_from([True, 8.0, "8"]))
 NEAR_PROFILE["launcher"] = st.sampled_from(["nccl", "gloo", "mpi", "", None])
 NEAR_PROFILE["peak_tflops"] = st.dictionaries(st.sampled_from(["bf16", "fp16", "fp32", "fp8", "int8"]),

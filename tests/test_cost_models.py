@@ -260,6 +260,43 @@ def test_block_time_roofline_and_recompute_order():
     assert sp.forward_s < none.forward_s  # SP splits the replicated element-wise work
 
 
+def test_fused_attention_follows_its_kernels_sequence_law():
+    """A fused kernel with a half-length S runs at efficiency · s / (s + S) at s tokens per
+    rank (under CP, s = seq / cp); a family without one, and the fit's constants, at the
+    long-sequence value."""
+    h100 = load_profile("dgx-h100")
+    law = dataclasses.replace(h100, attention_efficiency={"cudnn": 0.6, "flash2": 0.3},
+                              attention_half_seq={"cudnn": 2048.0})
+    assert law.attention_eff("cudnn", 2048) == pytest.approx(0.3)
+    assert law.attention_eff("cudnn") == 0.6 and law.attention_eff("flash2", 2048) == 0.3
+    te = Strategy(recipe=load_recipe("megatron-core-te"), micro_batch=1)
+    short, long = gpt(2, 4096, 32, seq=2048), gpt(2, 4096, 32, seq=8192)
+    flat = dataclasses.replace(law, attention_half_seq={})
+    for model, factor in ((short, 0.5), (long, 0.8)):
+        core, flat_core = compute.block_gemm_s(model, law, te)[1], compute.block_gemm_s(model, flat, te)[1]
+        assert core == pytest.approx(flat_core / factor)
+    cp = dataclasses.replace(te, mesh=Degrees(cp=4))
+    assert compute.block_gemm_s(long, law, cp)[1] == pytest.approx(compute.block_gemm_s(long, flat, cp)[1] / 0.5)
+    from cost_models.hardware import PROFILE_DIR, profile_from_dict
+    with pytest.raises(ProfileError, match="attention_half_seq"):
+        data = json.loads((PROFILE_DIR / "dgx-h100.json").read_text())
+        profile_from_dict({**data, "attention_half_seq": {"cudnn": -1}})
+
+
+def test_the_autopar_recipe_prices_the_kernel_sdpa_dispatches_on_the_device():
+    """``sdpa`` is the profile's ``sdpa_kernel`` (cuDNN on H100, FlashAttention-2 on A100)
+    unless the profile measured ``sdpa`` itself (``autopar profile``: cpu-local)."""
+    h100, cpu = load_profile("dgx-h100"), load_profile("cpu-local")
+    assert h100.sdpa_kernel == "cudnn" and A100.sdpa_kernel == "flash2"
+    assert h100.attention_eff("sdpa", 4096) == h100.attention_eff("cudnn", 4096) < h100.attention_eff("cudnn")
+    assert A100.attention_eff("sdpa") == A100.attention_eff("flash2")
+    assert cpu.attention_eff("sdpa") == cpu.attention_efficiency["sdpa"]
+    model = gpt(2, 4096, 32, seq=4096)
+    mine, cudnn = (Strategy(recipe=dataclasses.replace(load_recipe("autopar"), attention_kernel=k))
+                   for k in ("sdpa", "cudnn"))
+    assert compute.block_gemm_s(model, h100, mine) == compute.block_gemm_s(model, h100, cudnn)
+
+
 def test_gemm_shape_law_and_roofline():
     hw = dataclasses.replace(A100, matmul_efficiency=0.8, matmul_half_dim=100.0, matmul_half_depth=300.0)
     thin_out = compute.Gemm(batch=1, m=8192, n=100, k=8192)
@@ -574,8 +611,10 @@ def test_cp_divides_activations_and_attention_flops_and_keeps_cp_1():
         s = Strategy(recipe=TE, mesh=Degrees(tp=2, dp=4, cp=cp))
         assert memory.block_act_bytes(model, s) == pytest.approx(memory.block_act_bytes(model, one) / cp)
         assert memory.last_act_bytes(model, s) == pytest.approx(memory.last_act_bytes(model, one) / cp)
-        core, core1 = compute.block_gemm_s(model, H100, s)[1], compute.block_gemm_s(model, H100, one)[1]
+        flat = dataclasses.replace(H100, attention_half_seq={})  # no sequence law: exactly 1/cp
+        core, core1 = compute.block_gemm_s(model, flat, s)[1], compute.block_gemm_s(model, flat, one)[1]
         assert core == pytest.approx(core1 / cp)
+        assert compute.block_gemm_s(model, H100, s)[1] > compute.block_gemm_s(model, H100, one)[1] / cp
         # ZeRO shards over dp x cp (the weights are replicated over cp).
         z = dataclasses.replace(s, zero=1)
         assert memory.state_bytes(1e9, z).optimizer == pytest.approx(12e9 / (4 * cp))

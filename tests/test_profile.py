@@ -43,7 +43,7 @@ def test_profile_writes_a_profile_the_cost_model_uses(tmp_path):
     # the reference run refitted the efficiencies (autopar.calibrate), and said so
     assert "reference gpt:" in data["notes"]["calibrated"] and 0 < hw.memory_efficiency <= 1
     assert hw.host_overlaps_device is False and hw.kernel_dispatch_us > 0
-    assert 0 < hw.attention_efficiency["flash2"] <= 1  # the autopar recipe's SDPA, measured
+    assert 0 < hw.attention_efficiency["sdpa"] <= 1  # the autopar recipe's SDPA, measured
     assert hw.ranks_per_core >= 1  # 2 ranks of 1 thread over the machine's cores
     assert hw.fsdp_hook_us > 0  # FSDP2 hooks per group and micro-batch, measured
     assert 0 < hw.optimizer_memory_efficiency <= 1
