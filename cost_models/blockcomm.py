@@ -67,7 +67,7 @@ def block_tp_s(model: ModelProfile, hw: HardwareProfile, strat: Strategy,
         fwd -= 2 * (comm.all_gather_s(vol, g) - comm.all_gather_s(vol / compute.elem_bytes(strat), g))
     if strat.recipe.tp_comm_overlap:
         # Every collective pipelined with the GEMM it feeds or follows (Transformer Engine's
-        # userbuffers): what is longer than the forward's GEMMs (backward: twice them) shows.
+        # userbuffers): what is longer than the pass's GEMMs (backward: the gradients') shows.
         gemms_fwd, _ = compute.block_gemm_s(model, hw, strat)
         gemms_bwd, _ = compute.block_gemm_s(model, hw, strat, backward=True)
         fwd = comm.exposed_s(fwd, gemms_fwd, hw)

@@ -25,7 +25,9 @@ and AV (selective).
 The execution recipe (``Strategy.recipe``) sets what runs: with fused attention the core is
 one FlashAttention-style kernel that skips the masked causal blocks (it executes
 ``(s + FLASH_TILE) / 2s`` of the QKᵀ and AV FLOPs) at the profile's ``attention_efficiency``
-of its kernel family, moves no s x s bytes, and runs its backward as 2.5 times the forward's
+of its kernel family (``sdpa``: the one torch dispatches on the device), scaled by the
+family's sequence law at seq / cp tokens (``attention_half_seq``), moves no s x s bytes, and
+runs its backward as 2.5 times the forward's
 FLOPs (FlashAttention-2 recomputes QKᵀ and the probabilities: five GEMMs against two);
 ``elementwise_traffic`` scales the element-wise bytes (eager unfused norms and activations move
 more than Megatron's fused kernels). A pass of a block can be no faster than the host
