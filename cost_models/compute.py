@@ -7,7 +7,7 @@ efficiency of an (m x k) @ (k x n) GEMM follows the profile's shape law,
 ``matmul_efficiency · m / (m + H) · n / (n + H) · k / (k + D)`` (H ``matmul_half_dim``, D
 ``matmul_half_depth``: a thin output cannot fill the tensor cores, a shallow reduction cannot
 hide a tile's loads and epilogue; ``benchmarks/gpu_kernels.py`` measures both: on an H100 H is
-0 and D 112, so a k = 512 reduction runs at 0.82 of a deep one). The backward
+8 and D 112, so a k = 512 reduction runs at 0.82 of a deep one). The backward
 runs each GEMM's two gradients at their own shapes: the input gradient (m x n) @ (n x k) and
 the weight gradient (k x m) @ (m x n), whose reduction is the tokens. The times are scaled to
 the profile's own FLOP counts, so an architecture with other GEMMs keeps the traced FLOPs at
