@@ -1,16 +1,16 @@
-"""The kernel rates a GPU profile's constants stand for, measured on the local GPU: GEMMs over
-their smallest dimension (bf16, and fp8 through ``torch._scaled_mm`` with tensor-wise scales,
-as torchao's Float8Linear and Transformer Engine's delayed scaling run them), each fused SDPA
-backend's causal forward and backward, and the dynamic Float8 cast.
+"""The kernel rates a GPU profile's constants stand for, measured on the local GPU: GEMMs with
+one small dimension (bf16, and fp8 through ``torch._scaled_mm`` with tensor-wise scales, as
+torchao's Float8Linear and Transformer Engine's delayed scaling run them), each fused SDPA
+backend's causal forward and backward, the kernels an unforced SDPA runs, and the dynamic
+Float8 cast.
 
     python benchmarks/gpu_kernels.py --out gpu_kernels.json     # one GPU, about a minute
     python benchmarks/gpu_kernels.py --pool benchmarks/measured/gpu_kernels_h100_*.json  # the fit
 
 For each dtype it fits the cost model's GEMM shape law (``cost_models.compute.gemm_efficiency``),
 e · m/(m+H) · n/(n+H) · k/(k+D) for an (m x k) @ (k x n) product, to the rates of three
-families of shapes with one dimension small (few tokens; a tp-split output; a tp-split input),
-and beside it the older one-dimension law e · n / (n + h) over the smallest; then checks the
-bf16 law out of sample on transformer linears' forward and backward (input and weight
+families of shapes with one dimension small (few tokens; a tp-split output; a tp-split input);
+then checks the bf16 law out of sample on transformer linears' forward and backward (input and weight
 gradients at their own shapes).
 Rates are FLOP/s over the datasheet peak of ``--profile`` (default dgx-h100), counted as the
 cost model counts them (attention: ``compute.causal_fraction`` of 4·b·h·s²·d forward and
@@ -211,39 +211,32 @@ def compute_bound(gemms: list[dict], peak: float, elem: float) -> list[dict]:
     return out
 
 
-def fit_law(ns: list[int], effs: list[float]) -> tuple[float, float]:
-    """(e, h) minimising the squared log error of e · n / (n + h) over the points (h on a grid
-    of 0-2048, e its closed-form optimum for each h)."""
-    best = (math.inf, 0.0, 0.0)
-    for h in np.arange(0.0, 2048.5, 1.0):
-        r = np.log(np.array(effs)) - np.log(np.array(ns) / (np.array(ns) + h))
-        e = float(np.exp(r.mean()))
-        err = float(((r - r.mean()) ** 2).sum())
-        if err < best[0]:
-            best = (err, e, float(h))
-    return best[1], best[2]
-
-
-def pool(paths: list[str], hw) -> None:
-    """Print the shape laws fitted to the median efficiency of each GEMM shape over the runs in
-    ``paths`` (a single GPU's rates move by 5-10 % between runs): bf16's asymptote and both
-    half-dims; Float8's asymptote and reduction half-dim, its output half-dim the bf16 one
-    (``compute.gemm_efficiency``); each SDPA backend's sequence law (``fit_seq_law``)."""
-    runs = [json.loads(open(p).read()) for p in paths]
+def fit_laws(runs: list[dict], hw) -> dict[str, dict]:
+    """Per dtype, the shape law (``fit_product_law``) fitted to the median efficiency of each
+    GEMM shape over ``runs`` (a single GPU's rates move by 5-10 % between runs): bf16's
+    asymptote and both half-dims; Float8's asymptote and reduction half-dim, its output
+    half-dim the bf16 one (``compute.gemm_efficiency``)."""
     shapes = [(g["dtype"], g["m"], g["k"], g["n"]) for g in runs[0]["gemms"]]
     rates = {s: [g["efficiency"] for r in runs for g in r["gemms"] if (g["dtype"], g["m"], g["k"], g["n"]) == s]
              for s in shapes}
-    print(f"{len(runs)} runs on {', '.join(sorted({r['device'] for r in runs}))}")
-    half_dim = None
+    laws: dict[str, dict] = {}
     for dtype in ("bf16", "fp8"):
         med = [{"m": m, "k": k, "n": n, "efficiency": statistics.median(rates[(d, m, k, n)])}
                for d, m, k, n in shapes if d == dtype]
-        law = fit_product_law(med, hw.peak_flops(dtype), hw.hbm_bw_gbps * 1e9 * hw.memory_efficiency,
-                              1 if dtype == "fp8" else 2, half_dim)
-        half_dim = law["half_dim"]
+        laws[dtype] = law = fit_product_law(med, hw.peak_flops(dtype), hw.hbm_bw_gbps * 1e9 * hw.memory_efficiency,
+                                            1 if dtype == "fp8" else 2, laws["bf16"]["half_dim"] if laws else None)
         print(f"{dtype}: {law['efficiency']:.3f} * m/(m+{law['half_dim']:.0f}) * n/(n+{law['half_dim']:.0f}) * "
               f"k/(k+{law['half_depth']:.0f}), rms log error {law['rms_log_error']:.3f} over the "
-              f"{law['shapes']} of {len(med)} shapes that are compute-bound")
+              f"{law['shapes']} of {len(med)} shapes that are compute-bound", flush=True)
+    return laws
+
+
+def pool(paths: list[str], hw) -> None:
+    """Print the shape laws (``fit_laws``) and each SDPA backend's sequence law
+    (``fit_seq_law``) of the runs in ``paths``."""
+    runs = [json.loads(open(p).read()) for p in paths]
+    print(f"{len(runs)} runs on {', '.join(sorted({r['device'] for r in runs}))}")
+    fit_laws(runs, hw)
     for backend in BACKENDS:
         points: dict[int, list[float]] = {}
         for r in runs:
@@ -286,29 +279,19 @@ def main() -> None:
     out: dict = {"device": torch.cuda.get_device_name(0), "torch": torch.__version__,
                  "profile": hw.name, "peak_tflops": {"bf16": hw.peak_flops("bf16") / 1e12,
                                                      "fp8": hw.peak_flops("fp8") / 1e12},
-                 "gemms": [], "laws": {}, "attention": [], "casts": []}
+                 "gemms": [], "attention": [], "casts": []}
     for dtype in ("bf16", "fp8"):
         peak = hw.peak_flops(dtype)
-        ns: list[int] = []
-        effs: list[float] = []
         for family, dims in FAMILIES.items():
             for small in SMALL:
                 m, k, n = dims(small)
                 rate = gemm_rate(m, k, n, dtype)
                 out["gemms"].append({"dtype": dtype, "family": family, "m": m, "k": k, "n": n,
                                      "tflops": rate / 1e12, "efficiency": rate / peak})
-                ns.append(small)
-                effs.append(rate / peak)
                 print(f"{dtype} {family:6s} m {m:5d} k {k:5d} n {n:5d}: {rate / 1e12:7.1f} TFLOP/s "
                       f"({rate / peak:.3f} of peak)", flush=True)
-        e, h = fit_law(ns, effs)
-        law = fit_product_law([g for g in out["gemms"] if g["dtype"] == dtype], peak,
-                              hw.hbm_bw_gbps * 1e9 * hw.memory_efficiency, 1 if dtype == "fp8" else 2)
-        out["laws"][dtype] = {"smallest_dim": {"efficiency": e, "half_dim": h}, "product": law}
-        print(f"{dtype}: efficiency = {e:.3f} * n / (n + {h:.0f}) over the smallest dimension; "
-              f"{law['efficiency']:.3f} * m/(m+{law['half_dim']:.0f}) * n/(n+{law['half_dim']:.0f}) * "
-              f"k/(k+{law['half_depth']:.0f}), rms log error {law['rms_log_error']:.3f}", flush=True)
-    law = out["laws"]["bf16"]["product"]
+    out["laws"] = fit_laws([out], hw)
+    law = out["laws"]["bf16"]
     out["linears"] = []
     for t, i, o in LINEARS:
         fwd, bwd = linear_times(t, i, o)
