@@ -44,8 +44,8 @@ LINEARS = ((8192, 4096, 6144), (8192, 4096, 28672), (8192, 14336, 4096), (8192, 
            (2048, 8192, 8192), (4096, 2048, 2048))
 """(tokens, in, out) of the bf16 linears whose forward and backward check the fitted law out
 of sample: Llama-3 8B's at tp 1 and 8, a 760M GPT's, few tokens, a 1B GPT's."""
-ATTENTION = ((4, 32, 2048, 128), (2, 32, 4096, 128), (1, 32, 8192, 128), (1, 16, 16384, 128),
-             (4, 32, 2048, 64))
+ATTENTION = ((16, 32, 512, 128), (8, 32, 1024, 128), (4, 32, 2048, 128), (2, 32, 4096, 128),
+             (1, 32, 8192, 128), (1, 16, 16384, 128), (4, 32, 2048, 64))
 """(batch, heads, sequence, head dim) of the causal SDPA shapes timed."""
 BACKENDS = ("FLASH_ATTENTION", "CUDNN_ATTENTION", "EFFICIENT_ATTENTION")
 E4M3_MAX = 448.0
@@ -237,6 +237,16 @@ def pool(paths: list[str], hw) -> None:
     runs = [json.loads(open(p).read()) for p in paths]
     print(f"{len(runs)} runs on {', '.join(sorted({r['device'] for r in runs}))}")
     fit_laws(runs, hw)
+    for backend, (e, half, rms, seqs) in seq_laws(runs).items():
+        print(f"sdpa {backend}: {e:.3f} * s / (s + {half:.0f}) over seq {seqs[0]}-{seqs[-1]}, head dim 128, "
+              f"rms log error {rms:.3f}")
+
+
+def seq_laws(runs: list[dict]) -> dict[str, tuple[float, float, float, list[int]]]:
+    """Per SDPA backend, (e, S, rms log error, the sequence lengths) of its sequence law
+    (``fit_seq_law``) fitted to the median efficiency at each length over ``runs``, head dim
+    128."""
+    out = {}
     for backend in BACKENDS:
         points: dict[int, list[float]] = {}
         for r in runs:
@@ -245,9 +255,8 @@ def pool(paths: list[str], hw) -> None:
                     points.setdefault(a["shape"][2], []).append(a["efficiency"])
         if points:
             seqs = sorted(points)
-            e, half, rms = fit_seq_law(seqs, [statistics.median(points[q]) for q in seqs])
-            print(f"sdpa {backend}: {e:.3f} * s / (s + {half:.0f}) over seq {seqs[0]}-{seqs[-1]}, head dim 128, "
-                  f"rms log error {rms:.3f}")
+            out[backend] = (*fit_seq_law(seqs, [statistics.median(points[q]) for q in seqs]), seqs)
+    return out
 
 
 def fit_seq_law(seqs: list[int], effs: list[float]) -> tuple[float, float, float]:
@@ -310,7 +319,7 @@ def main() -> None:
                                      "tflops": None if arate is None else arate / 1e12, "efficiency": eff})
             print(f"sdpa {backend:20s} {shape}: " + ("unavailable" if arate is None else
                   f"{arate / 1e12:6.1f} TFLOP/s ({eff:.3f} of peak)"), flush=True)
-    out["default_attention_kernels"] = default_kernels(ATTENTION[1])
+    out["default_attention_kernels"] = default_kernels(ATTENTION[3])
     print(f"sdpa with no backend forced runs: {out['default_attention_kernels']}", flush=True)
     for elements in (2 ** 24, 2 ** 27):
         c = cast_rate(elements)
