@@ -75,11 +75,6 @@ FIT_KEYS = {
     "A100": ("attention_efficiency:flash2", "attention_efficiency:triton", "overlap_penalty"),
     "H100": ("matmul_efficiency", "attention_efficiency:triton", "overlap_penalty"),
 }
-TIED = {"H100": {"fp8_matmul_efficiency": ("matmul_efficiency", 0.936)}}
-"""Constants that follow a fitted one by a measured ratio, per family: on one H100 deep
-Float8 GEMMs run at 0.660 of the fp8 peak where bf16 ones run at 0.705 of theirs (``python
-benchmarks/gpu_kernels.py --pool benchmarks/measured/gpu_kernels_h100_*.json``), so the fit
-moves the two together (rounded to the grid's 0.01)."""
 """What is fitted per family. A100's GEMM and element-wise efficiencies stay as the Megatron
 fit of Narayanan Table 1 and Korthikanti Tables 4-5 (``validate_published.py --fit``): refit
 over every source they would move to 0.74 / 0.58 and Korthikanti's worst row to 4.8 %, its
@@ -88,10 +83,15 @@ H100 has no Megatron rows: its constants come from the rows that ran on it, exce
 measured on one H100 (dgx-h100's notes): the element-wise efficiency (``autopar calibrate``),
 the GEMM shape law (``matmul_half_dim``, ``matmul_half_depth``), the cuDNN and FlashAttention-2
 kernels' efficiencies and sequence laws, and the Float8 GEMMs' ratio to the 16-bit ones
-(``TIED``; all ``gpu_kernels.py``). A constant no training row exercises (``_exercised``: 16-bit GEMMs in a fold of FP8
-rows only) keeps its shipped value, so that fold is not out-of-sample for it. On A100 the
-one-dimension shape law and ``kernel_dispatch_us`` were tried (0-800, 0-40 us) and fitted to 0;
-no A100 has measured the two-dimension one."""
+(``TIED``; all ``gpu_kernels.py``). A constant no training row exercises (``_exercised``:
+16-bit GEMMs in a fold of FP8 rows only) keeps its shipped value, so that fold is not
+out-of-sample for it. On A100 the one-dimension shape law and ``kernel_dispatch_us`` were
+tried (0-800, 0-40 us) and fitted to 0; no A100 has measured the two-dimension one."""
+TIED = {"H100": {"fp8_matmul_efficiency": ("matmul_efficiency", 0.936)}}
+"""Constants that follow a fitted one by a measured ratio, per family: on one H100 deep
+Float8 GEMMs run at 0.660 of the fp8 peak where bf16 ones run at 0.705 of theirs (``python
+benchmarks/gpu_kernels.py --pool benchmarks/measured/gpu_kernels_h100_*.json``), so the fit
+moves the two together (rounded to the grid's 0.01)."""
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True, slots=True)
@@ -321,8 +321,8 @@ def summary(results: list[Result]) -> dict[str, tuple[int, float, float]]:
 
 
 DOCUMENTED = {"dgx-h100": ("flash2", "cudnn"), "dgx-a100-80g": ("cudnn",), "dgx-a100-40g": ("cudnn",)}
-"""Kernels whose ``attention_efficiency`` a profile takes from documentation or a measurement, not a fit
-(its notes say which): usable as out-of-sample priors."""
+"""Kernels whose ``attention_efficiency`` a profile takes from documentation or a measurement,
+not from a fit (its notes say which): usable as out-of-sample priors."""
 
 
 KERNEL_PRIORS = {"triton": ("flash2", 1.83)}
