@@ -61,9 +61,15 @@ REFERENCE_STEPS = 10
 """Steps of the reference run: 2 warm-up, 5 timed, 3 profiled (``autopar.calibrate``)."""
 
 
+BANDWIDTH_FLOOR = 0.01
+"""Least share of the largest timed collective's time ``fit_collectives`` gives its bandwidth
+term: below it the noise of a loaded machine, not the link, sets the fitted β."""
+
+
 def fit_collectives(rows: list[tuple[str, int, float]], world: int) -> tuple[float, float, float]:
     """(α s, β bytes/s, reduce-scatter factor) of ``rows`` (kind, bytes, seconds) under the
-    cost model's formulas: α and β fitted on the all-reduces and all-gathers, the factor the
+    cost model's formulas: α and β fitted on the all-reduces and all-gathers (β at most the
+    rate that leaves ``BANDWIDTH_FLOOR`` of the largest one's time to its bytes), the factor the
     median ratio of each reduce-scatter to its ring formula under them (gloo reduces the whole
     buffer: about 2; NCCL's ring: about 1)."""
     from cost_models import comm
@@ -77,7 +83,12 @@ def fit_collectives(rows: list[tuple[str, int, float]], world: int) -> tuple[flo
     # Relative error is what a plan's estimate feels: weight each row by 1/t.
     weights = 1.0 / np.maximum(times, 1e-9)
     alpha, inv_beta = _nonnegative_lstsq(design * weights[:, None], times * weights)
-    beta = 1.0 / max(inv_beta, 1e-30)
+    # Where latency alone explains the times (a loaded machine's noise swamps the bytes), the
+    # bandwidth term is below the noise: it is priced at BANDWIDTH_FLOOR of the largest
+    # transfer's time, never as infinite bandwidth (which no profile accepts).
+    largest = int(np.argmax(design[:, 1]))
+    cap = design[largest, 1] / (BANDWIDTH_FLOOR * max(float(times[largest]), 1e-9))
+    beta = min(1.0 / inv_beta, cap) if inv_beta > 0 else cap
     fitted = comm.Group(size=world, bw_bytes_s=beta, p2p_bytes_s=beta, latency_s=alpha, inter_node=False)
     ratios = [t / comm.reduce_scatter_s(b, fitted) for k, b, t in rows
               if k == "reduce_scatter" and comm.reduce_scatter_s(b, fitted) > 0]

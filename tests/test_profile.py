@@ -10,7 +10,7 @@ import pytest
 from typer.testing import CliRunner
 
 from autopar.cli import app
-from autopar.profile import failure, fit_collectives
+from autopar.profile import BANDWIDTH_FLOOR, failure, fit_collectives
 from autopar.profile_bench import SIZES
 from cost_models import comm, load_profile
 
@@ -28,6 +28,17 @@ def test_fit_recovers_alpha_beta_and_reduce_scatter_factor_of_the_cost_models_fo
     a, b, f = fit_collectives(rows, world)
     assert math.isclose(a, alpha, rel_tol=0.05) and math.isclose(b, beta, rel_tol=0.05)
     assert math.isclose(f, rs, rel_tol=0.05)
+
+
+def test_times_that_show_no_bandwidth_give_a_finite_bound_the_profile_accepts():
+    """On a loaded machine every collective can take the same time whatever its size: the fit
+    then finds no bandwidth term, and β leaves ``BANDWIDTH_FLOOR`` of the largest transfer's
+    time to its bytes, not infinity (which no profile accepts)."""
+    rows = [(kind, b, 2e-3) for b in SIZES for kind in ("all_reduce", "all_gather", "reduce_scatter")]
+    a, b, _ = fit_collectives(rows, 4)
+    largest = comm.all_reduce_s(SIZES[-1], comm.Group(size=4, bw_bytes_s=1.0, p2p_bytes_s=1.0, latency_s=0.0,
+                                                      inter_node=False))
+    assert b == pytest.approx(largest / (BANDWIDTH_FLOOR * 2e-3)) and 0 < b / 1e9 < 1e6 and a >= 0
 
 
 @pytest.mark.slow
