@@ -164,14 +164,15 @@ def gemm_time(m: float, k: float, n: float, law: dict, hw) -> float:
     return gemm_s(Gemm(batch=1, m=m, n=n, k=k), fitted, "bf16", 2)
 
 
-def fit_product_law(gemms: list[dict], peak: float, memory_bytes_s: float, elem: float,
-                    half_dim: float | None = None) -> dict:
-    """e, H, D minimising the squared log error of the cost model's GEMM time over ``gemms``:
-    the roofline ``compute.gemm_s``, the larger of the FLOPs at e · m/(m+H) · n/(n+H) · k/(k+D)
-    of ``peak`` and the operands' bytes (``elem`` each) at ``memory_bytes_s`` (H on a grid of
-    0-1024 by 8 unless ``half_dim`` fixes it, D 0-2048 by 16, e 0.40-1.00 by 0.005), over
-    the compute-bound shapes (``compute_bound``)."""
-    gemms = compute_bound(gemms, peak, elem)
+def fit_product_law(gemms: list[dict], dtype: str, hw, half_dim: float | None = None) -> dict:
+    """e, H, D minimising the squared log error of the cost model's GEMM time over ``gemms``
+    of ``dtype`` on ``hw``: the roofline ``compute.gemm_s``, the larger of the FLOPs at
+    e · m/(m+H) · n/(n+H) · k/(k+D) of the peak and the operands' bytes at ``hw``'s
+    element-wise rate (H on a grid of 0-1024 by 8 unless ``half_dim`` fixes it, D 0-2048 by
+    16, e 0.40-1.00 by 0.005), over the compute-bound shapes (``compute_bound``)."""
+    peak, elem = hw.peak_flops(dtype), 1 if dtype == "fp8" else 2
+    memory_bytes_s = hw.hbm_bw_gbps * 1e9 * hw.memory_efficiency
+    gemms = compute_bound(gemms, peak, elem, hw.hbm_bw_gbps * 1e9)
     m, k, n = (np.array([g[x] for g in gemms], float)[:, None] for x in "mkn")
     flops = 2 * m * k * n
     measured = np.log(flops / (np.array([g["efficiency"] for g in gemms])[:, None] * peak))
@@ -191,13 +192,9 @@ def fit_product_law(gemms: list[dict], peak: float, memory_bytes_s: float, elem:
             "shapes": len(gemms)}
 
 
-HBM_PEAK_GBPS = 3350.0
-"""H100 SXM's datasheet HBM3 bandwidth, GB/s (``compute_bound``)."""
-
-
-def compute_bound(gemms: list[dict], peak: float, elem: float) -> list[dict]:
+def compute_bound(gemms: list[dict], peak: float, elem: float, hbm_bytes_s: float) -> list[dict]:
     """The GEMMs of ``gemms`` whose operands (``elem`` bytes each) at the full HBM bandwidth
-    take less than half their measured time: the shape law is fitted on these alone. Thinner
+    (``hbm_bytes_s``, the profile's datasheet figure) take less than half their measured time: the shape law is fitted on these alone. Thinner
     ones stream their operands at 0.8 of the datasheet bandwidth, a bound that is not the
     law's (the cost model's roofline prices GEMM bytes at ``memory_efficiency``, the
     element-wise kernels' fraction, so it over-prices them; no training GEMM of the rows we
@@ -206,7 +203,7 @@ def compute_bound(gemms: list[dict], peak: float, elem: float) -> list[dict]:
     for g in gemms:
         m, k, n = g["m"], g["k"], g["n"]
         measured_s = 2.0 * m * k * n / (g["efficiency"] * peak)
-        if elem * (m * k + k * n + m * n) / (HBM_PEAK_GBPS * 1e9) < 0.5 * measured_s:
+        if elem * (m * k + k * n + m * n) / hbm_bytes_s < 0.5 * measured_s:
             out.append(g)
     return out
 
@@ -223,8 +220,7 @@ def fit_laws(runs: list[dict], hw) -> dict[str, dict]:
     for dtype in ("bf16", "fp8"):
         med = [{"m": m, "k": k, "n": n, "efficiency": statistics.median(rates[(d, m, k, n)])}
                for d, m, k, n in shapes if d == dtype]
-        laws[dtype] = law = fit_product_law(med, hw.peak_flops(dtype), hw.hbm_bw_gbps * 1e9 * hw.memory_efficiency,
-                                            1 if dtype == "fp8" else 2, laws["bf16"]["half_dim"] if laws else None)
+        laws[dtype] = law = fit_product_law(med, dtype, hw, laws["bf16"]["half_dim"] if laws else None)
         print(f"{dtype}: {law['efficiency']:.3f} * m/(m+{law['half_dim']:.0f}) * n/(n+{law['half_dim']:.0f}) * "
               f"k/(k+{law['half_depth']:.0f}), rms log error {law['rms_log_error']:.3f} over the "
               f"{law['shapes']} of {len(med)} shapes that are compute-bound", flush=True)
