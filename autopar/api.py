@@ -139,7 +139,7 @@ def parallelize(model: nn.Module, example_inputs: tuple[torch.Tensor, ...], *, c
     if plan is None:
         traced = source.traced(seq)
         job = read_job(traced.spec, cluster, world, global_batch, seq_len=seq, dtype=dtype)
-        refused = () if traced.sdpa else ("selective",)  # no SDPA call to checkpoint
+        refused = () if traced.sdpa else ("selective", "op")  # no SDPA call to checkpoint or keep
         plan, _ = make_plan(job, Pins(virtual_stages=1, refused=refused), time_limit_s=time_limit_s,
                             profile=profile_from_graph(traced.graph, traced.spec), verify=False)
     elif plan.virtual_stages > 1:

@@ -47,7 +47,9 @@ def plan(model: str = MODEL, cluster: str = CLUSTER,
          ep: Optional[int] = typer.Option(None, "--ep", help="Pin expert-parallel degree (MoE models: divides "
                                           "the routed experts and dp x cp, whose ranks it regroups)"),
          sp: Optional[bool] = typer.Option(None, "--sp/--no-sp", help="Pin sequence parallelism"),
-         recompute: Optional[Recompute] = typer.Option(None, "--recompute", help="Pin recompute mode"),
+         recompute: Optional[Recompute] = typer.Option(None, "--recompute", help="Pin recompute mode: none, "
+                                                       "selective (attention core), full, op (per-op: every "
+                                                       "second GEMM's output kept, torchtitan's)"),
          offload: Optional[bool] = typer.Option(None, "--offload/--no-offload",
                                                 help="Pin CPU offload of ZeRO shards and the optimizer step"),
          axis_order: Optional[str] = typer.Option(None, "--axis-order",
@@ -166,7 +168,8 @@ def estimate(model: str = MODEL, cluster: str = CLUSTER, gpus: int = GPUS, globa
              ep: int = typer.Option(1, "--ep", help="Expert-parallel degree (MoE models: divides the routed "
                                     "experts and dp x cp, whose ranks it regroups)"),
              sp: bool = typer.Option(False, "--sp/--no-sp"),
-             recompute: Recompute = typer.Option(Recompute.none, "--recompute"),
+             recompute: Recompute = typer.Option(Recompute.none, "--recompute", help="none, selective, full "
+                                                 "or op (per-op selective, torchtitan's)"),
              fp8: bool = typer.Option(False, "--fp8/--no-fp8", help="Float8 weight GEMMs (priced "
                                       "only: the runtime has no Float8 linears yet)"),
              recipe: Optional[str] = RECIPE, as_json: bool = JSON) -> None:

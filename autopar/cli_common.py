@@ -72,6 +72,7 @@ class Recompute(str, Enum):
     none = "none"
     selective = "selective"
     full = "full"
+    op = "op"
 
 
 def _fail(message: str) -> None:
@@ -98,8 +99,8 @@ JSON = typer.Option(False, "--json", help="Print JSON instead of tables")
 TRUST = typer.Option(False, "--trust-code", help="Allow what can run code: a plan file whose model is a Python "
                      "file (path.py:factory), a checkpoint without autopar's manifest (README: What is code)")
 RECIPE = typer.Option(None, "--recipe", help="Execution recipe priced: autopar (default: the program "
-                      "autopar runs), torchtitan, megatron-2021, megatron-core, megatron-core-te, "
-                      "deepspeed, llm-foundry, or a path to a recipe .json")
+                      "autopar runs), torchtitan, torchtitan-compile, torchtitan-asynctp, megatron-2021, "
+                      "megatron-core, megatron-core-te, deepspeed, llm-foundry, or a path to a recipe .json")
 SAVE = typer.Option(None, "--save", help="Write checkpoints (DCP) into this directory: DIR/step-N, DIR/latest; "
                     "after the last step and every --save-every steps, each complete before it replaces the last")
 SAVE_EVERY = typer.Option(0, "--save-every", help="Save every K steps too (0: after the last step only)")

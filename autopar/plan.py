@@ -31,7 +31,7 @@ if typing.TYPE_CHECKING:
 PLAN_VERSION = 1
 DTYPES = ("bf16", "fp16", "fp32")
 """Training dtypes the runtime has (``autopar.runtime.context.DTYPES``)."""
-FEATURES = ("dp", "tp", "sp", "pp", "selective")
+FEATURES = ("dp", "tp", "sp", "pp", "selective", "op")
 """``autopar verify``'s check names (``autopar.verify.Check``), as ``Plan.verified`` records them."""
 MAX_PLAN_BYTES = 64 << 20
 """A plan file larger than this is refused unread (a plan of 1,024 blocks is a few KiB)."""
@@ -195,9 +195,10 @@ class Plan:
 
     def features(self) -> tuple[str, ...]:
         """The runtime features this plan uses, by ``autopar verify``'s check names: dp (ZeRO
-        1-3 on FSDP2), tp, sp, pp, selective."""
+        1-3 on FSDP2), tp, sp, pp, selective, op (per-op recompute)."""
         used = {"dp": self.mesh.dp > 1 and self.zero_stage > 0, "tp": self.mesh.tp > 1,
-                "sp": self.sequence_parallel, "pp": self.mesh.pp > 1, "selective": "selective" in self.recompute}
+                "sp": self.sequence_parallel, "pp": self.mesh.pp > 1, "selective": "selective" in self.recompute,
+                "op": "op" in self.recompute}
         return tuple(name for name, on in used.items() if on)
 
     def refusal(self) -> str | None:
@@ -214,6 +215,9 @@ class Plan:
                                              seq=self.seq_len, tp=m.tp, sequence_parallel=self.sequence_parallel)
             if reason:
                 return f"plan has cp={m.cp}: {reason}"
+            if "op" in self.recompute:
+                return f"plan has cp={m.cp} and per-op recompute, which does not run with context parallelism; " \
+                    "re-plan with --recompute full"
         failed = {check: reason for check, reason in self.verified if reason}
         for feature in self.features():
             if feature in failed:

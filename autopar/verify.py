@@ -64,6 +64,8 @@ class Check(StrEnum):
     """Two pipeline stages (1F1B)."""
     SELECTIVE = "selective"
     """Selective recompute of the attention core."""
+    OP = "op"
+    """Per-op selective recompute (every second GEMM's output kept)."""
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -172,8 +174,8 @@ def check_plan(twin: str, check: Check | None):
         return Plan(gpus=1, mesh=Mesh(), micro_batch_size=TWIN_BATCH, num_microbatches=1, **kw)
     if check == Check.DP:
         return Plan(gpus=2, mesh=Mesh(dp=2), zero_stage=3, micro_batch_size=1, num_microbatches=2, **kw)
-    if check == Check.SELECTIVE:
-        kw["recompute"] = ("selective",) * layers
+    if check in (Check.SELECTIVE, Check.OP):
+        kw["recompute"] = (check.value,) * layers
         return Plan(gpus=2, mesh=Mesh(dp=2), micro_batch_size=1, num_microbatches=2, **kw)
     if check in (Check.TP, Check.SP):
         return Plan(gpus=2, mesh=Mesh(tp=2), sequence_parallel=check == Check.SP, micro_batch_size=2,

@@ -260,4 +260,12 @@ def fixed_strategy(job: Job, *, tp: int, pp: int, dp: int | None, zero: int, mic
 
 
 def estimate_strategy(job: Job, strat: Strategy, profile: ModelProfile | None = None) -> Estimate:
-    return estimate(profile or profile_spec(job.spec), job.hw, strat, global_batch=job.global_batch)
+    model = profile or profile_spec(job.spec)
+    if strat.uses_mode("op") and not model.op_priced:
+        why = "a mixture of experts" if model.moe else "no weight GEMMs traced in its blocks"
+        raise UserError(f"--recompute op is priced for dense transformer blocks only ({model.name}: {why}); "
+                        "use --recompute none, selective or full")
+    if strat.uses_mode("op") and strat.mesh.cp > 1:
+        raise UserError(f"--recompute op does not run with context parallelism: drop --cp {strat.mesh.cp} "
+                        "or use --recompute full")
+    return estimate(model, job.hw, strat, global_batch=job.global_batch)

@@ -27,7 +27,7 @@ METRICS = ("tokens_per_s_per_gpu", "step_time_s", "tflops_per_gpu", "mfu")
 RECOMPUTE = ("none", "selective", "full")
 FLOPS_CONVENTIONS = ("model", "hardware")
 NEEDS = ("cp", "fp8", "moe", "async_tp", "torch_compile", "a100_40g", "h100_96g", "cpu_offload",
-         "per_op_sac")
+         "per_op_sac", "fp8_rowwise")
 
 
 class PublishedDataError(ValueError):

@@ -50,13 +50,20 @@ SOURCE_RECIPE = {
     "megatron_bridge_h100": "megatron-core-te",
 }
 """The execution recipe of each source's framework (``cost_models/recipes``)."""
-SUPPORTED = frozenset({"a100_40g", "h100_96g", "fp8", "cp"})
+FEATURE_RECIPE = {"torchtitan": {frozenset({"torch_compile"}): "torchtitan-compile",
+                                 frozenset({"torch_compile", "async_tp"}): "torchtitan-asynctp"}}
+"""A framework's recipe for rows that ran with program features (``Row.needs``) its plain
+recipe does not have, by the set of those features."""
+FEATURES = frozenset({"torch_compile", "async_tp"})
+"""The needs that select a recipe (``FEATURE_RECIPE``) rather than a strategy or a profile."""
+SUPPORTED = frozenset({"a100_40g", "h100_96g", "fp8", "cp", "per_op_sac"}) | FEATURES
 """Needs (``published_rows.NEEDS``) autopar can express now."""
-CHECK_ONLY = frozenset({"cp"})
+CHECK_ONLY = frozenset({"cp", "per_op_sac"})
 """Needs whose rows are priced and reported but never fitted on: out-of-sample checks of a
 newly priced feature by construction. ``cp``: NeMo's and Megatron-Bridge's context-parallel H100
 rows (Llama-3 8B / 70B at CP 2, Llama-3.1 405B at CP 2) check the ring-attention pricing with the
-constants the other rows fit."""
+constants the other rows fit. ``per_op_sac``: torchtitan's per-op selective recompute (``op``),
+recorded by the sources as "selective", checked the same way."""
 FAMILIES = {"A100": ("dgx-a100-80g", "dgx-a100-40g"), "H100": ("dgx-h100",)}
 """Profiles sharing one chip: the fitted fractions of peak are common to them. Grand Teton's
 500 W H100 is not in the H100 family (its power cap lowers what a fraction of the SXM peak
@@ -121,17 +128,24 @@ class Result:
         return 100.0 * (self.ratio - 1.0)
 
 
-def recipe_of(source: str) -> str | None:
-    """The recipe of a source (or of one of its tables, ``source|table``)."""
-    return SOURCE_RECIPE.get(source.split("|")[0])
+def recipe_of(source: str, row: DataRow | None = None) -> str | None:
+    """The recipe of a source (or of one of its tables, ``source|table``), for ``row`` where
+    given: the source's framework with the row's program features (``FEATURE_RECIPE``); None
+    where no recipe has them."""
+    base = SOURCE_RECIPE.get(source.split("|")[0])
+    features = frozenset(row.needs) & FEATURES if row is not None else frozenset()
+    if base is None or not features:
+        return base
+    return FEATURE_RECIPE.get(base, {}).get(features)
 
 
 def skip_reason(src: Source, row: DataRow) -> str:
     missing = sorted(set(row.needs) - SUPPORTED)
     if missing:
         return "needs " + ", ".join(missing)
-    if recipe_of(src.source) is None:
-        return f"no recipe for source {src.source}"
+    if recipe_of(src.source, row) is None:
+        features = sorted(set(row.needs) & FEATURES)
+        return f"no recipe for source {src.source}" + (f" with {', '.join(features)}" if features else "")
     try:
         load_profile(row.cluster)
     except ProfileError:
@@ -141,9 +155,10 @@ def skip_reason(src: Source, row: DataRow) -> str:
 
 def row_strategy(row: DataRow, layers: int, recipe: str) -> Strategy:
     """The row's layout as the fixed strategy ``autopar estimate`` would build."""
+    mode = "op" if "per_op_sac" in row.needs else row.recompute  # the sources call it selective
     strat = Strategy(mesh=Degrees(dp=row.dp, cp=row.cp, tp=row.tp, pp=row.pp), zero=row.zero, micro_batch=row.micro_batch,
                      num_microbatches=row.global_batch // (row.dp * row.micro_batch),
-                     sequence_parallel=row.sequence_parallel, recompute=row.recompute,
+                     sequence_parallel=row.sequence_parallel, recompute=mode,
                      dtype=row.dtype, fp8=row.fp8, recipe=load_recipe(recipe),
                      schedule="interleaved" if row.vpp > 1 else "1f1b", virtual_stages=row.vpp)
     if row.recompute_layers is None:
@@ -153,20 +168,21 @@ def row_strategy(row: DataRow, layers: int, recipe: str) -> Strategy:
     k, counts = row.recompute_layers, []
     for s, n in enumerate(base):
         r = min(n, k // row.pp + (1 if s < k % row.pp else 0))
-        c = [0, 0, 0]
-        c[0], c[RECOMPUTE.index(row.recompute)] = n - r, r
+        c = [0] * len(RECOMPUTE)
+        c[0], c[RECOMPUTE.index(mode)] = n - r, r
         counts.append(tuple(c))
     return dataclasses.replace(strat, recompute="none", stage_layers=tuple(base),
                                stage_recompute=tuple(counts))
 
 
 def _hardware_flops(model: ModelProfile, strat: Strategy, global_batch: int) -> float:
-    """Model FLOPs plus what recompute repeats: the blocks' forward (full) or the attention
-    core's (selective), per step."""
-    counts = [sum(c[i] for c in strat.stage_recompute) for i in range(3)] if strat.stage_recompute \
-        else [model.layers if strat.recompute == m else 0 for m in RECOMPUTE]
+    """Model FLOPs plus what recompute repeats: the blocks' forward (full), the attention
+    core's (selective) or every second weight GEMM's (op), per step."""
+    counts = dict(zip(RECOMPUTE, (sum(c[i] for c in strat.stage_recompute) for i in range(len(RECOMPUTE))))) \
+        if strat.stage_recompute else {m: model.layers if strat.recompute == m else 0 for m in RECOMPUTE}
     per_block = model.block_matmul_flops_per_token + model.block_attn_flops_per_token
-    extra = counts[2] * per_block + counts[1] * model.block_attn_flops_per_token
+    extra = (counts["full"] * per_block + counts["selective"] * model.block_attn_flops_per_token
+             + counts["op"] * model.op_recompute_flops_per_token)
     return model_flops_per_step(model, global_batch) + extra * model.seq * global_batch
 
 
@@ -211,7 +227,7 @@ def evaluate(sources: list[Source], hws: dict[str, HardwareProfile], models: Mod
                 out.append(Result(source=src.source, row=row, predicted=None, why=why))
                 continue
             hw = hws.get(row.cluster) or load_profile(row.cluster)
-            recipe = recipe_of(src.source)
+            recipe = recipe_of(src.source, row)
             assert recipe is not None  # skip_reason said so
             try:
                 value, fits = predict(row, models.get(row.model, row.seq_len), hw, recipe)
@@ -256,7 +272,7 @@ def constants(hw: HardwareProfile) -> dict[str, float]:
 
 def _kernels(sources: list[Source]) -> set[str]:
     """Fused attention kernels the rows of ``sources`` run (by their recipes)."""
-    recipes = [load_recipe(r) for r in map(recipe_of, (s.source for s in sources)) if r]
+    recipes = [load_recipe(r) for r in {recipe_of(s.source, row) for s in sources for row in s.rows} if r]
     return {r.attention_kernel for r in recipes if r.attention.value == "fused"}
 
 

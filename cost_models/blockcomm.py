@@ -40,7 +40,8 @@ def block_tp_s(model: ModelProfile, hw: HardwareProfile, strat: Strategy,
     """Exposed tensor-parallel communication of one block per micro-batch, by pass.
 
     Forward: two exchanges (before the column-parallel and after the row-parallel layers of
-    attention and MLP); full recompute repeats them. Backward: their two conjugates. With
+    attention and MLP); full recompute repeats them, per-op recompute the all-gathers (SP) or
+    the all-reduces. Backward: their two conjugates. With
     ``tp_overlap`` (Megatron's async communication) the column-parallel layers' all-reduce
     of the input gradient (SP: its reduce-scatter) hides behind their weight-gradient GEMMs.
     With SP two all-gathers per sublayer stay exposed: the conjugate of the forward
@@ -72,8 +73,11 @@ def block_tp_s(model: ModelProfile, hw: HardwareProfile, strat: Strategy,
         gemms_bwd, _ = compute.block_gemm_s(model, hw, strat, backward=True)
         fwd = comm.exposed_s(fwd, gemms_fwd, hw)
         bwd = comm.exposed_s(bwd, gemms_bwd, hw)
-    return compute.PassTimes(forward_s=fwd, recompute_s=fwd if strat.recompute == "full"
-                             else 0.0, backward_s=bwd)
+    mode = strat.recompute_run()
+    # Per-op recompute keeps the reduce-scatters' outputs (SP) and repeats the all-gathers, half
+    # of the forward's exchanges; without SP it repeats the all-reduces, all of them.
+    again = {"full": fwd, "op": fwd / 2 if strat.sequence_parallel else fwd}.get(mode, 0.0)
+    return compute.PassTimes(forward_s=fwd, recompute_s=again, backward_s=bwd)
 
 
 def block_cp_s(model: ModelProfile, hw: HardwareProfile, strat: Strategy,

@@ -19,8 +19,9 @@ backward (``memory.block_act_bytes`` parts), from the fused kernels Megatron-LM 
 redundantly on every tp rank unless sequence parallelism splits it (Korthikanti et al. Table 4).
 
 Backward runs each GEMM's two gradients and the element-wise backward kernels. Recompute
-repeats, per block, the whole forward (full) or the attention core's QKᵀ, softmax, dropout
-and AV (selective).
+repeats, per block, the whole forward (full), the attention core's QKᵀ, softmax, dropout and
+AV (selective), or the forward but for every second weight GEMM and the attention kernel,
+whose outputs were kept (op).
 
 The execution recipe (``Strategy.recipe``) sets what runs: with fused attention the core is
 one FlashAttention-style kernel that skips the masked causal blocks (it executes
@@ -355,6 +356,11 @@ def block_times(model: ModelProfile, hw: HardwareProfile, strat: Strategy) -> Pa
         rc = fwd
     elif mode == "selective":
         rc = core_s + memory_s(fwd_core, hw)
+    elif mode == "op":
+        # The weight GEMMs it did not keep (at the block's mean GEMM efficiency), their Float8
+        # casts, and every element-wise kernel; the attention kernel's output is kept.
+        share = model.op_recompute_flops_per_token / model.block_matmul_flops_per_token
+        rc = with_host(host, share * (weights_s + memory_s(cast_fwd, hw)) + memory_s(fwd_rest, hw), hw)
     else:
         rc = 0.0
     return PassTimes(forward_s=fwd, recompute_s=rc, backward_s=bwd)

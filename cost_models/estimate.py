@@ -351,6 +351,9 @@ def estimate(model: ModelProfile, hw: HardwareProfile, strat: Strategy, *,
     longest D_s adds its data-parallel reduction (to ``dp_comm_s``) and ``optimizer_s``.
     The memory breakdown is that of the stage with the highest peak.
     """
+    if strat.uses_mode("op") and not (model.op_priced and strat.mesh.cp == 1):
+        raise ValueError(f"per-op recompute is priced for dense blocks without context parallelism; "
+                         f"{model.name} at cp={strat.mesh.cp} is not one: use none, selective or full")
     tokens_per_rank = strat.micro_batch * strat.num_microbatches
     if global_batch != strat.mesh.dp * tokens_per_rank:
         raise ValueError(f"global batch {global_batch} is not dp x micro_batch x "

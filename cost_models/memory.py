@@ -281,15 +281,23 @@ def block_act_bytes(model: ModelProfile, strat: Strategy, recompute: str | None 
     recipe's attention accounting).
 
     none: s b (repl / (tp if SP else 1) + sharded / tp + attn / tp); selective: without attn;
-    full: the block input only, 2 s b h (/ tp with SP). ``recompute`` is the planned mode; the
-    mode run is priced (``Strategy.recompute_run``).
+    full: the block input only, 2 s b h (/ tp with SP); op: the block input and what per-op
+    recompute keeps (``ModelProfile.op_*``). ``recompute`` is the planned mode; the mode run is
+    priced (``Strategy.recompute_run``).
     """
     recompute = strat.recompute_run(recompute)
     tokens = strat.tokens(model.seq)
     sp = strat.mesh.tp if strat.sequence_parallel else 1
     autocast = runs_autocast(strat)
-    if recompute == "full":  # under autocast the block input is the fp32 residual stream
-        return act_scale(strat) * tokens * (4 if autocast else 2) * model.hidden / sp
+    # The block input: under autocast the fp32 residual stream.
+    block_input = act_scale(strat) * tokens * (4 if autocast else 2) * model.hidden / sp
+    if recompute == "full":
+        return block_input
+    if recompute == "op":
+        tp = strat.mesh.tp
+        kept = (model.op_kept_sharded_bytes_per_token / tp + model.op_kept_partial_bytes_per_token
+                + (model.op_reduced_bytes_per_token / tp if sp > 1 else 0.0))
+        return block_input + act_scale(strat) * tokens * kept
     repl, sharded, attn = model.act_bytes_per_token(fused_attention(strat))
     if autocast:
         repl += model.autocast_act_bytes_per_token
@@ -485,11 +493,14 @@ def base_buffer_bytes(model: ModelProfile, hw: HardwareProfile, strat: Strategy)
 
 def workspace_bytes(model: ModelProfile, strat: Strategy, recompute: str | None = None) -> float:
     """Recompute workspace: full recompute rebuilds one block's activations of one
-    micro-batch during its backward; selective rebuilds one block's attention core (as none
+    micro-batch during its backward, per-op recompute those it did not keep; selective
+    rebuilds one block's attention core (as none
     does under cp with ``cp_recomputes_attention``: ``Strategy.recompute_run``)."""
     recompute = strat.recompute_run(recompute)
     if recompute == "full":
         return block_act_bytes(model, strat, "none")
+    if recompute == "op":  # the forward runs again; what it does not keep is rebuilt
+        return max(0.0, block_act_bytes(model, strat, "none") - block_act_bytes(model, strat, "op"))
     if recompute == "selective":
         return block_attn_act_bytes(model, strat)
     return 0.0

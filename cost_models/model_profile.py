@@ -84,6 +84,22 @@ class ModelProfile:
     wgrad_bytes_sharded_per_token: float = 0.0
     """The same for the block's column-parallel GEMMs' outputs (split by TP)."""
 
+    op_kept_sharded_bytes_per_token: float = 0.0
+    """Per-op selective recompute (``op``: torchtitan's ``selective_ac_option = "op"``, which
+    keeps the output of every second weight GEMM of a block, the 1st, 3rd, ..., and of the
+    attention kernel, and recomputes the rest in the backward): bytes per token of what it
+    keeps inside the column-parallel region (the kept column GEMMs' outputs, the attention
+    output and its float32 log-sum-exp; split by TP). 0 with the two below: not priced (a
+    mixture of experts, or not traced)."""
+    op_kept_partial_bytes_per_token: float = 0.0
+    """The kept row-parallel GEMMs' outputs per token: the full-width partial sums every tp
+    rank holds before their reduction (TP does not split them, nor does SP)."""
+    op_reduced_bytes_per_token: float = 0.0
+    """Every row-parallel GEMM's output per token: under SP its reduce-scatter's output, which
+    per-op recompute keeps too (a collective is not recomputed), split by TP."""
+    op_recompute_flops_per_token: float = 0.0
+    """Forward FLOPs per token of the weight GEMMs per-op recompute repeats (the 2nd, 4th, ...)."""
+
     block_param_tensors: int = 0
     """Parameter tensors of one block (the optimizer steps each on its own; 0: not traced)."""
     embed_param_tensors: int = 0
@@ -104,6 +120,13 @@ class ModelProfile:
     @property
     def moe(self) -> bool:
         return self.experts > 0
+
+    @property
+    def op_priced(self) -> bool:
+        """Whether per-op selective recompute (``op``) can be priced: a dense block whose
+        trace gave its weight GEMMs in order."""
+        return not self.moe and self.op_recompute_flops_per_token > 0 and \
+            (self.lead is None or self.lead.op_priced)
 
     @property
     def dense_block_params(self) -> int:

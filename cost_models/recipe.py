@@ -281,9 +281,24 @@ def recipe_from_dict(data: object, where: str) -> ExecutionRecipe:
     return recipe
 
 
+BASE_DEPTH = 8
+"""How many recipes one ``base`` chain may hold (a cycle stops here)."""
+
+
 @lru_cache(maxsize=64)
 def load_recipe(name_or_path: str = DEFAULT_RECIPE) -> ExecutionRecipe:
-    """A shipped recipe by name (``megatron-core``) or a JSON file by path (immutable, cached)."""
+    """A shipped recipe by name (``megatron-core``) or a JSON file by path (immutable, cached).
+    A recipe whose JSON has ``"base": NAME`` is that recipe (shipped name or path) with the
+    file's keys in place of its own; their ``notes`` are merged, the file's winning."""
+    return recipe_from_dict(*_recipe_data(name_or_path, BASE_DEPTH))
+
+
+def _recipe_data(name_or_path: str, depth: int) -> tuple[object, str]:
+    """(the recipe's keys with its ``base`` chain resolved, where it was read); a recipe with a
+    base and no ``name`` of its own is named after its file."""
+    if depth <= 0:
+        raise RecipeError(f"recipe {_shown(name_or_path)}: its base chain is over {BASE_DEPTH} recipes "
+                          "long (a cycle?); name a recipe without a base")
     try:
         path = Path(name_or_path)
         if not path.suffix:
@@ -301,4 +316,18 @@ def load_recipe(name_or_path: str = DEFAULT_RECIPE) -> ExecutionRecipe:
         data = json.loads(raw.decode("utf-8-sig"))
     except (ValueError, RecursionError) as exc:  # not UTF-8, not JSON, too deep, a huge integer
         raise RecipeError(f"recipe file {path} is not valid JSON: {' '.join(str(exc).split())[:200]}") from None
-    return recipe_from_dict(data, str(path))
+    if not isinstance(data, dict) or "base" not in data:
+        return data, str(path)
+    base = data["base"]
+    if not isinstance(base, str):
+        raise RecipeError(f"recipe {path} is malformed: base must be a recipe name or path, got {_shown(base)}")
+    if Path(base).suffix and not Path(base).is_absolute():
+        base = str(path.parent / base)  # a path relative to the file naming it (a name: shipped)
+    merged, _ = _recipe_data(base, depth - 1)
+    if not isinstance(merged, dict):
+        raise RecipeError(f"recipe {_shown(base)} (the base of {path}) must be a JSON object")
+    own = {"name": path.stem, **{k: v for k, v in data.items() if k != "base"}}
+    out = {**merged, **own}
+    if isinstance(merged.get("notes"), dict) and isinstance(own.get("notes"), dict):
+        out["notes"] = {**merged["notes"], **own["notes"]}
+    return out, str(path)

@@ -8,7 +8,11 @@ from cost_models.axes import DEFAULT_ORDER, Axis, Degrees, parse_order
 from cost_models.recipe import Attention, DpOverlap, ExecutionRecipe, load_recipe
 
 SCHEDULES = ("gpipe", "1f1b", "interleaved", "zero-bubble")
-RECOMPUTE = ("none", "selective", "full")
+RECOMPUTE = ("none", "selective", "full", "op")
+"""Recompute modes of a block: none; selective, the attention core (Korthikanti et al. 2022);
+full, the whole block from its input; op, per-op selective (torchtitan's ``selective_ac_option =
+"op"``: the outputs of every second weight GEMM and of the attention kernel kept, the rest
+recomputed in the backward; ``ModelProfile.op_*``)."""
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -31,8 +35,8 @@ class Strategy:
     stage_layers: tuple[int, ...] = ()
     """Transformer blocks per pipeline stage; empty means as even as possible."""
     stage_recompute: tuple[tuple[int, ...], ...] = ()
-    """Per pipeline stage, its blocks with recompute none, selective and full (``RECOMPUTE``
-    order; they sum to ``stage_layers``); empty means every block uses ``recompute``."""
+    """Per pipeline stage, its blocks in each recompute mode (``RECOMPUTE`` order; they sum to
+    ``stage_layers``); empty means every block uses ``recompute``."""
     lead_recompute: str = ""
     """Recompute mode of the model's leading blocks of another kind (``ModelProfile.lead``,
     priced with the first stage; one mode for all of them); "" means ``recompute``."""
@@ -134,6 +138,11 @@ class Strategy:
         """Ranks each routed expert's GEMMs split over: tp, or 1 where the recipe replicates
         the experts over tp (``ExecutionRecipe.expert_tensor_parallel``)."""
         return self.mesh.tp if self.recipe.expert_tensor_parallel else 1
+
+    def uses_mode(self, mode: str) -> bool:
+        """Whether some block (the leading ones included) is planned in recompute ``mode``."""
+        i = RECOMPUTE.index(mode)
+        return self.recompute == mode or self.lead_recompute == mode or any(c[i] for c in self.stage_recompute)
 
     def recompute_run(self, mode: str | None = None) -> str:
         """The recompute mode the program runs for a block planned with ``mode`` (default the

@@ -169,6 +169,14 @@ case("plan-recipe-not-utf8", "plan", "--model", TINY, *JOB, "--recipe", "{tmp}/r
 case("plan-recipe-wrong-kind", "plan", "--model", TINY, *JOB, "--recipe", "{tmp}/r.json",
      files={"r.json": json.dumps({**json.loads((ROOT / "cost_models/recipes/autopar.json").read_text()),
                                   "tp_overlap": "yes"})}, fragment="tp_overlap must be true or false")
+case("plan-recipe-base-unknown", "plan", "--model", TINY, *JOB, "--recipe", "{tmp}/r.json",
+     files={"r.json": json.dumps({"base": "megatron-3000", "tp_overlap": True})}, fragment="unknown recipe")
+case("plan-recipe-base-cycle", "plan", "--model", TINY, *JOB, "--recipe", "{tmp}/r.json",
+     files={"r.json": json.dumps({"base": "r.json"})}, fragment="base chain")
+case("plan-recipe-base-not-a-name", "plan", "--model", TINY, *JOB, "--recipe", "{tmp}/r.json",
+     files={"r.json": json.dumps({"base": 3})}, fragment="base must be a recipe name or path")
+case("plan-recipe-base-wrong-kind", "plan", "--model", TINY, *JOB, "--recipe", "{tmp}/r.json",
+     files={"r.json": json.dumps({"base": "torchtitan", "kernels_per_block": -1})}, fragment="kernels_per_block")
 # -- plan: output paths, checked before the search ----------------------------------------------
 case("plan-out-missing-dir", "plan", "--model", TINY, *JOB, "--out", "{tmp}/no/such/dir/plan.json",
      fragment="does not exist; create it first")

@@ -283,6 +283,25 @@ def test_fused_attention_follows_its_kernels_sequence_law():
         profile_from_dict({**data, "attention_half_seq": {"cudnn": -1}})
 
 
+def test_a_recipe_with_a_base_is_that_recipe_with_its_own_keys(tmp_path):
+    """``base`` names a shipped recipe or a file (relative to the one naming it); the file's keys
+    win, the notes merge, and a recipe without a name of its own is named after its file."""
+    compiled, asynctp = load_recipe("torchtitan-compile"), load_recipe("torchtitan-asynctp")
+    titan = load_recipe("torchtitan")
+    assert (compiled.elementwise_traffic, compiled.kernels_per_block) == (1.0, 14) != \
+        (titan.elementwise_traffic, titan.kernels_per_block)
+    assert dataclasses.replace(compiled, name=titan.name, description=titan.description, notes=titan.notes,
+                               elementwise_traffic=titan.elementwise_traffic,
+                               kernels_per_block=titan.kernels_per_block) == titan
+    assert asynctp.tp_comm_overlap and not compiled.tp_comm_overlap
+    assert set(titan.notes) < set(asynctp.notes) and asynctp.notes["source"] != titan.notes["source"]
+    (tmp_path / "mine.json").write_text(json.dumps({"base": "megatron-core", "tp_comm_overlap": True}))
+    (tmp_path / "more.json").write_text(json.dumps({"base": "mine.json", "elementwise_traffic": 1.5}))
+    more = load_recipe(str(tmp_path / "more.json"))
+    assert (more.name, more.tp_comm_overlap, more.elementwise_traffic) == ("more", True, 1.5)
+    assert more.tp_overlap == load_recipe("megatron-core").tp_overlap
+
+
 def test_the_autopar_recipe_prices_the_kernel_sdpa_dispatches_on_the_device():
     """``sdpa`` is the profile's ``sdpa_kernel`` (cuDNN on H100, FlashAttention-2 on A100)
     unless the profile measured ``sdpa`` itself (``autopar profile``: cpu-local)."""

@@ -36,6 +36,9 @@ PLANS = {
     # FSDP ZeRO-3 with CPU offload, full recompute
     "fsdp3-offload": plan(gpus=16, mesh=Mesh(dp=16), global_batch=32, num_microbatches=2, zero_stage=3,
                           offload=True, recompute=("full",) * 32),
+    # FSDP ZeRO-3 with per-op recompute (torchtitan's SelectiveAC; the others' nearest is a gap)
+    "fsdp3-per-op": plan(gpus=8, mesh=Mesh(dp=8), global_batch=16, micro_batch_size=2, num_microbatches=1,
+                         zero_stage=3, recompute=("op",) * 32),
     # tensor + sequence parallelism with ZeRO-1, selective recompute, GQA
     "tp-sp": plan(gpus=16, mesh=Mesh(dp=2, tp=8), global_batch=16, micro_batch_size=2, num_microbatches=4,
                   zero_stage=1, sequence_parallel=True, recompute=("selective",) * 32),

@@ -86,6 +86,9 @@ PLANS_4 = {
     "gpt tied pp2 x dp2 zero3": make_plan(GPT_TIED, pp=2, dp=2, zero=3, mbs=2, m=2, layers=(3, 1)),
     "gpt pp2 x tp2 sp": make_plan(GPT, pp=2, tp=2, sp=True, mbs=2, m=4),
     "llama tp2 sp x dp2 zero3 full": make_plan(LLAMA, tp=2, dp=2, zero=3, sp=True, mbs=2, m=2, recompute="full"),
+    "llama tp2 sp x dp2 zero3 per-op recompute": make_plan(LLAMA, tp=2, dp=2, zero=3, sp=True, mbs=2, m=2,
+                                                           recompute="op"),
+    "gpt pp2 x tp2 per-op recompute": make_plan(GPT, pp=2, tp=2, mbs=2, m=4, recompute="op"),
     "llama pp2 zero-bubble x dp2 ddp-like": make_plan(LLAMA, pp=2, dp=2, mbs=1, m=4, schedule="zero-bubble"),
     "llama pp4 interleaved v1 selective": make_plan(LLAMA, pp=4, mbs=2, m=4, schedule="interleaved",
                                                     recompute="selective"),
@@ -95,6 +98,7 @@ PLANS_4 = {
     "hf llama pp2 interleaved x dp2 zero2": make_plan(HF_LLAMA, pp=2, dp=2, zero=2, mbs=1, m=4,
                                                       schedule="interleaved", v=2),
     "hf llama pp4 full recompute": make_plan(HF_LLAMA, pp=4, mbs=2, m=4, recompute="full"),
+    "hf llama dp4 zero2 per-op recompute": make_plan(HF_LLAMA, dp=4, zero=2, mbs=2, m=1, recompute="op"),
     "hf gpt2 tied pp2 x tp2 full recompute": make_plan(HF_GPT2, pp=2, tp=2, mbs=2, m=4, layers=(1, 3),
                                                        recompute="full"),
     "hf gpt2 tp2 sp x dp2 zero2": make_plan(HF_GPT2, tp=2, dp=2, zero=2, sp=True, mbs=1, m=4),
@@ -285,11 +289,13 @@ def test_refusals_name_the_fix():
 @pytest.mark.parametrize("model", [LLAMA, HF_LLAMA])
 def test_recompute_keeps_fewer_activations(model):
     """What autograd keeps for backward (one forward, bytes per storage): selective drops the
-    attention core's tensors, full keeps only each block's input."""
+    attention core's tensors, per-op recompute keeps every second GEMM's output and the
+    attention's, full keeps only each block's input. (Per-op recompute's kept outputs live in
+    its own cache, which saved-tensor hooks do not see: the hooks count its block inputs.)"""
     ctx = ParallelContext(mesh=None, device=torch.device("cpu"))
     x, _ = synthetic_batch(make_plan(model, mbs=8, m=1), 0, 0)
     kept = {}
-    for mode in ("none", "selective", "full"):
+    for mode in ("none", "selective", "full", "op"):
         (module,) = build_program(make_plan(model, mbs=8, m=1, recompute=mode), ctx).modules
         seen: dict[int, int] = {}
 
@@ -301,6 +307,47 @@ def test_recompute_keeps_fewer_activations(model):
             module(x)
         kept[mode] = sum(seen.values())
     assert kept["full"] < kept["selective"] < kept["none"]
+    assert kept["op"] == kept["full"]
+
+
+@pytest.mark.parametrize("model", [LLAMA, GPT, HF_LLAMA])
+def test_per_op_recompute_keeps_what_the_cost_model_prices(model, monkeypatch):
+    """The outputs the per-op policy keeps in one forward (every second GEMM's, the attention
+    kernel's and its log-sum-exp), counted per storage, are what ``cost_models.memory`` prices
+    for ``op`` beyond a block's input (fp32: 4 bytes per element)."""
+    from torch.utils.checkpoint import CheckpointPolicy
+
+    from autopar.runtime import parallelize
+    from autopar.spec import parse_model_spec
+    from autopar.trace import profile_spec
+    from cost_models import Strategy
+    from cost_models.memory import block_act_bytes
+    from cost_models.recipe import load_recipe
+    kept: dict[int, int] = {}
+    inner = parallelize._per_op_policy
+
+    def recording():
+        policy = inner()
+
+        def record(ctx, func, *args, **kwargs):
+            decision = policy(ctx, func, *args, **kwargs)
+            if decision == CheckpointPolicy.MUST_SAVE:
+                for t in torch.utils._pytree.tree_leaves(ctx.op_output):
+                    if isinstance(t, torch.Tensor):
+                        kept[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
+            return decision
+        return record
+
+    monkeypatch.setattr(parallelize, "_per_op_policy", recording)
+    plan = make_plan(model, mbs=8, m=1, recompute="op")
+    ctx = ParallelContext(mesh=None, device=torch.device("cpu"))
+    (module,) = build_program(plan, ctx).modules
+    x, _ = synthetic_batch(plan, 0, 0)
+    module(x)
+    profile = profile_spec(parse_model_spec(model))
+    strat = Strategy(micro_batch=8, recompute="op", dtype="fp32", recipe=load_recipe("autopar"))
+    priced = profile.layers * (block_act_bytes(profile, strat, "op") - block_act_bytes(profile, strat, "full"))
+    assert sum(kept.values()) == pytest.approx(priced, rel=0.02)
 
 
 def test_single_device_benchmark_runs_on_cpu():

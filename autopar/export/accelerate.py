@@ -19,7 +19,7 @@ from __future__ import annotations
 
 from autopar.errors import UserError
 from autopar.export import megatron
-from autopar.export.common import (Adapter, Nodes, Option, Settings, chunks, contiguous, counts, describe_recompute,
+from autopar.export.common import (Adapter, Nodes, Option, Settings, chunks, contiguous, counts, describe_recompute, mode_counts,
                                    nodes, per_rank, order_gap, replace_plan, uniform_recompute, with_chunks)
 from autopar.plan import Plan
 from cost_models.axes import Degrees
@@ -74,7 +74,7 @@ def _fsdp(a: Adapter) -> None:
         a.gap("sequence_parallel", True, "Accelerate's tensor parallelism applies the model's tp_plan, without "
               "sequence parallelism", [Option(nearest="parallelism_config_tp_size without sequence parallelism",
                                               plan=replace_plan(a.plan, sequence_parallel=False))])
-    if "selective" in a.plan.recompute or len(set(a.plan.recompute)) > 1:
+    if {"selective", "op"} & set(a.plan.recompute) or len(set(a.plan.recompute)) > 1:
         a.gap("recompute", describe_recompute(a.plan), "fsdp_activation_checkpointing checkpoints every block or none",
               [Option(nearest="fsdp_activation_checkpointing: true", plan=uniform_recompute(a.plan, "full")),
                Option(nearest="fsdp_activation_checkpointing: false", plan=uniform_recompute(a.plan, "none"))])
@@ -119,7 +119,7 @@ def _megatron(a: Adapter) -> None:
         per = [counts(c) for c in chunks(a.plan)]
         options = [Option(nearest="megatron_lm_recompute_granularity: selective", plan=uniform_recompute(a.plan, "selective")),
                    Option(nearest="megatron_lm_recompute_granularity: full (uniform)", plan=uniform_recompute(a.plan, "full"))]
-        for k in sorted({f for _, _, f in per if f} | {s + f for _, s, f in per if s + f}):
+        for k in sorted({f for _, _, f, _ in per if f} | {s + f + o for _, s, f, o in per if s + f + o}):
             if k < max(map(sum, per)):
                 new = [["full"] * min(k, sum(c)) + ["none"] * (sum(c) - min(k, sum(c))) for c in per]
                 options.append(Option(nearest=f"megatron_lm_recompute_granularity: full, method block, {k} layers",
@@ -258,18 +258,18 @@ def parse(text: str, layers: int) -> Settings:
         full = f.get("fsdp_activation_checkpointing", False)
         return Settings(gpus=gpus, dtype=dtype, dp=dp, tp=tp, pp=1, cp=cp, zero=(3 if f.get("fsdp_reshard_after_forward") else 2)
                         if dp > 1 else 0, offload=f.get("fsdp_offload_params", False), schedule=None, virtual_stages=1,
-                        sequence_parallel=False, stage_layers=(layers,), recompute=((0, 0, layers) if full else (layers, 0, 0),),
+                        sequence_parallel=False, stage_layers=(layers,), recompute=(mode_counts(layers, "full" if full else "none"),),
                         axis_order=Degrees(dp=dp, cp=cp, tp=tp).active())
     if kind in ("MULTI_GPU", "NO"):
         return Settings(gpus=gpus, dtype=dtype, dp=gpus, tp=1, pp=1, cp=1, zero=0, offload=False, schedule=None, virtual_stages=1,
-                        sequence_parallel=False, stage_layers=(layers,), recompute=((layers, 0, 0),),
+                        sequence_parallel=False, stage_layers=(layers,), recompute=(mode_counts(layers),),
                         axis_order=Degrees(dp=gpus or 1).active())
     if kind == "DEEPSPEED":
         d = cfg["deepspeed_config"]
         return Settings(gpus=gpus, dtype=dtype, dp=gpus, tp=1, pp=1, cp=1, zero=d.get("zero_stage"),
                         offload=d.get("offload_optimizer_device", "none") == "cpu",
                         num_microbatches=d.get("gradient_accumulation_steps"), schedule=None, virtual_stages=1,
-                        sequence_parallel=False, stage_layers=(layers,), recompute=((layers, 0, 0),),
+                        sequence_parallel=False, stage_layers=(layers,), recompute=(mode_counts(layers),),
                         axis_order=Degrees(dp=gpus or 1).active())
     if kind == "MEGATRON_LM":
         g = cfg["megatron_lm_config"]
@@ -281,11 +281,10 @@ def parse(text: str, layers: int) -> Settings:
         granularity = g.get("megatron_lm_recompute_granularity", "full")
         method, k = g.get("megatron_lm_recompute_method", "uniform"), g.get("megatron_lm_recompute_num_layers", 1)
 
-        def rec(n: int) -> tuple[int, int, int]:
+        def rec(n: int) -> tuple[int, ...]:
             if granularity == "selective":
-                return (0, n, 0)
-            done = n if method == "uniform" else min(k, n)
-            return (n - done, 0, done)
+                return mode_counts(n, "selective")
+            return mode_counts(n, "full", n if method == "uniform" else min(k, n))
         zero = 1 if g.get("megatron_lm_use_distributed_optimizer") else 3 if g.get("megatron_lm_use_custom_fsdp") else 0
         return Settings(gpus=gpus, dtype=dtype, dp=dp, tp=tp, pp=pp, cp=cp, zero=zero if dp > 1 else 0,
                         offload=g.get("megatron_lm_optimizer_cpu_offload", False),

@@ -136,10 +136,16 @@ def chunks(plan: Plan) -> list[tuple[str, ...]]:
     return out
 
 
-def counts(modes: tuple[str, ...]) -> tuple[int, int, int]:
+def counts(modes: tuple[str, ...]) -> tuple[int, ...]:
     """Blocks per recompute mode (``RECOMPUTE`` order)."""
-    none, selective, full = (modes.count(m) for m in RECOMPUTE)
-    return none, selective, full
+    return tuple(modes.count(m) for m in RECOMPUTE)
+
+
+def mode_counts(n: int, mode: str = "none", k: int | None = None) -> tuple[int, ...]:
+    """Counts per mode (``RECOMPUTE`` order) of ``n`` blocks: ``k`` (default all) in ``mode``,
+    the rest none."""
+    k = n if k is None else k
+    return tuple((k if m == mode else 0) + (n - k if m == "none" else 0) for m in RECOMPUTE)
 
 
 def with_chunks(plan: Plan, new: list[tuple[str, ...]] | list[list[str]], virtual_stages: int | None = None,
@@ -402,8 +408,8 @@ class Settings:
     virtual_stages: int | None = None
     sequence_parallel: bool | None = None
     stage_layers: tuple[int, ...] | None = None
-    recompute: tuple[tuple[int, int, int], ...] | None = None
-    """Per virtual stage, its blocks per recompute mode (none, selective, full)."""
+    recompute: tuple[tuple[int, ...], ...] | None = None
+    """Per virtual stage, its blocks per recompute mode (``RECOMPUTE`` order)."""
     dtype: str | None = None
     axis_order: tuple[Axis, ...] | None = None
     """Mesh axes of degree > 1, outermost first."""

@@ -19,7 +19,7 @@ import json
 
 from autopar.errors import UserError
 from autopar.export.common import (Adapter, Nodes, Option, Settings, contiguous, describe_recompute, per_rank,
-                                   dp_overlap, order_gap, replace_plan, uniform_recompute)
+                                   dp_overlap, mode_counts, order_gap, replace_plan, uniform_recompute)
 from autopar.plan import Plan
 from cost_models.axes import Degrees
 from cost_models.recipe import ExecutionRecipe
@@ -61,7 +61,7 @@ def adapt(a: Adapter) -> None:
               [Option(nearest="tensor_parallel.autotp_size without sequence parallelism",
                       plan=replace_plan(a.plan, sequence_parallel=False))])
     modes = set(a.plan.recompute)
-    if "selective" in modes or len(modes) > 1:
+    if modes & {"selective", "op"} or len(modes) > 1:
         a.gap("recompute", describe_recompute(a.plan), "DeepSpeed checkpoints every block or none "
               "(activation_checkpointing; pipeline.activation_checkpoint_interval)",
               [Option(nearest="activation checkpointing of every block", plan=uniform_recompute(a.plan, "full")),
@@ -138,7 +138,7 @@ def parse(text: str, layers: int) -> Settings:
                     micro_batch_size=micro, num_microbatches=accum, global_batch=total,
                     schedule="1f1b" if pp > 1 else None, virtual_stages=1, sequence_parallel=False,
                     stage_layers=stage_layers,
-                    recompute=tuple((0, 0, n) if full else (n, 0, 0) for n in stage_layers),
+                    recompute=tuple(mode_counts(n, "full" if full else "none") for n in stage_layers),
                     dtype="bf16" if cfg.get("bf16", {}).get("enabled") else "fp16" if cfg.get("fp16", {}).get("enabled")
                     else "fp32", axis_order=Degrees(pp=pp, dp=dp or 1, cp=cp, tp=tp).active())
 

@@ -24,7 +24,7 @@ import shlex
 
 from autopar.errors import UserError
 from autopar.export.common import (Adapter, Family, Nodes, Option, Settings, Shape, axis_order, chunks, counts,
-                                   derive_batch, describe_recompute, dp_overlap, order_gap, replace_plan, twin_options,
+                                   derive_batch, describe_recompute, dp_overlap, mode_counts, order_gap, replace_plan, twin_options,
                                    with_chunks)
 from autopar.plan import Plan
 from cost_models.axes import Axis, Degrees
@@ -114,14 +114,16 @@ def _schedule(a: Adapter) -> None:
 def _recompute_flags(plan: Plan) -> list[str] | None:
     """Megatron's recompute flags for the plan's modes, or None if it has none for them."""
     per = [counts(c) for c in chunks(plan)]
-    if all(s == 0 and f == 0 for _, s, f in per):
+    if any(o for _, _, _, o in per):  # per-op recompute: Megatron's granularities are modules
+        return None
+    if all(s == 0 and f == 0 for _, s, f, _ in per):
         return []
-    if all(n == 0 and f == 0 for n, _, f in per):
+    if all(n == 0 and f == 0 for n, _, f, _ in per):
         return ["--recompute-granularity", "selective", "--recompute-modules", "core_attn"]
-    if all(n == 0 and s == 0 for n, s, _ in per):
+    if all(n == 0 and s == 0 for n, s, _, _ in per):
         return ["--recompute-granularity", "full", "--recompute-method", "uniform", "--recompute-num-layers", "1"]
-    full = {f for _, _, f in per}
-    if all(s == 0 for _, s, _ in per) and len(full) == 1:
+    full = {f for _, _, f, _ in per}
+    if all(s == 0 for _, s, _, _ in per) and len(full) == 1:
         return ["--recompute-granularity", "full", "--recompute-method", "block",
                 "--recompute-num-layers", str(full.pop())]
     return None
@@ -135,14 +137,16 @@ def _recompute(a: Adapter) -> None:
                Option(nearest="--recompute-granularity full --recompute-method uniform (every block)",
                       plan=replace_plan(plan, recompute=("full",) * plan.num_layers)),
                Option(nearest="no recompute", plan=replace_plan(plan, recompute=("none",) * plan.num_layers))]
-    for k in sorted({f for _, _, f in per} | {s + f for _, s, f in per}):
+    for k in sorted({f for _, _, f, _ in per} | {s + f + o for _, s, f, o in per}):
         if 0 < k < max(map(sum, per)):
             new = [["full"] * min(k, sum(c)) + ["none"] * (sum(c) - min(k, sum(c))) for c in per]
             options.append(Option(nearest=f"--recompute-granularity full --recompute-method block "
                                           f"--recompute-num-layers {k} (the first {k} blocks of every chunk)",
                                   plan=with_chunks(plan, new)))
     a.gap("recompute", describe_recompute(plan), "Megatron recomputes one granularity, in the same number of blocks "
-          "of every pipeline chunk", options)
+          "of every pipeline chunk, and has no per-op recompute (its selective granularity recomputes "
+          "whole modules)" if "op" in plan.recompute else "Megatron recomputes one granularity, in the same "
+          "number of blocks of every pipeline chunk", options)
 
 
 def _zero_flags(plan: Plan, shape: Shape, recipe: ExecutionRecipe) -> list[str]:
@@ -369,13 +373,12 @@ def _layout_blocks(stage: str) -> int:
     return n
 
 
-def _recompute_read(a: argparse.Namespace, n: int) -> tuple[int, int, int]:
+def _recompute_read(a: argparse.Namespace, n: int) -> tuple[int, ...]:
     if a.recompute_granularity == "selective":
-        return (0, n, 0)
+        return mode_counts(n, "selective")
     if a.recompute_granularity == "full":
-        k = n if a.recompute_method == "uniform" else min(a.recompute_num_layers, n)
-        return (n - k, 0, k)
-    return (n, 0, 0)
+        return mode_counts(n, "full", n if a.recompute_method == "uniform" else min(a.recompute_num_layers, n))
+    return mode_counts(n)
 
 
 def _order_read(tp_pp_dp: bool, dp: int, tp: int, pp: int, cp: int = 1) -> tuple[Axis, ...]:

@@ -12,9 +12,10 @@ stages are explicit ``module_fqns_per_model_part``; micro-batches are pipeline m
 (``pipeline_parallel_microbatch_size``, ``local_batch_size`` = all of them) with a pipeline,
 gradient-accumulation steps (``global_batch_size``) without.
 
-What it cannot express: ZeRO-1 (FSDP2 always shards gradients), fp16, autopar's selective
-recompute (torchtitan's selective AC is op-level: it saves matmul and attention outputs and
-recomputes the rest), per-block recompute mixes, mesh orders other than pp > dp > cp > tp, and
+Per-op recompute (``op``) is torchtitan's ``SelectiveAC`` (every second matmul's output and
+the attention's kept). What it cannot express: ZeRO-1 (FSDP2 always shards gradients), fp16,
+autopar's selective recompute (the attention core only; torchtitan's selective AC is per-op),
+per-block recompute mixes, mesh orders other than pp > dp > cp > tp, and
 blocks other than Llama's (RMSNorm, SwiGLU, RoPE). A mixture of experts is refused, not replaced:
 the module builds the dense Llama 3 decoder, and a dense twin would be another model (expert
 parallelism is refused before, in ``export_plan``).
@@ -26,7 +27,7 @@ import ast
 
 from autopar.errors import UserError
 from autopar.export.common import (Adapter, Family, Nodes, Option, Settings, Shape, derive_batch, describe_recompute,
-                                   order_gap, replace_plan, twin_options, uniform_recompute)
+                                   mode_counts, order_gap, replace_plan, twin_options, uniform_recompute)
 from autopar.plan import Plan
 from cost_models.axes import Degrees
 
@@ -38,6 +39,10 @@ SCHEDULES = {"gpipe": "GPipe", "1f1b": "1F1B", "interleaved": "Interleaved1F1B",
 """autopar's schedules and the torch.distributed.pipelining schedules torchtitan names (all
 place stages looped: rank r runs stages r, r + pp, ...)."""
 _MULTI = {"Interleaved1F1B", "InterleavedZeroBubble"}
+AC = {"none": "None", "full": "FullAC.Config()", "op": "SelectiveAC.Config()"}
+"""How the config module writes each recompute mode torchtitan has (``activation_checkpoint``:
+``torchtitan/distributed/activation_checkpoint.py``; SelectiveAC keeps every second matmul's
+output and the attention's, as autopar's ``op``)."""
 
 
 def adapt(a: Adapter, shape: Shape) -> None:
@@ -67,9 +72,9 @@ def adapt(a: Adapter, shape: Shape) -> None:
         a.gap("recompute", describe_recompute(a.plan),
               "torchtitan applies one activation-checkpointing policy to every block, and its selective "
               "policy is op-level (saves matmul and attention outputs), not autopar's attention-core recompute",
-              [Option(nearest="activation_checkpoint=FullAC.Config()", plan=uniform_recompute(a.plan, "full")),
-               Option(nearest="activation_checkpoint=None", plan=uniform_recompute(a.plan, "none"))])
-    a.refit({"full": "activation_checkpoint=FullAC.Config()"})
+              [Option(nearest=f"activation_checkpoint={AC[m]}", plan=uniform_recompute(a.plan, m))
+               for m in ("op", "full", "none")])
+    a.refit({m: f"activation_checkpoint={AC[m]}" for m in ("op", "full")})
     order_gap(a, "torchtitan's mesh is pp > dp_replicate > dp_shard > cp > tp", "pp > dp > tp")
 
 
@@ -114,7 +119,7 @@ def _kwargs(d: dict, indent: str) -> str:
 
 def render(plan: Plan, shape: Shape, where: Nodes, header: list[str], module: str) -> tuple[str, str]:
     training, parallelism = settings_kwargs(plan)
-    ac = "FullAC.Config()" if "full" in plan.recompute else "None"
+    ac = AC[plan.recompute[0]]  # one mode on every block (``adapt``)
     launch = (f"PYTHONPATH=<directory of {module}.py> torchrun --nnodes {where.count} --nproc-per-node "
               f"{where.per_node} -m torchtitan.train --module {module} --config {FUNCTION}")
     doc = "\n".join(header + ["", "Launch on every node:", f"    {launch}",
@@ -125,7 +130,7 @@ def render(plan: Plan, shape: Shape, where: Nodes, header: list[str], module: st
 
 from torchtitan.components.loss import ChunkedLossWrapper, CrossEntropyLoss
 from torchtitan.config import ParallelismConfig, TrainingConfig
-from torchtitan.distributed.activation_checkpoint import FullAC
+from torchtitan.distributed.activation_checkpoint import FullAC, SelectiveAC
 from torchtitan.models.common import ComplexRoPE, Embedding, Linear, RMSNorm
 from torchtitan.models.llama3 import (_EMBEDDING_INIT, _NORM_INIT, _build_llama3_layers, _output_linear_init,
                                       model_registry)
@@ -182,7 +187,8 @@ def _calls(tree: ast.AST) -> dict[str, dict]:
                     out["constants"][name.id] = ast.literal_eval(value)
         if (isinstance(node, ast.Assign) and isinstance(node.targets[0], ast.Attribute)
                 and node.targets[0].attr == "activation_checkpoint"):
-            out["ac"] = {"full": "FullAC" in ast.unparse(node.value)}
+            out["ac"] = {"mode": next((m for m, text in AC.items() if text.split(".")[0] in ast.unparse(node.value)),
+                                      "none")}
     return out
 
 
@@ -218,12 +224,12 @@ def parse(text: str) -> Settings:
         stage_layers, v, schedule = ((layers,) if layers else None), 1, None
     reshard = p.get("fsdp_reshard_after_forward", "default")
     zero = 0 if shard == 1 else 3 if reshard == "always" or (reshard == "default" and pp == 1) else 2
-    full = found.get("ac", {}).get("full", False)
+    ac = found.get("ac", {}).get("mode", "none")
     return Settings(gpus=dp * tp * pp * cp, dp=dp, tp=tp, pp=pp, cp=cp, zero=zero,
                     offload=t.get("enable_cpu_offload", False), micro_batch_size=micro, num_microbatches=n or None,
                     global_batch=t["global_batch_size"], schedule=schedule, virtual_stages=v,
                     sequence_parallel=p.get("enable_sequence_parallel", True) and tp > 1, stage_layers=stage_layers,
-                    recompute=tuple((0, 0, k) if full else (k, 0, 0) for k in stage_layers) if stage_layers else None,
+                    recompute=tuple(mode_counts(k, ac) for k in stage_layers) if stage_layers else None,
                     dtype="fp32" if t.get("mixed_precision_param") == "float32" else "bf16",
                     axis_order=Degrees(pp=pp, dp=dp, cp=cp, tp=tp).active())
 

@@ -8,6 +8,7 @@ from html import escape
 from pathlib import Path
 from typing import Collection
 
+from cost_models.strategy import RECOMPUTE
 from autopar.report.data import ReportData
 from autopar.report.timeline import __doc__ as TIMELINE_DOC
 
@@ -75,8 +76,7 @@ def render(data: ReportData, figures: dict[str, Path]) -> str:
     if data.measured is not None:
         cards.append(_card(_t(data.measured.typical_s), f"measured ({data.measured.typical_s / e.step_time_s:.2f}x)"))
     sched = p.schedule + (f" (v={p.virtual_stages})" if p.virtual_stages > 1 else "")
-    rc = ", ".join(f"{mode} x{p.recompute.count(mode)}" for mode in ("none", "selective", "full")
-                   if mode in p.recompute)
+    rc = ", ".join(f"{mode} x{p.recompute.count(mode)}" for mode in RECOMPUTE if mode in p.recompute)
     facts = [["mesh", f"dp={m.dp} tp={m.tp} pp={m.pp}{f' cp={m.cp}' if m.cp > 1 else ''} (axis order {' > '.join(p.axis_order)}, outermost first)"],
              ["ZeRO stage", str(p.zero_stage)], ["micro-batch x micro-batches", f"{p.micro_batch_size} x {p.num_microbatches}"],
              ["schedule", sched], ["sequence parallel", str(p.sequence_parallel)], ["recompute", rc],

@@ -9,8 +9,10 @@ checkpointing, then the data-parallel wrapper — each with stock torch.distribu
   (``RowwiseParallel`` over the vocabulary) and a column-parallel head whose logits stay
   sharded for a vocab-parallel cross-entropy (``loss_parallel``: no [b, s, V] gather); with SP
   the norms run on sequence shards (``SequenceParallel``).
-- Recompute: non-reentrant ``checkpoint_wrapper`` around a whole block (full) or its attention
-  core (selective, Korthikanti et al. 2022); reentrant checkpointing breaks pipelining.
+- Recompute: non-reentrant ``checkpoint_wrapper`` around a whole block (full), around it with
+  torch's selective checkpointing policy (op: every second matmul's output and the attention
+  kernel's kept, torchtitan's per-op AC) or around its attention core (selective, Korthikanti
+  et al. 2022); reentrant checkpointing breaks pipelining.
 - DP by ZeRO stage over the ranks that replicate the weights: the mesh's dp axis, flattened
   with cp under context parallelism (``ParallelContext.replica_mesh``; ``runtime.context_parallel``
   runs before recompute, so selective recompute wraps its attention core). ZeRO 0 with pure data parallelism (tp = pp = 1)
@@ -36,7 +38,7 @@ from typing import TYPE_CHECKING, Callable, cast
 import torch
 from torch import nn
 from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import CheckpointImpl, checkpoint_wrapper
-from torch.utils.checkpoint import checkpoint
+from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
 from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionPolicy, OffloadPolicy, fully_shard
 from torch.distributed._composable.replicate_with_fsdp import replicate
 from torch.distributed.device_mesh import DeviceMesh
@@ -192,7 +194,8 @@ def _localize_block(block: nn.Module, anat: Anatomy, tp: int, heads: set[int]) -
 
 def apply_recompute(model: nn.Module, recompute: tuple[str, ...], anat: Anatomy) -> None:
     """Wrap each local block by its mode (``recompute`` is indexed by global block number):
-    full = the whole block; selective = its attention core (Korthikanti et al. 2022): the
+    full = the whole block; op = the whole block under the per-op policy (``_per_op_policy``);
+    selective = its attention core (Korthikanti et al. 2022): the
     built-in ``CoreAttention`` module, or for HF models the attention function, swapped for a
     checkpointed SDPA through transformers' ``AttentionInterface``."""
     container = model.get_submodule(anat.container)
@@ -205,8 +208,42 @@ def apply_recompute(model: nn.Module, recompute: tuple[str, ...], anat: Anatomy)
         assert block is not None  # blocks are modules (only a removed attribute is None)
         if mode == "full":
             container._modules[key] = checkpoint_wrapper(block, checkpoint_impl=CheckpointImpl.NO_REENTRANT)
+        elif mode == "op":
+            container._modules[key] = checkpoint_wrapper(block, checkpoint_impl=CheckpointImpl.NO_REENTRANT,
+                                                         context_fn=_per_op_contexts)
         elif mode == "selective":
             _recompute_attention_core(block, anat)
+
+
+_MATMULS = frozenset({torch.ops.aten.mm.default, torch.ops.aten.addmm.default, torch.ops.aten.linear.default})
+"""A weight GEMM as the selective-checkpoint policy sees it (a 3-d ``nn.Linear`` runs as ``mm``,
+with a bias as ``addmm``; under TP the op on the DTensors, once per GEMM)."""
+_KEPT = frozenset(op for op in (
+    getattr(torch.ops.aten, name).default for name in (
+        "_scaled_dot_product_flash_attention", "_scaled_dot_product_flash_attention_for_cpu",
+        "_scaled_dot_product_efficient_attention", "_scaled_dot_product_cudnn_attention"))) | \
+    {torch.ops._c10d_functional.reduce_scatter_tensor.default}
+"""Ops whose outputs per-op recompute always keeps: the attention kernels and sequence
+parallelism's reduce-scatter (torchtitan's save list; an all-gather is repeated instead)."""
+
+
+def _per_op_policy() -> Callable[..., CheckpointPolicy]:
+    """torchtitan's per-op selective checkpointing policy for one block's forward: keep the
+    output of the 1st, 3rd, ... weight GEMM and of the ops in ``_KEPT``, recompute the rest.
+    torch calls it in the forward only and replays its decisions in the recompute."""
+    count = [0]
+
+    def policy(ctx, func, *args, **kwargs) -> CheckpointPolicy:
+        if func in _MATMULS:
+            count[0] += 1
+            return CheckpointPolicy.MUST_SAVE if count[0] % 2 else CheckpointPolicy.PREFER_RECOMPUTE
+        return CheckpointPolicy.MUST_SAVE if func in _KEPT else CheckpointPolicy.PREFER_RECOMPUTE
+    return policy
+
+
+def _per_op_contexts():
+    """A fresh policy per checkpointed call (its GEMM count starts at the block's first)."""
+    return create_selective_checkpoint_contexts(_per_op_policy())
 
 
 def _checkpointed_sdpa(module: nn.Module, *args, **kwargs):

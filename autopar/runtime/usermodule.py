@@ -181,6 +181,9 @@ def unsupported(plan: Plan, traced: Traced) -> str | None:
     if "selective" in plan.recompute and not traced.sdpa:
         return (f"selective recompute checkpoints a scaled_dot_product_attention call, and "
                 f"{traced.spec.name}'s attention is written out op by op; use --recompute none or full")
+    if "op" in plan.recompute and not traced.sdpa:
+        return (f"per-op recompute keeps a scaled_dot_product_attention call's output, and "
+                f"{traced.spec.name}'s attention is written out op by op; use --recompute none or full")
     return None
 
 

@@ -100,7 +100,7 @@ def explain(model: ModelProfile, hw: HardwareProfile, gpus: int, global_batch: i
     for field, pin in DIMENSIONS:
         values = sorted({_get(s, field) for s in space}, key=lambda v: (str(type(v)), v))
         if field == "recompute":
-            values = ["none", "selective", "full"]
+            values = ["none", "selective", "op", "full"] if model.op_priced else ["none", "selective", "full"]
         chosen = _value(plan, field)
         out = []
         for value in _neighbours(values, chosen):

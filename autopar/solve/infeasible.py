@@ -18,7 +18,13 @@ def no_candidate_reason(model: ModelProfile, hw: HardwareProfile, gpus: int,
                         global_batch: int, pins: Pins) -> str:
     """Why no outer candidate exists at all (divisibility, refusals; not memory)."""
     used = {"tp": (pins.tp or 1) > 1, "pp": (pins.pp or 1) > 1, "sp": bool(pins.sequence_parallel),
-            "dp": (pins.zero or 0) > 0, "selective": pins.recompute == "selective"}
+            "dp": (pins.zero or 0) > 0, "selective": pins.recompute == "selective", "op": pins.recompute == "op"}
+    if pins.recompute == "op" and not model.op_priced:
+        why = "a mixture of experts" if model.moe else "no weight GEMMs traced in its blocks"
+        return (f"--recompute op is priced for dense transformer blocks only ({model.name}: {why}); "
+                "use --recompute none, selective or full")
+    if pins.recompute == "op" and pins.cp and pins.cp > 1:
+        return f"--recompute op does not run with context parallelism: drop --cp {pins.cp} or use --recompute full"
     if pins.cp and pins.cp > 1 and "cp" in pins.refused:
         return (f"--cp {pins.cp}: autopar's runtime runs context parallelism on the built-in gpt/llama models "
                 "only; drop --cp, or plan with --recipe megatron-core and run it through `autopar export`")

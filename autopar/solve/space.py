@@ -326,6 +326,7 @@ def block_families(model: ModelProfile, hw: HardwareProfile, block: Block, dtype
     memo = {} if memo is None else memo
     mesh, b, m = block.mesh, block.micro_batch, block.num_microbatches
     dp, cp, tp, pp, ep = mesh.dp, mesh.cp, mesh.tp, mesh.pp, mesh.ep
+    op_runs = model.op_priced and cp == 1  # per-op recompute: dense blocks, no context parallelism
 
     def refuses(dp: int, pp: int, zero: int, schedule: str, v: int, cp: int, ep: int = 1,
                 offload: bool = False, moe: bool = False, sp: bool = False) -> bool:
@@ -355,10 +356,13 @@ def block_families(model: ModelProfile, hw: HardwareProfile, block: Block, dtype
                 vs = [v for v in chunk_counts if not ((ep > 1 or model.moe) and refuses(
                     dp * cp, pp, zero, sched, v, cp, ep=ep, moe=model.moe, sp=sp))]
                 for nominal, modes in _mode_sets(pins, sched):
-                    if "selective" in refused:
-                        modes = tuple(i for i in modes if RECOMPUTE[i] != "selective")
-                        if not modes or nominal == "selective":
-                            continue
+                    for mode in ("selective", "op"):
+                        if mode in refused or (mode == "op" and not op_runs):
+                            modes = tuple(i for i in modes if RECOMPUTE[i] != mode)
+                            if nominal == mode:
+                                modes = ()
+                    if not modes:
+                        continue
                     members = tuple((v, lead, off) for v in vs for lead in _lead_modes(model, modes)
                                     for off in offs[v])
                     if members:

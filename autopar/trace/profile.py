@@ -95,6 +95,26 @@ def autocast_extra_bytes(block: BlockInfo) -> int:
     return extra
 
 
+def op_recompute_fields(block: BlockInfo, tokens: int) -> dict:
+    """What per-op selective recompute keeps and repeats in ``block``, per token
+    (``ModelProfile.op_*``): its weight GEMMs in the order they run, the 1st, 3rd, ... kept
+    (column-parallel ones split by TP, row-parallel ones as full-width partial sums), the
+    others recomputed; the attention kernel's output and its float32 log-sum-exp per head
+    kept. Empty (not priced) for a mixture of experts or a block with no weight GEMM."""
+    gemms = [n for n in block.nodes if n.split in ("column", "row")]
+    if block.experts or not gemms:
+        return {}
+    kept, again = gemms[0::2], gemms[1::2]
+    core = [n for n in block.nodes if not n.split and n.flops > 0]
+    lse = 4 * block.heads * tokens if core else 0
+    return dict(
+        op_kept_sharded_bytes_per_token=(sum(n.out_bytes for n in kept if n.split == "column")
+                                         + sum(n.out_bytes for n in core) + lse) / tokens,
+        op_kept_partial_bytes_per_token=sum(n.out_bytes for n in kept if n.split == "row") / tokens,
+        op_reduced_bytes_per_token=sum(n.out_bytes for n in gemms if n.split == "row") / tokens,
+        op_recompute_flops_per_token=sum(n.flops for n in again) / tokens)
+
+
 def _block_fields(block: BlockInfo, tokens: int) -> dict:
     """The per-block fields of ``ModelProfile`` read off one traced block kind, per token."""
     matmul = sum(n.flops for n in block.nodes if n.split)
@@ -114,7 +134,8 @@ def _block_fields(block: BlockInfo, tokens: int) -> dict:
         fused_act_bytes_replicated_per_token=fused.replicated / tokens,
         fused_act_bytes_sharded_per_token=fused.sharded / tokens,
         fused_act_bytes_attn_per_token=fused.attn / tokens,
-        autocast_act_bytes_per_token=autocast_extra_bytes(block) / tokens)
+        autocast_act_bytes_per_token=autocast_extra_bytes(block) / tokens,
+        **op_recompute_fields(block, tokens))
 
 
 def _moe_fields(block: BlockInfo, spec: ModelSpec, tokens: int) -> dict:
