@@ -64,10 +64,15 @@ newly priced feature by construction. ``cp``: NeMo's and Megatron-Bridge's conte
 rows (Llama-3 8B / 70B at CP 2, Llama-3.1 405B at CP 2) check the ring-attention pricing with the
 constants the other rows fit. ``per_op_sac``: torchtitan's per-op selective recompute (``op``),
 recorded by the sources as "selective", checked the same way."""
-FAMILIES = {"A100": ("dgx-a100-80g", "dgx-a100-40g"), "H100": ("dgx-h100",)}
+FAMILIES = {"A100": ("dgx-a100-80g", "dgx-a100-40g"), "H100": ("dgx-h100",),
+            "GT": ("grand-teton-h100-96g",)}
 """Profiles sharing one chip: the fitted fractions of peak are common to them. Grand Teton's
-500 W H100 is not in the H100 family (its power cap lowers what a fraction of the SXM peak
-means); its rows are priced with the constants its profile carries over from dgx-h100."""
+500 W H100 is a family of its own: the H100 die, whose fractions its profile carries over
+from dgx-h100, under a power cap that lowers the clock its tensor cores sustain
+(``sustained_clock``, fitted on its rows)."""
+DONORS = {"GT": "H100"}
+"""Held out, a family no other source prices takes the fitted fractions of this family (the
+same die), not those of the first family priced (``loso``)."""
 GRID = {
     "matmul_efficiency": [x / 100 for x in range(56, 87, 2)],
     "memory_efficiency": [x / 100 for x in range(30, 81, 3)],
@@ -76,11 +81,13 @@ GRID = {
     "attention_efficiency:cudnn": [x / 100 for x in range(20, 81, 2)],
     "fp8_matmul_efficiency": [x / 100 for x in range(30, 81, 2)],
     "overlap_penalty": [x / 100 for x in range(0, 101, 5)],
+    "sustained_clock": [x / 100 for x in range(60, 101, 2)],
 }
 """The constants ``fit`` may choose and their grids."""
 FIT_KEYS = {
     "A100": ("attention_efficiency:flash2", "attention_efficiency:triton", "overlap_penalty"),
     "H100": ("matmul_efficiency", "attention_efficiency:triton", "overlap_penalty"),
+    "GT": ("sustained_clock",),
 }
 """What is fitted per family. A100's GEMM and element-wise efficiencies stay as the Megatron
 fit of Narayanan Table 1 and Korthikanti Tables 4-5 (``validate_published.py --fit``): refit
@@ -336,7 +343,8 @@ def summary(results: list[Result]) -> dict[str, tuple[int, float, float]]:
     return out
 
 
-DOCUMENTED = {"dgx-h100": ("flash2", "cudnn"), "dgx-a100-80g": ("cudnn",), "dgx-a100-40g": ("cudnn",)}
+DOCUMENTED = {"dgx-h100": ("flash2", "cudnn"), "grand-teton-h100-96g": ("flash2", "cudnn"),
+              "dgx-a100-80g": ("cudnn",), "dgx-a100-40g": ("cudnn",)}
 """Kernels whose ``attention_efficiency`` a profile takes from documentation or a measurement,
 not from a fit (its notes say which): usable as out-of-sample priors."""
 
@@ -350,26 +358,30 @@ forward's FLOPs, (1.4 + 2.5 x 2) / 3.5 = 1.83x over both. A prior for a held-out
 kernel no other source runs, never fitted."""
 
 
-def loso(sources: list[Source], models: Models) -> list[Result]:
+def loso(sources: list[Source], models: Models, only: frozenset[str] | None = None) -> list[Result]:
     """Each source predicted with constants fitted on the others. A kernel's efficiency that
     only the held-out source pins is replaced by what the others give the same chip: another
     fitted kernel's value, else a documented one (``DOCUMENTED``); a family the others do not
     price at all takes the fitted fractions of the first family they do (``FAMILIES`` order),
     so no held-out row is priced with a constant it determined. A kernel with a documented speed
-    relative to a known one (``KERNEL_PRIORS``) takes that instead of the generic prior."""
+    relative to a known one (``KERNEL_PRIORS``) takes that instead of the generic prior. ``only``:
+    hold out these sources alone (all by default)."""
     out = []
     for held in sources:
+        if only is not None and held.source not in only:
+            continue
         rest = [s for s in sources if s.source != held.source]
         hws = fit(rest, models)
         donor = None
-        for names in FAMILIES.values():
+        for family, names in FAMILIES.items():
             train = [dataclasses.replace(s, rows=tuple(r for r in s.rows if r.cluster in names))
                      for s in rest]
             fitted = _kernels([s for s in train if s.rows])
             if any(s.rows for s in train):
                 donor = donor or hws[names[0]]
             elif donor is not None:
-                moved = {k: v for k, v in constants(donor).items()
+                giver = hws[FAMILIES[DONORS[family]][0]] if family in DONORS else donor
+                moved = {k: v for k, v in constants(giver).items()
                          if not k.startswith("attention_efficiency:")}
                 for name in names:
                     hws[name] = with_constants(hws[name], moved)
@@ -389,12 +401,16 @@ def loso(sources: list[Source], models: Models) -> list[Result]:
 
 def by_table(sources: list[Source]) -> list[Source]:
     """Sources split into their published tables (llm-foundry's README has five, measured
-    on different clusters), named ``source|table``; a source without tables stays whole."""
+    on different clusters) or documents (``[document ...]`` at the start of a row's
+    ``assumed``: torchtitan's three benchmark files, Megatron-Bridge's two releases), named
+    ``source|table``; a source without tables stays whole."""
     out = []
     for src in sources:
         tables: dict[str, list[DataRow]] = {}
         for row in src.rows:
-            title = row.assumed.split("'")[1] if row.assumed.startswith("[table '") else ""
+            text = row.assumed
+            title = text.split("'")[1] if text.startswith("[table '") else \
+                text[1:].split()[0] if text.startswith("[") else ""
             tables.setdefault(title, []).append(row)
         for title, rows in tables.items():
             name = f"{src.source}|{title}" if title and len(tables) > 1 else src.source

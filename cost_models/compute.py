@@ -130,7 +130,7 @@ def grad_gemms(g: Gemm) -> tuple[Gemm, Gemm]:
 
 def gemm_s(g: Gemm, hw: HardwareProfile, dtype: str, elem: float) -> float:
     """Roofline time of one GEMM: FLOPs at its shape's efficiency, or its operand bytes."""
-    return max(g.flops / (hw.peak_flops(dtype) * gemm_efficiency(g, hw, dtype)), memory_s(g.nbytes(elem), hw))
+    return max(g.flops / (hw.compute_flops(dtype) * gemm_efficiency(g, hw, dtype)), memory_s(g.nbytes(elem), hw))
 
 
 def memory_s(nbytes: float, hw: HardwareProfile) -> float:
@@ -292,7 +292,7 @@ def block_gemm_s(model: ModelProfile, hw: HardwareProfile, strat: Strategy,
     attn_flops = tokens * model.block_attn_flops_per_token / strat.mesh.tp
     if fused(strat):
         eff = hw.attention_eff(strat.recipe.attention_kernel, model.seq / strat.mesh.cp)
-        core_s = attn_flops * causal_fraction(model.seq) / (hw.peak_flops(strat.dtype) * eff)
+        core_s = attn_flops * causal_fraction(model.seq) / (hw.compute_flops(strat.dtype) * eff)
         core_s *= FLASH_BWD_RATIO if backward else 1.0
     else:
         core_s = _scaled_s(core, attn_flops, hw, strat, backward=backward)

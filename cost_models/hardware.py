@@ -63,6 +63,11 @@ class HardwareProfile:
     """The reduction dimension's half-dim of the GEMM shape law (``matmul_half_dim``)."""
     fp8_matmul_half_depth: float = 0.0
     """The reduction half-dim of Float8 GEMMs (0: ``matmul_half_depth``)."""
+    sustained_clock: float = 1.0
+    """Tensor-core clock a training step sustains over the one ``peak_tflops`` is quoted at:
+    below 1 where a power cap throttles the chip (Meta's Grand Teton H100 at 500 W of its 700 W
+    TDP). It scales every compute-bound kernel (GEMMs, fused attention), not memory-bound ones;
+    MFU stays against ``peak_tflops``, the datasheet convention."""
     memory_efficiency: float = 1.0
     """Calibrated fraction of ``hbm_bw_gbps`` reached by element-wise kernels."""
     optimizer_memory_efficiency: float = 0.0
@@ -180,6 +185,10 @@ class HardwareProfile:
                                f"it lists {', '.join(sorted(self.peak_tflops))}")
         return self.peak_tflops[dtype] * 1e12
 
+    def compute_flops(self, dtype: str) -> float:
+        """What compute-bound kernels run against: the dense peak at the sustained clock, FLOP/s."""
+        return self.peak_flops(dtype) * self.sustained_clock
+
 
 PROFILE_DIR = Path(__file__).resolve().parent.parent / "hardware_profiles"
 
@@ -217,6 +226,7 @@ _RANGES: dict[str, tuple[float, float, str]] = {
     "matmul_half_depth": (0.0, 1e6, "(a GEMM dimension)"),
     "fp8_matmul_half_depth": (0.0, 1e6, "(a GEMM dimension; 0: matmul_half_depth)"),
     "memory_efficiency": (_EFF, 1.0, "(a fraction)"),
+    "sustained_clock": (0.1, 1.0, "(a fraction of the quoted peak's clock)"),
     "optimizer_memory_efficiency": (0.0, 1.0, "(a fraction; 0: memory_efficiency)"),
     "reserve_gib": (0.0, 1 << 16, "GiB"),
     "nccl_gib_per_group": (0.0, 1 << 16, "GiB"),

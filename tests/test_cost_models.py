@@ -316,6 +316,22 @@ def test_the_autopar_recipe_prices_the_kernel_sdpa_dispatches_on_the_device():
     assert compute.block_gemm_s(model, h100, mine) == compute.block_gemm_s(model, h100, cudnn)
 
 
+def test_a_power_capped_clock_slows_compute_bound_kernels_only():
+    """``sustained_clock`` divides compute-bound time (GEMMs, fused attention) and leaves the
+    roofline's memory-bound side and MFU's datasheet peak alone."""
+    capped = dataclasses.replace(A100, sustained_clock=0.8)
+    big, thin = compute.Gemm(batch=1, m=8192, n=8192, k=8192), compute.Gemm(batch=1, m=8192, n=1, k=8192)
+    assert compute.gemm_s(big, capped, "bf16", 2) == pytest.approx(compute.gemm_s(big, A100, "bf16", 2) / 0.8)
+    assert compute.gemm_s(thin, capped, "bf16", 2) == pytest.approx(compute.gemm_s(thin, A100, "bf16", 2))
+    model = profile_spec(parse_model_spec("llama:layers=2,hidden=4096,heads=32,kv_heads=8,ffn=14336,vocab=32000,seq=8192"))
+    strat = Strategy(recipe=load_recipe("torchtitan"), micro_batch=1)
+    (_, core), (_, core_capped) = compute.block_gemm_s(model, A100, strat), compute.block_gemm_s(model, capped, strat)
+    assert core_capped == pytest.approx(core / 0.8)
+    fast, slow = (estimate(model, hw, strat, global_batch=1) for hw in (A100, capped))
+    assert slow.step_time_s > fast.step_time_s and slow.mfu == pytest.approx(
+        fast.mfu * fast.step_time_s / slow.step_time_s)
+
+
 def test_gemm_shape_law_and_roofline():
     hw = dataclasses.replace(A100, matmul_efficiency=0.8, matmul_half_dim=100.0, matmul_half_depth=300.0)
     thin_out = compute.Gemm(batch=1, m=8192, n=100, k=8192)
