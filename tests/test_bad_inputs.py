@@ -225,6 +225,12 @@ for _name, (_text, _fragment) in PROFILES.items():
              "--global-batch", "8", *OUT, files={"p.json": _text}, fragment=_fragment)
 # -- estimate ------------------------------------------------------------------------------------
 case("estimate-tp-0", "estimate", "--model", TINY, *JOB, "--tp", "0", fragment="--tp must be positive")
+case("estimate-op-moe", "estimate", "--model", "moe:layers=2,hidden=64,heads=4,vocab=64,seq=8,experts=2,topk=1",
+     *JOB, "--recompute", "op", fragment="priced for dense transformer blocks only")
+case("estimate-op-cp", "estimate", "--model", "llama:layers=2,hidden=64,heads=4,vocab=64,seq=32", *JOB,
+     "--cp", "2", "--recompute", "op", fragment="does not run with context parallelism")
+case("plan-op-moe", "plan", "--model", "moe:layers=2,hidden=64,heads=4,vocab=64,seq=8,experts=2,topk=1",
+     *JOB, "--recompute", "op", fragment="priced for dense transformer blocks only")
 case("estimate-pp-0", "estimate", "--model", TINY, *JOB, "--pp", "0", fragment="--pp must be positive")
 case("estimate-mbs-0", "estimate", "--model", TINY, *JOB, "--mbs", "0", fragment="--mbs must be positive")
 case("estimate-dp-0", "estimate", "--model", TINY, *JOB, "--dp", "0", fragment="--dp must be positive")

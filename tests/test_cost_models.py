@@ -316,6 +316,29 @@ def test_the_autopar_recipe_prices_the_kernel_sdpa_dispatches_on_the_device():
     assert compute.block_gemm_s(model, h100, mine) == compute.block_gemm_s(model, h100, cudnn)
 
 
+@pytest.mark.parametrize("tp,sp", [(1, False), (4, False), (4, True)])
+def test_per_op_recompute_sits_between_none_and_full(tp, sp):
+    """Per-op recompute keeps less than none and more than full, repeats less than full and
+    more than nothing, and under TP repeats the all-gathers (SP: half the forward's exchanges)
+    or the all-reduces (all of them); a mixture of experts is refused."""
+    model = profile_spec(parse_model_spec("llama3-8b"))
+    h100 = load_profile("dgx-h100")
+    base = Strategy(recipe=load_recipe("torchtitan"), mesh=Degrees(tp=tp), sequence_parallel=sp, micro_batch=2)
+    by = {m: dataclasses.replace(base, recompute=m) for m in ("none", "op", "full")}
+    kept = {m: memory.block_act_bytes(model, s) for m, s in by.items()}
+    again = {m: compute.block_times(model, h100, s).recompute_s for m, s in by.items()}
+    assert kept["none"] > kept["op"] > kept["full"] and again["full"] > again["op"] > again["none"] == 0.0
+    assert memory.workspace_bytes(model, by["op"]) == pytest.approx(kept["none"] - kept["op"])
+    if tp > 1:
+        g = comm.group(h100, tp)
+        tp_op, tp_full = (blockcomm.block_tp_s(model, h100, by[m], g) for m in ("op", "full"))
+        assert tp_op.recompute_s == pytest.approx(tp_full.recompute_s / (2 if sp else 1))
+    moe = profile_spec(parse_model_spec("moe:layers=2,hidden=64,heads=4,vocab=64,seq=8,experts=2,topk=1"))
+    assert not moe.op_priced and model.op_priced
+    with pytest.raises(ValueError, match="per-op recompute"):
+        estimate(moe, h100, Strategy(recompute="op", micro_batch=1), global_batch=1)
+
+
 def test_a_power_capped_clock_slows_compute_bound_kernels_only():
     """``sustained_clock`` divides compute-bound time (GEMMs, fused attention) and leaves the
     roofline's memory-bound side and MFU's datasheet peak alone."""
