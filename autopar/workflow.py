@@ -185,6 +185,7 @@ def make_plan(job: Job, pins: Pins = Pins(), time_limit_s: float = 60.0,
     is False or the verdicts are given, e.g. computed once for all ranks of a job), search
     without the features that failed, and record the best strategy as a Plan."""
     check_seconds("--time-limit", time_limit_s)
+    check_op(pins.recompute, pins.cp, job.spec)
     if pins.ep is not None and pins.ep > 1:
         check_ep(job.spec, pins.ep)
     layout = None
@@ -225,6 +226,7 @@ def fixed_strategy(job: Job, *, tp: int, pp: int, dp: int | None, zero: int, mic
     dp = dp or job.gpus // (tp * pp * cp)
     if dp * tp * pp * cp != job.gpus:
         raise UserError(f"dp x tp x pp x cp = {dp * tp * pp * cp} but --gpus is {job.gpus}")
+    check_op(recompute, cp, job.spec)
     if cp > 1 and not job.recipe.has_context_parallel:
         raise UserError(f"--cp {cp}: the {job.recipe.name} recipe has no context parallelism; price it under "
                         "--recipe autopar, megatron-core, megatron-core-te or torchtitan")
@@ -257,6 +259,18 @@ def fixed_strategy(job: Job, *, tp: int, pp: int, dp: int | None, zero: int, mic
                         recompute=recompute, dtype=job.dtype, fp8=fp8, recipe=job.recipe)
     except ValueError as exc:
         raise UserError(str(exc)) from None
+
+
+def check_op(recompute: str | None, cp: int | None, spec: ModelSpec) -> None:
+    """Per-op recompute pinned where it does not run (under cp) or is not priced (a mixture of
+    experts): one line naming the fix, before anything is traced."""
+    if recompute != "op":
+        return
+    if cp and cp > 1:
+        raise UserError(f"--recompute op does not run with context parallelism: drop --cp {cp} or use --recompute full")
+    if spec.experts:
+        raise UserError(f"--recompute op is priced for dense transformer blocks only ({spec.name}: a mixture of "
+                        "experts); use --recompute none, selective or full")
 
 
 def estimate_strategy(job: Job, strat: Strategy, profile: ModelProfile | None = None) -> Estimate:
