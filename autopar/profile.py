@@ -64,12 +64,16 @@ REFERENCE_STEPS = 10
 BANDWIDTH_FLOOR = 0.01
 """Least share of the largest timed collective's time ``fit_collectives`` gives its bandwidth
 term: below it the noise of a loaded machine, not the link, sets the fitted β."""
+LATENCY_FLOOR = 0.01
+"""Least share of the smallest timed collective's time ``fit_collectives`` gives its latency
+term (the same reason: a link always has some; a fitted 0 is noise)."""
 
 
 def fit_collectives(rows: list[tuple[str, int, float]], world: int) -> tuple[float, float, float]:
     """(α s, β bytes/s, reduce-scatter factor) of ``rows`` (kind, bytes, seconds) under the
     cost model's formulas: α and β fitted on the all-reduces and all-gathers (β at most the
-    rate that leaves ``BANDWIDTH_FLOOR`` of the largest one's time to its bytes), the factor the
+    rate that leaves ``BANDWIDTH_FLOOR`` of the largest one's time to its bytes, α at least
+    ``LATENCY_FLOOR`` of the smallest one's time over its steps), the factor the
     median ratio of each reduce-scatter to its ring formula under them (gloo reduces the whole
     buffer: about 2; NCCL's ring: about 1)."""
     from cost_models import comm
@@ -89,6 +93,8 @@ def fit_collectives(rows: list[tuple[str, int, float]], world: int) -> tuple[flo
     largest = int(np.argmax(design[:, 1]))
     cap = design[largest, 1] / (BANDWIDTH_FLOOR * max(float(times[largest]), 1e-9))
     beta = min(1.0 / inv_beta, cap) if inv_beta > 0 else cap
+    smallest = int(np.argmin(design[:, 1]))
+    alpha = max(alpha, LATENCY_FLOOR * float(times[smallest]) / max(float(design[smallest, 0]), 1e-9))
     fitted = comm.Group(size=world, bw_bytes_s=beta, p2p_bytes_s=beta, latency_s=alpha, inter_node=False)
     ratios = [t / comm.reduce_scatter_s(b, fitted) for k, b, t in rows
               if k == "reduce_scatter" and comm.reduce_scatter_s(b, fitted) > 0]

@@ -10,7 +10,7 @@ import pytest
 from typer.testing import CliRunner
 
 from autopar.cli import app
-from autopar.profile import BANDWIDTH_FLOOR, failure, fit_collectives
+from autopar.profile import BANDWIDTH_FLOOR, LATENCY_FLOOR, failure, fit_collectives
 from autopar.profile_bench import SIZES
 from cost_models import comm, load_profile
 
@@ -39,6 +39,19 @@ def test_times_that_show_no_bandwidth_give_a_finite_bound_the_profile_accepts():
     largest = comm.all_reduce_s(SIZES[-1], comm.Group(size=4, bw_bytes_s=1.0, p2p_bytes_s=1.0, latency_s=0.0,
                                                       inter_node=False))
     assert b == pytest.approx(largest / (BANDWIDTH_FLOOR * 2e-3)) and 0 < b / 1e9 < 1e6 and a >= 0
+
+
+def test_times_that_show_no_latency_give_the_floor_not_zero():
+    """Times exactly proportional to the bytes (a loaded machine can time them so) fit no
+    latency term: α is then ``LATENCY_FLOOR`` of the smallest transfer's time over its steps
+    (the all-gather of the fewest bytes), never 0, and β is the rate the times show."""
+    beta = 2e9
+    unit = comm.Group(size=4, bw_bytes_s=beta, p2p_bytes_s=beta, latency_s=0.0, inter_node=False)
+    steps = comm.Group(size=4, bw_bytes_s=float("inf"), p2p_bytes_s=float("inf"), latency_s=1.0, inter_node=False)
+    ops = {"all_reduce": comm.all_reduce_s, "all_gather": comm.all_gather_s}
+    a, b, _ = fit_collectives([(kind, n, ops[kind](n, unit)) for n in SIZES for kind in ops], 4)
+    assert b == pytest.approx(beta, rel=1e-6)
+    assert a == pytest.approx(LATENCY_FLOOR * comm.all_gather_s(SIZES[0], unit) / comm.all_gather_s(SIZES[0], steps))
 
 
 @pytest.mark.slow

@@ -78,8 +78,9 @@ def test_minGPT_attention_core_is_found_by_structure():
 def test_nanoGPT_prices_as_the_builtin_gpt_of_its_shape():
     """nanoGPT is GPT-2 with biases: the cost model's view equals the built-in GPT's of the same
     shape in every count, but for the Megatron-recipe activations (gpt specs price Megatron's
-    dropout 0.1; a user module its own dropout, here 0) and its parameter tensors: nanoGPT
-    packs q, k, v into one ``c_attn`` (weight and bias: 12 tensors a block against 16)."""
+    dropout 0.1; a user module its own dropout, here 0), its parameter tensors and what per-op
+    recompute keeps and repeats: nanoGPT packs q, k, v into one ``c_attn`` (weight and bias: 12
+    tensors a block against 16; one GEMM where the built-in runs three)."""
     user = profile_spec(parse_model_spec(NANO))
     spec = parse_model_spec("gpt:layers=4,hidden=64,heads=4,vocab=128,seq=16,tied=1")
     builtin = profile_spec(spec)
@@ -88,8 +89,18 @@ def test_nanoGPT_prices_as_the_builtin_gpt_of_its_shape():
     # Under autocast both keep their two norms' inputs in fp32 (4 h); the built-in's separate
     # q, k, v each keep a bf16 cast of the norm's output (2 more: 4 h), nanoGPT's c_attn one.
     assert (user.autocast_act_bytes_per_token, builtin.autocast_act_bytes_per_token) == (4 * 64, 8 * 64)
+    # Per-op recompute keeps every second GEMM's output in run order: nanoGPT's c_attn (3 h) and
+    # c_fc (4 h), the built-in's q, v (h each) and up (4 h); it repeats nanoGPT's two c_proj
+    # (h² + 4 h² per token, x2 FLOPs) and the built-in's k, o and down (h² + h² + 4 h²). Both
+    # keep the attention output (h) and its float32 log-sum-exp (4 bytes a head).
+    h = 64
+    assert (user.op_kept_sharded_bytes_per_token, builtin.op_kept_sharded_bytes_per_token) == (
+        2 * (3 * h + 4 * h + h) + 16, 2 * (h + h + 4 * h + h) + 16)
+    assert (user.op_recompute_flops_per_token, builtin.op_recompute_flops_per_token) == (
+        2 * 5 * h * h, 2 * 6 * h * h)
+    op = {"op_kept_sharded_bytes_per_token", "op_recompute_flops_per_token"}
     for f in dataclasses.fields(user):
-        if f.name not in recipe | {"name", "block_param_tensors", "autocast_act_bytes_per_token"}:
+        if f.name not in recipe | op | {"name", "block_param_tensors", "autocast_act_bytes_per_token"}:
             assert getattr(user, f.name) == getattr(builtin, f.name), f.name
 
 
