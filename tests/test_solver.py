@@ -627,3 +627,10 @@ def test_block_floors_are_each_blocks_own_pass_floor():
                 shared += (block.mesh.tp, block.mesh.cp, block.mesh.ep, block.micro_batch, sp) in seen
                 seen.add((block.mesh.tp, block.mesh.cp, block.mesh.ep, block.micro_batch, sp))
     assert shared > 50  # floors were handed on, not only computed
+
+
+def test_a_strategy_summary_counts_every_recompute_mode():
+    """``describe`` names the blocks of each mode, per-op recompute included (n, s, f, o)."""
+    from autopar.solve.explain import describe
+    s = Strategy(mesh=Degrees(pp=2), stage_layers=(3, 3), stage_recompute=((1, 1, 0, 1), (0, 0, 2, 1)))
+    assert " rc=1n/1s/2f/2o" in describe(s)

@@ -12,6 +12,7 @@ from autopar.solve.space import Pins, candidates
 from cost_models import HardwareProfile, ModelProfile, Strategy
 from cost_models.axes import Axis
 from cost_models.blockcomm import moe_terms
+from cost_models.strategy import RECOMPUTE
 
 DIMENSIONS = ((Axis.TP, "tp"), (Axis.PP, "pp"), (Axis.CP, "cp"), (Axis.EP, "ep"), ("zero", "zero"), ("micro_batch", "micro_batch"),
               ("schedule", "schedule"), ("virtual_stages", "virtual_stages"),
@@ -59,8 +60,8 @@ def describe(s: Strategy) -> str:
     """A one-line summary of a strategy."""
     rc = s.recompute
     if s.stage_recompute:
-        totals = [sum(c[i] for c in s.stage_recompute) for i in range(3)]
-        rc = "/".join(f"{n}{m[0]}" for n, m in zip(totals, ("none", "sel", "full")) if n)
+        totals = [sum(c[i] for c in s.stage_recompute) for i in range(len(RECOMPUTE))]
+        rc = "/".join(f"{n}{m[0]}" for n, m in zip(totals, RECOMPUTE) if n)  # 75n/3s/47f/1o
     return (f"dp={s.mesh.dp} tp={s.mesh.tp} pp={s.mesh.pp}{f' cp={s.mesh.cp}' if s.mesh.cp > 1 else ''}"
             f"{f' ep={s.mesh.ep}' if s.mesh.ep > 1 else ''} zero={s.zero} mbs={s.micro_batch} "
             f"m={s.num_microbatches} {s.schedule}{f' v={s.virtual_stages}' if s.virtual_stages > 1 else ''} "
