@@ -215,9 +215,9 @@ class Plan:
                                              seq=self.seq_len, tp=m.tp, sequence_parallel=self.sequence_parallel)
             if reason:
                 return f"plan has cp={m.cp}: {reason}"
-            if "op" in self.recompute:
-                return f"plan has cp={m.cp} and per-op recompute, which does not run with context parallelism; " \
-                    "re-plan with --recompute full"
+        reason = op_unsupported(self.recompute, self.schedule, self.mesh.pp, self.mesh.cp)
+        if reason:
+            return f"plan has {reason}"
         failed = {check: reason for check, reason in self.verified if reason}
         for feature in self.features():
             if feature in failed:
@@ -378,6 +378,20 @@ def load_plan(path: str | Path) -> Plan:
         fix = "" if "4,300" in str(exc) or "valid JSON" in str(exc) else "; create one with `autopar plan --out`"
         raise UserError(f"plan file {p} {exc}{fix}") from None
     return plan_from_dict(data)
+
+
+def op_unsupported(recompute: tuple[str, ...], schedule: str, pp: int, cp: int) -> str | None:
+    """Why the runtime cannot run per-op recompute (``op``) in this plan, or None: torch's
+    selective checkpointing allows one backward through a block, and the zero-bubble schedule
+    runs two (input, then weight gradients); context parallelism replaces the attention it keeps."""
+    if "op" not in recompute:
+        return None
+    if schedule == "zero-bubble" and pp > 1:
+        return ("per-op recompute under the zero-bubble schedule, which backpropagates through a block twice "
+                "(torch's selective checkpointing allows once); re-plan with --recompute full or another schedule")
+    if cp > 1:
+        return f"per-op recompute with cp={cp}, which does not run with context parallelism; re-plan with --recompute full"
+    return None
 
 
 def runtime_unsupported(*, dp: int, pp: int, zero: int, schedule: str, virtual_stages: int,

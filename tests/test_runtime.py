@@ -284,6 +284,10 @@ def test_refusals_name_the_fix():
     from autopar.runtime.context import check_plan
     with pytest.raises(ValueError, match="--zero 2"):
         check_plan(make_plan(GPT, pp=2, dp=2, zero=3, mbs=1, m=2, schedule="zero-bubble"))
+    # torch's selective checkpointing raises "Trying to backward an extra time" under the
+    # zero-bubble schedule's split backward (measured): refused, and never planned.
+    with pytest.raises(ValueError, match="zero-bubble schedule, which backpropagates through a block twice"):
+        check_plan(make_plan(GPT, pp=2, dp=2, zero=2, mbs=2, m=2, schedule="zero-bubble", recompute="op"))
 
 
 @pytest.mark.parametrize("model", [LLAMA, HF_LLAMA])

@@ -634,3 +634,16 @@ def test_a_strategy_summary_counts_every_recompute_mode():
     from autopar.solve.explain import describe
     s = Strategy(mesh=Degrees(pp=2), stage_layers=(3, 3), stage_recompute=((1, 1, 0, 1), (0, 0, 2, 1)))
     assert " rc=1n/1s/2f/2o" in describe(s)
+
+
+def test_per_op_recompute_is_never_planned_under_the_zero_bubble_schedule():
+    """The zero-bubble schedule backpropagates through a block twice, which torch's selective
+    checkpointing refuses: its families never hold per-op blocks, and pinning both says why."""
+    from autopar.spec import parse_model_spec
+    from autopar.trace import profile_spec
+    model = profile_spec(parse_model_spec("llama:layers=8,hidden=1024,heads=16,kv_heads=4,ffn=2816,vocab=32000,seq=4096"))
+    hw = load_profile("dgx-a100-40g")
+    sol = search(model, hw, 8, 32, "bf16", Pins(pp=4, schedule="zero-bubble"))
+    assert not any(c[3] for c in sol.strategy.stage_recompute) and sol.strategy.recompute != "op"
+    with pytest.raises(UserError, match="zero-bubble schedule"):
+        search(model, hw, 8, 32, "bf16", Pins(pp=4, schedule="zero-bubble", recompute="op"))

@@ -27,7 +27,7 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 from autopar.layout import context_parallel_unsupported
-from autopar.plan import Plan, runtime_unsupported
+from autopar.plan import Plan, op_unsupported, runtime_unsupported
 from autopar.spec import parse_model_spec
 from cost_models.axes import Axis
 
@@ -109,7 +109,8 @@ def check_plan(plan: Plan, traced: Traced | None = None) -> None:
     if reason:
         raise ValueError(reason)
     reason = context_parallel_unsupported(builtin=spec.builtin, cp=m.cp, pp=m.pp, seq=plan.seq_len, tp=m.tp,
-                            sequence_parallel=plan.sequence_parallel)
+                            sequence_parallel=plan.sequence_parallel) or \
+        op_unsupported(plan.recompute, plan.schedule, m.pp, m.cp)
     if reason:
         raise ValueError(reason)
     if spec.heads % plan.mesh.tp or spec.num_kv_heads % plan.mesh.tp:

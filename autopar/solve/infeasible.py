@@ -23,6 +23,9 @@ def no_candidate_reason(model: ModelProfile, hw: HardwareProfile, gpus: int,
         why = "a mixture of experts" if model.moe else "no weight GEMMs traced in its blocks"
         return (f"--recompute op is priced for dense transformer blocks only ({model.name}: {why}); "
                 "use --recompute none, selective or full")
+    if pins.recompute == "op" and pins.schedule == "zero-bubble":
+        return ("--recompute op does not run under the zero-bubble schedule, which backpropagates through a block "
+                "twice (torch's selective checkpointing allows once): use --recompute full or another --schedule")
     if pins.recompute == "op" and pins.cp and pins.cp > 1:
         return f"--recompute op does not run with context parallelism: drop --cp {pins.cp} or use --recompute full"
     if pins.cp and pins.cp > 1 and "cp" in pins.refused:

@@ -357,7 +357,9 @@ def block_families(model: ModelProfile, hw: HardwareProfile, block: Block, dtype
                     dp * cp, pp, zero, sched, v, cp, ep=ep, moe=model.moe, sp=sp))]
                 for nominal, modes in _mode_sets(pins, sched):
                     for mode in ("selective", "op"):
-                        if mode in refused or (mode == "op" and not op_runs):
+                        # torch's selective checkpointing allows one backward through a block;
+                        # the zero-bubble schedule runs two (input, then weight gradients).
+                        if mode in refused or (mode == "op" and (not op_runs or sched == "zero-bubble")):
                             modes = tuple(i for i in modes if RECOMPUTE[i] != mode)
                             if nominal == mode:
                                 modes = ()
