@@ -90,6 +90,8 @@ PLANS_4 = {
                                                            recompute="op"),
     "gpt pp2 x tp2 per-op recompute": make_plan(GPT, pp=2, tp=2, mbs=2, m=4, recompute="op"),
     "llama pp2 zero-bubble x dp2 ddp-like": make_plan(LLAMA, pp=2, dp=2, mbs=1, m=4, schedule="zero-bubble"),
+    "llama pp2 zero-bubble x dp2 full recompute": make_plan(LLAMA, pp=2, dp=2, mbs=1, m=4, schedule="zero-bubble",
+                                                            recompute="full"),
     "llama pp4 interleaved v1 selective": make_plan(LLAMA, pp=4, mbs=2, m=4, schedule="interleaved",
                                                     recompute="selective"),
     "gpt tied tp2 x dp2 zero1": make_plan(GPT_TIED, tp=2, dp=2, zero=1, mbs=1, m=4),
