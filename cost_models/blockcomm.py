@@ -67,12 +67,7 @@ def block_tp_s(model: ModelProfile, hw: HardwareProfile, strat: Strategy,
         vol = strat.tokens(model.seq) * model.hidden * compute.elem_bytes(strat)
         fwd -= 2 * (comm.all_gather_s(vol, g) - comm.all_gather_s(vol / compute.elem_bytes(strat), g))
     if strat.recipe.tp_comm_overlap:
-        # Every collective pipelined with the GEMM it feeds or follows (Transformer Engine's
-        # userbuffers): what is longer than the pass's GEMMs (backward: the gradients') shows.
-        gemms_fwd, _ = compute.block_gemm_s(model, hw, strat)
-        gemms_bwd, _ = compute.block_gemm_s(model, hw, strat, backward=True)
-        fwd = comm.exposed_s(fwd, gemms_fwd, hw)
-        bwd = comm.exposed_s(bwd, gemms_bwd, hw)
+        fwd, bwd = pipelined_tp_s(model, hw, strat, g)
     mode = strat.recompute_run()
     # Per-op recompute keeps the reduce-scatters' outputs (SP) and repeats the all-gathers, half
     # of the forward's exchanges; without SP it repeats the all-reduces, all of them.
@@ -80,34 +75,80 @@ def block_tp_s(model: ModelProfile, hw: HardwareProfile, strat: Strategy,
     return compute.PassTimes(forward_s=fwd, recompute_s=again, backward_s=bwd)
 
 
+def pipelined_tp_s(model: ModelProfile, hw: HardwareProfile, strat: Strategy,
+                   g: comm.Group) -> tuple[float, float]:
+    """(forward, backward) exposed tensor-parallel communication of one block per micro-batch
+    where each collective is pipelined with the one GEMM it feeds or follows
+    (``recipe.tp_comm_overlap``: Transformer Engine's userbuffers, torch's async TP): with SP
+    the all-gather into QKV and into the MLP's up projection, the reduce-scatter out of the
+    attention output and the MLP's down projection; in the backward their conjugates (a
+    reduce-scatter out of each column-parallel layer's input gradient, an all-gather into each
+    row-parallel one's). An exchange longer than its GEMM shows the difference
+    (``comm.exposed_s``, with the overlap penalty on the rest): a narrow GEMM (a small model
+    at wide TP) cannot hide its exchange, however long the pass's other GEMMs. Without SP the
+    two all-reduces follow the row-parallel GEMMs (backward: the column-parallel ones)."""
+    vol = strat.tokens(model.seq) * model.hidden * compute.elem_bytes(strat)
+    if strat.sequence_parallel:
+        gather, scatter = comm.all_gather_s(vol, g), comm.reduce_scatter_s(vol, g)
+        into = gather
+        if strat.fp8 and strat.recipe.fp8_tp_gather:  # Float8 linears gather 1-byte inputs
+            into = comm.all_gather_s(vol / compute.elem_bytes(strat), g)
+        fwd_ex, bwd_ex = (into, scatter, into, scatter), (scatter, gather, scatter, gather)
+    else:
+        reduce = comm.all_reduce_s(vol, g)
+        fwd_ex, bwd_ex = (0.0, reduce, 0.0, reduce), (reduce, 0.0, reduce, 0.0)
+    fwd = sum(comm.exposed_s(x, w, hw) for x, w in zip(fwd_ex, compute.tp_windows_s(model, hw, strat)))
+    bwd = sum(comm.exposed_s(x, w, hw) for x, w in zip(bwd_ex, compute.tp_windows_s(model, hw, strat, True)))
+    return fwd, bwd
+
+
+def cp_heads(model: ModelProfile, strat: Strategy) -> float:
+    """K (or V) heads per token one tp rank exchanges under context parallelism: the query
+    heads where the program repeats K, V before attention (``recipe.kv_repeated``), else the
+    kv heads."""
+    return (model.heads if strat.recipe.kv_repeated else model.kv_heads) / strat.mesh.tp
+
+
 def block_cp_s(model: ModelProfile, hw: HardwareProfile, strat: Strategy,
                g: comm.Group) -> compute.PassTimes:
     """Exposed context-parallel communication of one block per micro-batch, by pass (the
     estimate counts it in ``tp_comm_s``).
 
-    Each of the c = cp ranks holds a K,V block of seq/c tokens, 2 x kv_heads/tp x d
+    Each of the c = cp ranks holds a K,V block of seq/c tokens, 2 x ``cp_heads`` x d
     elements per token. Ring attention (``ContextParallel.RING``; Liu et al. 2023,
     Megatron-Core / Transformer Engine's P2P CP) runs c steps: in each of the c-1 sends, the
     block moves to the next rank while attention runs on the block received last, so a step
     exposes max(0, send - attention of one step) (``comm.exposed_s``, with the profile's
     overlap penalty) plus the step's latency α; the attention of one step is 1/c of the
     rank's core time. The backward sends K,V and the accumulated dK,dV (twice the bytes)
-    behind 1/c of the core's backward each step. All-gather CP (``ALL_GATHER``; torch's
-    ``context_parallel`` default) gathers the c blocks before the forward's attention and
-    again in the backward, then reduce-scatters dK,dV, none of it overlapped. Recompute of
+    behind 1/c of the core's backward each step. All-gather CP (``ALL_GATHER``; autopar's
+    runtime) gathers the c blocks before the forward's attention and again in the backward,
+    then reduce-scatters dK,dV, none of it overlapped. torch's (``GATHER_RING``) gathers them
+    behind its first kernel (1/c of the core) in each pass, and in the backward passes the
+    fp32 dK,dV accumulators to the next rank after each kernel, waiting for them after the
+    next: c sends, c-1 of them behind a kernel's backward, the last exposed. Recompute of
     the block (full) or of its attention core (selective; also none under a recipe with
     ``cp_recomputes_attention``) repeats the forward's exchange."""
     c = strat.mesh.cp
     if c == 1:
         return compute.PassTimes(forward_s=0.0, recompute_s=0.0, backward_s=0.0)
     d = model.hidden / model.heads
-    block = strat.tokens(model.seq) * 2 * model.kv_heads / strat.mesh.tp * d * compute.elem_bytes(strat)
-    if strat.recipe.context_parallel == ContextParallel.RING:
+    block = strat.tokens(model.seq) * 2 * cp_heads(model, strat) * d * compute.elem_bytes(strat)
+    method = strat.recipe.context_parallel
+    if method in (ContextParallel.RING, ContextParallel.GATHER_RING):
         _, core_s = compute.block_gemm_s(model, hw, strat)
+        _, core_b = compute.block_gemm_s(model, hw, strat, backward=True)
+    if method == ContextParallel.RING:
         step = lambda nbytes, window_s: (comm.exposed_s(nbytes / g.p2p_bytes_s, window_s, hw)  # noqa: E731
                                          + g.latency_s)
         fwd = (c - 1) * step(block, core_s / c)
-        bwd = (c - 1) * step(2 * block, compute.FLASH_BWD_RATIO * core_s / c)
+        bwd = (c - 1) * step(2 * block, core_b / c)
+    elif method == ContextParallel.GATHER_RING:
+        gather = comm.all_gather_s(c * block, g)
+        send = block * 4 / compute.elem_bytes(strat) / g.p2p_bytes_s + g.latency_s
+        fwd = comm.exposed_s(gather, core_s / c, hw)
+        bwd = (comm.exposed_s(gather, core_b / c, hw) + (c - 1) * comm.exposed_s(send, core_b / c, hw)
+               + send)
     else:
         fwd = comm.all_gather_s(c * block, g)
         bwd = fwd + comm.reduce_scatter_s(c * block, g)

@@ -44,7 +44,8 @@ FLOPs. Causal load balancing (Megatron-Core / Transformer Engine, torch's ``cont
 the sequence cut into 2c chunks, rank r taking chunks r and 2c-1-r) gives every rank the same
 share of the causal work, so the executed fraction stays ``causal_fraction(seq)`` on each. The
 core is always the fused kernel under CP (``Strategy.fused_attention``). The K,V exchange is
-communication (``cost_models.blockcomm.block_cp_s``).
+communication (``cost_models.blockcomm.block_cp_s``); torch's CP runs the core as cp kernels
+merged in fp32, element-wise traffic of its own (``cp_merge_bytes``).
 """
 
 from __future__ import annotations
@@ -53,7 +54,7 @@ from dataclasses import dataclass
 
 from cost_models.hardware import HardwareProfile, ProfileError
 from cost_models.model_profile import ModelProfile
-from cost_models.recipe import Fp8WeightCast
+from cost_models.recipe import ContextParallel, Fp8WeightCast
 from cost_models.strategy import Strategy
 
 FLASH_TILE = 128
@@ -313,6 +314,34 @@ def block_elementwise_bytes(model: ModelProfile, strat: Strategy,
     return scale * rest, scale * core
 
 
+def cp_merge_bytes(model: ModelProfile, strat: Strategy) -> tuple[float, float]:
+    """(forward, backward) element-wise bytes of one block's attention core that torch's
+    context parallelism adds on one rank (``ContextParallel.GATHER_RING``, c = cp kernels per
+    pass; 0 otherwise), counted from ``_templated_ring_attention``/``_backward`` per element
+    of the rank's output O (tokens x heads/tp x d) and of its K (as of V; tokens x
+    ``blockcomm.cp_heads`` x d), as fused kernels move them, times
+    ``recipe.elementwise_traffic``:
+
+    - forward: each kernel's output cast to fp32 (6 B), c - 1 merges into the running fp32
+      output (read it and the kernel's, write it: 10 B), the result cast back (6 B) per O;
+      K and V concatenated for the exchange before each of the c - 1 later kernels (4 B each);
+    - backward: dQ accumulated in fp32 after each kernel (read, read the kernel's 16-bit
+      gradient, write: 10 B) and cast back (6 B) per O; dK and dV each accumulated (10 B),
+      concatenated for the exchange (8 B) after every kernel and cast back once (6 B), K, V
+      concatenated again (4 B each) before the c - 1 later kernels."""
+    c = strat.mesh.cp
+    if c == 1 or strat.recipe.context_parallel != ContextParallel.GATHER_RING:
+        return 0.0, 0.0
+    from cost_models.blockcomm import cp_heads  # blockcomm imports compute
+    d = model.hidden / model.heads
+    tokens = strat.tokens(model.seq) * strat.recipe.elementwise_traffic
+    o = tokens * model.heads / strat.mesh.tp * d
+    kv = tokens * cp_heads(model, strat) * d
+    fwd = o * (6 * c + 10 * (c - 1) + 6) + 2 * kv * 4 * (c - 1)
+    bwd = o * (10 * c + 6) + 2 * kv * (18 * c + 6 + 4 * (c - 1))
+    return fwd, bwd
+
+
 def dispatch_s(hw: HardwareProfile, strat: Strategy) -> float:
     """Host time to dispatch one block's forward kernels, s."""
     return strat.recipe.kernels_per_block * hw.kernel_dispatch_us * 1e-6
@@ -345,6 +374,8 @@ def block_times(model: ModelProfile, hw: HardwareProfile, strat: Strategy) -> Pa
     weights_bwd, core_bwd = block_gemm_s(model, hw, strat, backward=True)
     fwd_rest, fwd_core = block_elementwise_bytes(model, strat, FWD_TRAFFIC)
     bwd_rest, bwd_core = block_elementwise_bytes(model, strat, BWD_TRAFFIC)
+    merge_fwd, merge_bwd = cp_merge_bytes(model, strat)
+    fwd_core, bwd_core = fwd_core + merge_fwd, bwd_core + merge_bwd
     cast_fwd, cast_bwd = fp8_cast_bytes(model, strat)
     moe = moe_traffic_bytes(model, strat)
     cast_fwd, cast_bwd = cast_fwd + moe, cast_bwd + moe
@@ -364,6 +395,25 @@ def block_times(model: ModelProfile, hw: HardwareProfile, strat: Strategy) -> Pa
     else:
         rc = 0.0
     return PassTimes(forward_s=fwd, recompute_s=rc, backward_s=bwd)
+
+
+def tp_windows_s(model: ModelProfile, hw: HardwareProfile, strat: Strategy,
+                 backward: bool = False) -> tuple[float, ...]:
+    """Seconds of the weight GEMM each of a block's four tensor-parallel exchanges is
+    pipelined with under ``recipe.tp_comm_overlap``, in order: QKV, attention output, MLP up,
+    MLP down (``block_gemms``), one micro-batch; backward: each one's input gradient, the GEMM
+    that makes or takes the exchanged gradient. A mixture of experts' MLP counts as one GEMM
+    (its dense rest and routed experts), half behind each of its two exchanges."""
+    weights, _ = block_gemms(model, strat)
+    dense = strat.tokens(model.seq) * (model.block_matmul_flops_per_token - model.expert_flops_per_token) / strat.mesh.tp
+    scale = dense / sum(g.flops for g in weights)
+    dtype, elem = ("fp8", 1) if strat.fp8 else (strat.dtype, elem_bytes(strat))
+    run = [grad_gemms(g)[0] for g in weights] if backward else weights
+    t = [gemm_s(g, hw, dtype, elem) * scale for g in run]
+    if model.moe:
+        mlp = sum(t[2:]) + expert_gemm_s(model, hw, strat, backward) / (2 if backward else 1)
+        t = t[:2] + [mlp / 2, mlp / 2]
+    return tuple(t)
 
 
 def wgrad_window_s(model: ModelProfile, hw: HardwareProfile, strat: Strategy) -> float:

@@ -65,9 +65,16 @@ class ContextParallel(str, Enum):
     block to the next rank while attention runs on the block received (Megatron-Core /
     Transformer Engine ``--cp-comm-type p2p``, the default; Liu et al. 2023)."""
     ALL_GATHER = "all_gather"
-    """K and V all-gathered over the cp group before attention, their gradients
-    reduce-scattered after it, not overlapped (torch's ``context_parallel`` default
-    ``_RotateMethod.ALL_GATHER``, torchtitan's ``context_parallel_rotate_method``)."""
+    """K and V all-gathered over the cp group before one attention kernel, their gradients
+    reduce-scattered after it, not overlapped (autopar's own runtime,
+    ``autopar/runtime/context_parallel.py``)."""
+    GATHER_RING = "gather_ring"
+    """torch's ``context_parallel`` with ``_RotateMethod.ALL_GATHER`` (torchtitan's default
+    ``context_parallel_rotate_method``): attention runs as cp kernels, one per peer's K,V
+    block, their outputs merged in fp32 (``_SDPAMerger``); each pass all-gathers K and V
+    once, behind its first (local) kernel; the backward accumulates dK, dV in fp32 and passes
+    them round the ring (an all-to-all permute) behind each kernel, the last pass exposed
+    (``_templated_ring_attention``/``_backward``)."""
 
 
 class Fp8WeightCast(str, Enum):
@@ -111,7 +118,9 @@ class ExecutionRecipe:
     (DTensor TP without async TP, Megatron-LM 2021)."""
     tp_comm_overlap: bool = False
     """Every tensor-parallel collective, forward and backward, is split and pipelined with
-    the GEMM next to it (Transformer Engine's userbuffers, ``--tp-comm-overlap``)."""
+    the GEMM next to it (Transformer Engine's userbuffers, ``--tp-comm-overlap``; torch's
+    async TP): it hides behind that one GEMM, not the pass's others
+    (``blockcomm.pipelined_tp_s``)."""
     grad_accum_fusion: bool
     """Weight-gradient GEMMs accumulate straight into the gradient buffer (Megatron's
     ``--gradient-accumulation-fusion``); False: every micro-batch's backward writes a fresh
@@ -184,6 +193,11 @@ class ExecutionRecipe:
     """Whether each routed expert's GEMMs split over tp like the dense MLP's (expert TP = tp,
     Megatron-LM's original layout); false: router and experts are replicated over tp, every tp
     rank computing the same routed tokens (expert TP = 1)."""
+    kv_repeated: bool = False
+    """K and V reach the attention kernel repeated to the query heads (torchtitan's Llama:
+    ``repeat_kv`` before SDPA), so a context-parallel exchange moves heads, not kv_heads, per
+    token; false: the kernel reads the grouped K, V (SDPA ``enable_gqa``, Transformer
+    Engine)."""
     cp_recomputes_attention: bool = False
     """Under cp > 1 the attention core of a block that is not recomputed is recomputed anyway
     (its gathered K,V are not kept: the core keeps its local q, k, v and gathers again in the

@@ -14,7 +14,7 @@ from cost_models.axes import parse_order
 from cost_models.memory import STATE_LAYOUTS, state_bytes
 from autopar.profiles import profile_spec
 from autopar.spec import parse_model_spec
-from cost_models.recipe import load_recipe
+from cost_models.recipe import ContextParallel, load_recipe
 
 MC, M21 = load_recipe("megatron-core"), load_recipe("megatron-2021")
 
@@ -696,6 +696,69 @@ def test_cp_exchange_is_positive_and_grows_with_cp(recipe):
         if last is not None:
             assert t.total_s > last
         last = t.total_s
+
+
+def test_torch_cp_exchanges_repeated_heads_and_passes_fp32_gradients_round_the_ring():
+    """torch's context parallelism as torchtitan runs it (``GATHER_RING``): K,V gathered behind
+    the first of cp kernels, repeated to the query heads for a GQA model (4x the bytes of
+    Llama-3 8B's 8 kv heads), fp32 dK,dV passed round the ring with the last send always
+    exposed, and fp32 merges that add element-wise traffic per kernel; none of it at cp = 1."""
+    model = profile_spec(parse_model_spec("llama:layers=2,hidden=4096,heads=32,kv_heads=8,ffn=14336,vocab=32000,seq=65536"))
+    tt = load_recipe("torchtitan")
+    grouped = dataclasses.replace(tt, kv_repeated=False)
+    slow = dataclasses.replace(H100, intra_node=dataclasses.replace(H100.intra_node, bw_gbps=1.0, p2p_bw_gbps=1.0))
+    times = {}
+    for rec in (tt, grouped):
+        s = Strategy(recipe=rec, mesh=Degrees(cp=4, dp=2), recompute="full", zero=3)
+        g = comm.axis_groups(slow, s)[Axis.CP]
+        t = blockcomm.block_cp_s(model, slow, s, g)
+        block = s.tokens(model.seq) * 2 * blockcomm.cp_heads(model, s) * 128 * 2  # local K,V bytes
+        # Over a slow link nothing hides: the gather of the other ranks' blocks, and four fp32 sends.
+        assert t.forward_s == pytest.approx(comm.all_gather_s(4 * block, g) - compute.block_gemm_s(model, slow, s)[1] / 4
+                                            + slow.overlap_penalty * compute.block_gemm_s(model, slow, s)[1] / 4)
+        send = 2 * block / g.p2p_bytes_s  # dK, dV in fp32: twice the 16-bit K, V
+        assert t.backward_s > 4 * send
+        fast = blockcomm.block_cp_s(model, H100, s, comm.axis_groups(H100, s)[Axis.CP])
+        assert fast.backward_s > 2 * block / comm.axis_groups(H100, s)[Axis.CP].p2p_bytes_s  # the last send
+        times[rec.kv_repeated] = t.total_s
+    assert times[True] == pytest.approx(4 * times[False], rel=0.05)
+    merges = [compute.cp_merge_bytes(model, Strategy(recipe=tt, mesh=Degrees(cp=c, dp=8 // c))) for c in (1, 2, 4, 8)]
+    # Per rank: 1/c of the tokens, about c merges of them each.
+    assert merges[0] == (0.0, 0.0) and all(0 < a[0] < b[0] and a[1] > 0 for a, b in zip(merges[1:], merges[2:]))
+    assert compute.cp_merge_bytes(model, Strategy(recipe=load_recipe("autopar"), mesh=Degrees(cp=4, dp=2))) == (0.0, 0.0)
+    gather_once = dataclasses.replace(tt, context_parallel=ContextParallel.ALL_GATHER)
+    t = [compute.block_times(model, H100, Strategy(recipe=r, mesh=Degrees(cp=4, dp=2))).total_s
+         for r in (gather_once, grouped, tt)]
+    assert t[0] < t[1] < t[2]  # merges cost time; repeated heads concatenate more
+
+
+def test_pipelined_tp_hides_each_exchange_behind_its_own_gemm_only():
+    """Async TP and Transformer Engine's userbuffers pipeline each exchange with the GEMM it
+    feeds or follows. Llama-3 8B at TP 8 (QKV 768 wide, the attention output 512 deep on a
+    rank) cannot hide its exchanges behind those two GEMMs, though the backward's GEMMs
+    together are longer than all of them: the difference shows. At TP 2 every GEMM is wider and
+    each exchange hides (only the overlap penalty shows), and pipelining never costs more than
+    the same exchanges unpipelined."""
+    model = profile_spec(parse_model_spec("llama3-8b"))
+    rec = load_recipe("torchtitan-asynctp")
+    for tp, hides in ((8, False), (2, True)):
+        s = Strategy(recipe=rec, mesh=Degrees(tp=tp, dp=8), sequence_parallel=True, micro_batch=12, recompute="full")
+        g = comm.axis_groups(H100, s)[Axis.TP]
+        vol = s.tokens(model.seq) * model.hidden * 2
+        ag, rs = comm.all_gather_s(vol, g), comm.reduce_scatter_s(vol, g)
+        fwd, bwd = blockcomm.pipelined_tp_s(model, H100, s, g)
+        win, win_b = compute.tp_windows_s(model, H100, s), compute.tp_windows_s(model, H100, s, backward=True)
+        assert compute.block_gemm_s(model, H100, s, backward=True)[0] > 2 * (ag + rs)
+        if hides:
+            assert fwd == pytest.approx(H100.overlap_penalty * 2 * (ag + rs))
+        else:
+            assert ag > win[0] and rs > win[1]
+            assert fwd >= ag - win[0] + rs - win[1]
+            whole = comm.exposed_s(2 * (ag + rs), compute.block_gemm_s(model, H100, s)[0], H100)
+            assert fwd > whole  # what hiding behind the pass's GEMMs together would show
+            assert bwd >= rs - win_b[0] + ag - win_b[1]
+        plain = blockcomm.block_tp_s(model, H100, dataclasses.replace(s, recipe=load_recipe("torchtitan-compile")), g)
+        assert plain.forward_s >= fwd and plain.backward_s >= bwd
 
 
 def test_cp_needs_a_recipe_that_has_it():
