@@ -6,7 +6,8 @@
 
 One JSON file per source; each carries its citation, the framework that ran it, notes common to
 its rows, and rows giving a complete configuration (model spec for ``autopar.spec.parse_model_spec``,
-device, parallel layout, batch, recompute, precision) and one measured value. ``assumed`` says what
+device, parallel layout, batch, recompute, precision) and one measured value (or that it ran out
+of memory), with the peak memory it reports where it does (``memory_gib``). ``assumed`` says what
 the source left unstated and what was chosen; ``needs`` lists features autopar cannot express yet
 (``cp``, ``fp8``, ``moe``, ``async_tp``, ``torch_compile``, ``a100_40g``, ``h100_96g``,
 ``cpu_offload``, ``per_op_sac``: torchtitan's per-operator selective checkpointing), so a validator can skip those rows until they are supported.
@@ -23,7 +24,9 @@ from pathlib import Path
 PUBLISHED_DIR = Path(__file__).resolve().parent / "published"
 
 FRAMEWORKS = ("megatron-2021", "megatron-core", "deepspeed", "torchtitan", "llm-foundry", "nemo")
-METRICS = ("tokens_per_s_per_gpu", "step_time_s", "tflops_per_gpu", "mfu")
+METRICS = ("tokens_per_s_per_gpu", "step_time_s", "tflops_per_gpu", "mfu", "out_of_memory")
+"""What ``value`` measures; ``out_of_memory``: the source reports the run ran out of device
+memory (value 1: nothing to price but that it must not be predicted to fit)."""
 RECOMPUTE = ("none", "selective", "full")
 FLOPS_CONVENTIONS = ("model", "hardware")
 NEEDS = ("cp", "fp8", "moe", "async_tp", "torch_compile", "a100_40g", "h100_96g", "cpu_offload",
@@ -70,6 +73,10 @@ class Row:
     """For ``tflops_per_gpu``/``mfu`` only: ``model`` or ``hardware`` (counts recompute)."""
     assumed: str
     needs: tuple[str, ...]
+    memory_gib: float | None = None
+    """Peak device memory the source reports for the run, GiB (what it measures is in the
+    source's notes: torchtitan logs the caching allocator's peak reserved bytes); None: not
+    reported."""
 
     @property
     def supported(self) -> bool:
@@ -98,7 +105,8 @@ _ROW_KEYS: dict[str, type | tuple[type, ...]] = {
     "recompute_layers": (int, type(None)), "dtype": str, "fp8": bool, "metric": str,
     "value": (int, float), "assumed": str, "needs": list,
 }
-_OPTIONAL_ROW_KEYS: dict[str, type | tuple[type, ...]] = {"flops_convention": (str, type(None))}
+_OPTIONAL_ROW_KEYS: dict[str, type | tuple[type, ...]] = {"flops_convention": (str, type(None)),
+                                                           "memory_gib": (int, float, type(None))}
 
 
 def _is(value: object, types: type | tuple[type, ...]) -> bool:
@@ -130,8 +138,13 @@ def _row(data: object, where: str) -> Row:
     bad = [n for n in data["needs"] if n not in NEEDS]
     if bad:
         raise PublishedDataError(f"{where}: unknown need(s) {bad}; known: {', '.join(NEEDS)}")
+    if data["metric"] == "out_of_memory" and data["value"] != 1:
+        raise PublishedDataError(f"{where}: an out_of_memory row has value 1")
+    mem = data.get("memory_gib")
+    if mem is not None and not 0 < mem < 1e4:
+        raise PublishedDataError(f"{where}: memory_gib={mem!r} is not a device's memory in GiB")
     return Row(**{**data, "value": float(data["value"]), "flops_convention": conv,
-                  "needs": tuple(data["needs"])})
+                  "needs": tuple(data["needs"]), "memory_gib": None if mem is None else float(mem)})
 
 
 def load_source(path: Path) -> Source:

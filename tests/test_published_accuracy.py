@@ -67,6 +67,30 @@ def test_worst_row_within_15_percent(in_sample):
     assert abs(worst.error) <= 15.0, f"{worst.source} {worst.row.id}: {worst.error:+.1f} %"
 
 
+@pytest.fixture(scope="module")
+def memory():
+    return validate.memory_results(SOURCES, MODELS)
+
+
+def test_every_published_out_of_memory_run_is_predicted_not_to_fit(memory):
+    """The runs a source reports ran out of memory (torchtitan: Llama-2 70B at local batch 2
+    with per-op AC on 64 A100 80GB; Llama-3.1 405B under FSDP alone on 128 H100) are
+    predicted not to fit, and the peaks reported next to them are priced."""
+    oom = [m for m in memory if m.row.metric == "out_of_memory"]
+    assert len(oom) >= 2 and [f"{m.source} {m.row.id}" for m in oom if m.fits] == []
+    assert len([m for m in memory if m.row.memory_gib is not None]) >= 20
+
+
+@pytest.mark.xfail(strict=True, reason="torchtitan's reported peaks (max reserved, expandable "
+                   "segments) are 2-27 % above the priced peak (allocated) for the December 2024 "
+                   "runs, most at TP 8 with large micro-batches (70B 2D -24 %, 405B 3D/4D -18 to "
+                   "-27 %) and in eager mode (8B -13 % where compiled -7 %), and 30 % below it for "
+                   "the June 2025 H200 runs of the same 8B configuration")
+def test_every_reported_peak_within_15_percent(memory):
+    worst = max((m for m in memory if m.row.memory_gib is not None), key=lambda m: abs(m.error))
+    assert abs(worst.error) <= 15.0, f"{worst.source} {worst.row.id}: {worst.error:+.1f} %"
+
+
 def test_shipped_constants_are_the_fit():
     """``validate_rows.py --fit`` reproduces the profiles' fitted constants (so a change to
     the model or the data that moves the fit fails here until the profiles are refitted)."""
