@@ -10,7 +10,9 @@ device, parallel layout, batch, recompute, precision) and one measured value (or
 of memory), with the peak memory it reports where it does (``memory_gib``). ``assumed`` says what
 the source left unstated and what was chosen; ``needs`` lists features autopar cannot express yet
 (``cp``, ``fp8``, ``moe``, ``async_tp``, ``torch_compile``, ``a100_40g``, ``h100_96g``,
-``cpu_offload``, ``per_op_sac``: torchtitan's per-operator selective checkpointing), so a validator can skip those rows until they are supported.
+``cpu_offload``, ``per_op_sac``: torchtitan's per-operator selective checkpointing,
+``eager_loss``: torchtitan's blocks compiled but not its loss, as before April 2025), so a
+validator can skip those rows until they are supported or pick the recipe that has them.
 
 Pure data: no torch, no autopar import.
 """
@@ -30,7 +32,7 @@ memory (value 1: nothing to price but that it must not be predicted to fit)."""
 RECOMPUTE = ("none", "selective", "full")
 FLOPS_CONVENTIONS = ("model", "hardware")
 NEEDS = ("cp", "fp8", "moe", "async_tp", "torch_compile", "a100_40g", "h100_96g", "cpu_offload",
-         "per_op_sac", "fp8_rowwise")
+         "per_op_sac", "fp8_rowwise", "eager_loss")
 
 
 class PublishedDataError(ValueError):

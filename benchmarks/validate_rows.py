@@ -51,10 +51,12 @@ SOURCE_RECIPE = {
 }
 """The execution recipe of each source's framework (``cost_models/recipes``)."""
 FEATURE_RECIPE = {"torchtitan": {frozenset({"torch_compile"}): "torchtitan-compile",
-                                 frozenset({"torch_compile", "async_tp"}): "torchtitan-asynctp"}}
+                                 frozenset({"torch_compile", "async_tp"}): "torchtitan-asynctp",
+                                 frozenset({"torch_compile", "eager_loss"}): "torchtitan-compile-eager-loss",
+                                 frozenset({"torch_compile", "async_tp", "eager_loss"}): "torchtitan-asynctp-eager-loss"}}
 """A framework's recipe for rows that ran with program features (``Row.needs``) its plain
 recipe does not have, by the set of those features."""
-FEATURES = frozenset({"torch_compile", "async_tp"})
+FEATURES = frozenset({"torch_compile", "async_tp", "eager_loss"})
 """The needs that select a recipe (``FEATURE_RECIPE``) rather than a strategy or a profile."""
 SUPPORTED = frozenset({"a100_40g", "h100_96g", "fp8", "cp", "per_op_sac"}) | FEATURES
 """Needs (``published_rows.NEEDS``) autopar can express now."""
