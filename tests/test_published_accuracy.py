@@ -61,7 +61,7 @@ def test_median_error_over_all_rows_within_5_percent(in_sample):
                    "MT-NLG 420 nodes (-15.0 % in step time), and torchtitan on Meta's 500 W Grand Teton "
                    "H100 (torch's context parallelism for Llama-3 8B at cp 4 and 8 +21/+26 % where cp 2 "
                    "is -9 %, and 405B at cp 8 +15.0 %; Llama-3 8B at TP 8 +8 to +21 %, vanilla TP "
-                   "already +15 %; the 405B Float8 row -19 %)")
+                   "already +15 %)")
 def test_worst_row_within_15_percent(in_sample):
     worst = max(validate.priced(in_sample), key=lambda r: abs(r.error))
     assert abs(worst.error) <= 15.0, f"{worst.source} {worst.row.id}: {worst.error:+.1f} %"
