@@ -11,6 +11,7 @@ from autopar.errors import UserError
 from autopar.limits import MAX_GLOBAL_BATCH, MAX_GPUS, check_count, check_seconds
 from autopar.plan import DTYPES, Mesh, Plan
 from autopar.solve import Pins, Solution, search
+from autopar.solve.infeasible import op_refusal, op_unpriced
 from autopar.spec import ModelSpec, parse_model_spec, with_seq
 from autopar.layout import Anatomy
 from autopar.profiles import profile_and_layout, profile_spec, shaped_spec
@@ -264,22 +265,14 @@ def fixed_strategy(job: Job, *, tp: int, pp: int, dp: int | None, zero: int, mic
 def check_op(recompute: str | None, cp: int | None, spec: ModelSpec) -> None:
     """Per-op recompute pinned where it does not run (under cp) or is not priced (a mixture of
     experts): one line naming the fix, before anything is traced."""
-    if recompute != "op":
-        return
-    if cp and cp > 1:
-        raise UserError(f"--recompute op does not run with context parallelism: drop --cp {cp} or use --recompute full")
-    if spec.experts:
-        raise UserError(f"--recompute op is priced for dense transformer blocks only ({spec.name}: a mixture of "
-                        "experts); use --recompute none, selective or full")
+    refusal = op_refusal(spec.name, "a mixture of experts" if spec.experts else None, cp) if recompute == "op" else None
+    if refusal:
+        raise UserError(refusal)
 
 
 def estimate_strategy(job: Job, strat: Strategy, profile: ModelProfile | None = None) -> Estimate:
     model = profile or profile_spec(job.spec)
-    if strat.uses_mode("op") and not model.op_priced:
-        why = "a mixture of experts" if model.moe else "no weight GEMMs traced in its blocks"
-        raise UserError(f"--recompute op is priced for dense transformer blocks only ({model.name}: {why}); "
-                        "use --recompute none, selective or full")
-    if strat.uses_mode("op") and strat.mesh.cp > 1:
-        raise UserError(f"--recompute op does not run with context parallelism: drop --cp {strat.mesh.cp} "
-                        "or use --recompute full")
+    refusal = op_refusal(model.name, op_unpriced(model), strat.mesh.cp) if strat.uses_mode("op") else None
+    if refusal:
+        raise UserError(refusal)
     return estimate(model, job.hw, strat, global_batch=job.global_batch)

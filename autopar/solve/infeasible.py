@@ -14,20 +14,36 @@ _FLAGS = {"dp": "--dp", "tp": "--tp", "pp": "--pp", "cp": "--cp", "zero": "--zer
           "recompute": "--recompute"}
 
 
+def op_unpriced(model: ModelProfile) -> str | None:
+    """What keeps per-op recompute from being priced for ``model``, or None where it is."""
+    if model.op_priced:
+        return None
+    return "a mixture of experts" if model.moe else "no weight GEMMs traced in its blocks"
+
+
+def op_refusal(name: str, unpriced: str | None, cp: int | None, schedule: str | None = None) -> str | None:
+    """Why ``--recompute op`` cannot be pinned, one line naming the fix, or None: not priced for
+    model ``name`` (``unpriced`` says what it is), or not run by the runtime under the
+    zero-bubble schedule or context parallelism (``autopar.plan.op_unsupported``)."""
+    if unpriced:
+        return (f"--recompute op is priced for dense transformer blocks only ({name}: {unpriced}); "
+                "use --recompute none, selective or full")
+    if schedule == "zero-bubble":
+        return ("--recompute op does not run under the zero-bubble schedule, which backpropagates through a block "
+                "twice (torch's selective checkpointing allows once): use --recompute full or another --schedule")
+    if cp and cp > 1:
+        return f"--recompute op does not run with context parallelism: drop --cp {cp} or use --recompute full"
+    return None
+
+
 def no_candidate_reason(model: ModelProfile, hw: HardwareProfile, gpus: int,
                         global_batch: int, pins: Pins) -> str:
     """Why no outer candidate exists at all (divisibility, refusals; not memory)."""
     used = {"tp": (pins.tp or 1) > 1, "pp": (pins.pp or 1) > 1, "sp": bool(pins.sequence_parallel),
             "dp": (pins.zero or 0) > 0, "selective": pins.recompute == "selective", "op": pins.recompute == "op"}
-    if pins.recompute == "op" and not model.op_priced:
-        why = "a mixture of experts" if model.moe else "no weight GEMMs traced in its blocks"
-        return (f"--recompute op is priced for dense transformer blocks only ({model.name}: {why}); "
-                "use --recompute none, selective or full")
-    if pins.recompute == "op" and pins.schedule == "zero-bubble":
-        return ("--recompute op does not run under the zero-bubble schedule, which backpropagates through a block "
-                "twice (torch's selective checkpointing allows once): use --recompute full or another --schedule")
-    if pins.recompute == "op" and pins.cp and pins.cp > 1:
-        return f"--recompute op does not run with context parallelism: drop --cp {pins.cp} or use --recompute full"
+    refusal = op_refusal(model.name, op_unpriced(model), pins.cp, pins.schedule) if pins.recompute == "op" else None
+    if refusal:
+        return refusal
     if pins.cp and pins.cp > 1 and "cp" in pins.refused:
         return (f"--cp {pins.cp}: autopar's runtime runs context parallelism on the built-in gpt/llama models "
                 "only; drop --cp, or plan with --recipe megatron-core and run it through `autopar export`")
