@@ -336,8 +336,12 @@ def last_act_bytes(model: ModelProfile, strat: Strategy) -> float:
 
 def loss_backward_bytes(model: ModelProfile, strat: Strategy) -> float:
     """What the loss's backward allocates beyond its kept bytes while it runs, once per stage
-    peak (one micro-batch's loss runs backward at a time), s b V / tp, bytes."""
-    return strat.tokens(model.seq) * strat.recipe.loss_backward_bytes * model.vocab / strat.mesh.tp
+    peak (one micro-batch's loss runs backward at a time), s b V / tp, bytes; under tp > 1 as
+    ``loss_parallel`` does where the recipe says (``loss_parallel_backward_bytes``)."""
+    rec = strat.recipe
+    per = rec.loss_parallel_backward_bytes if strat.mesh.tp > 1 and rec.loss_parallel_backward_bytes is not None \
+        else rec.loss_backward_bytes
+    return strat.tokens(model.seq) * per * model.vocab / strat.mesh.tp
 
 
 def loss_act_bytes(model: ModelProfile, strat: Strategy) -> float:

@@ -174,6 +174,13 @@ class ExecutionRecipe:
     incoming gradient and its result, both fp32: 4 kept + 8 = 12, measured on an H100 by
     ``benchmarks/gpu_memory_probe.py``); 0 where the gradient is computed in place (Megatron's
     fused vocab-parallel cross-entropy)."""
+    loss_parallel_backward_bytes: float | None = None
+    """Under tp > 1, where the logits stay split over the vocabulary and torch's
+    ``loss_parallel`` runs the loss (DTensor's log-softmax and NLL handlers): what its backward
+    allocates beyond ``logits_bytes``; None: ``loss_backward_bytes``. 12 for the eager fp32
+    loss: ``_nll_loss_and_log_softmax_backward`` holds zeros, their sum with exp of the kept
+    log-probabilities and its product with the gradient, fp32, at once (4 kept + 12 = 16,
+    measured on CPU ranks by ``benchmarks/loss_memory.py``)."""
     elementwise_traffic: float = 1.0
     """Element-wise device-memory traffic relative to Megatron-LM's fused kernels (fused
     LayerNorm, bias-GeLU, bias-dropout-add, scale-mask-softmax): above 1 for eager unfused
@@ -227,7 +234,8 @@ class ExecutionRecipe:
             raise RecipeError(f"recipe {self.name!r}: kernels_per_block must be >= 0")
 
 
-_BOUNDS = {"moe_load_imbalance": (1.0, 64.0), "fp8_cast_bytes": (0.5, 64.0), "logits_bytes": (0.5, 64.0), "loss_backward_bytes": (0.0, 64.0), "elementwise_traffic": (0.01, 100.0),
+_BOUNDS = {"moe_load_imbalance": (1.0, 64.0), "fp8_cast_bytes": (0.5, 64.0), "logits_bytes": (0.5, 64.0),
+           "loss_backward_bytes": (0.0, 64.0), "loss_parallel_backward_bytes": (0.0, 64.0), "elementwise_traffic": (0.01, 100.0),
            "kernels_per_block": (0, 1_000_000)}
 """Plausible range of each numeric switch."""
 
@@ -258,6 +266,10 @@ def recipe_from_dict(data: object, where: str) -> ExecutionRecipe:
     hints = get_type_hints(ExecutionRecipe)
     for key, value in data.items():
         kind = hints[key]
+        if kind == (float | None):  # optional: null, or a number as a float's
+            if value is None:
+                continue
+            kind = float
         if kind in (Attention, DpOverlap, ContextParallel, Fp8WeightCast):
             if value not in [e.value for e in kind]:
                 raise RecipeError(f"recipe {where} is malformed: {key} must be one of "
@@ -284,7 +296,7 @@ def recipe_from_dict(data: object, where: str) -> ExecutionRecipe:
         kw["dp_overlap"] = DpOverlap(kw.get("dp_overlap"))
         kw["context_parallel"] = ContextParallel(kw.get("context_parallel", ContextParallel.NONE.value))
         kw["fp8_weight_cast"] = Fp8WeightCast(kw.get("fp8_weight_cast", Fp8WeightCast.EVERY_PASS.value))
-        kw = {k: float(v) if hints[k] is float else v for k, v in kw.items()}
+        kw = {k: float(v) if hints[k] in (float, float | None) and v is not None else v for k, v in kw.items()}
         recipe = ExecutionRecipe(**kw)
     except (TypeError, ValueError) as exc:
         raise RecipeError(f"recipe {where} is malformed: {' '.join(str(exc).split())[:200]}") from None

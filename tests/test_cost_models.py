@@ -293,11 +293,12 @@ def test_a_recipe_with_a_base_is_that_recipe_with_its_own_keys(tmp_path):
     assert dataclasses.replace(compiled, name=titan.name, description=titan.description, notes=titan.notes,
                                elementwise_traffic=titan.elementwise_traffic,
                                kernels_per_block=titan.kernels_per_block, logits_bytes=titan.logits_bytes,
-                               loss_backward_bytes=titan.loss_backward_bytes) == titan
+                               loss_backward_bytes=titan.loss_backward_bytes,
+                               loss_parallel_backward_bytes=titan.loss_parallel_backward_bytes) == titan
     eager = load_recipe("torchtitan-compile-eager-loss")  # a chain: base of a base
     assert (eager.logits_bytes, eager.loss_backward_bytes) == (titan.logits_bytes, titan.loss_backward_bytes)
-    assert dataclasses.replace(eager, logits_bytes=2.0, loss_backward_bytes=2.0, name=compiled.name,
-                               description=compiled.description, notes=compiled.notes) == compiled
+    assert dataclasses.replace(eager, logits_bytes=2.0, loss_backward_bytes=2.0, loss_parallel_backward_bytes=None,
+                               name=compiled.name, description=compiled.description, notes=compiled.notes) == compiled
     assert asynctp.tp_comm_overlap and not compiled.tp_comm_overlap
     assert set(titan.notes) < set(asynctp.notes) and asynctp.notes["source"] != titan.notes["source"]
     (tmp_path / "mine.json").write_text(json.dumps({"base": "megatron-core", "tp_comm_overlap": True}))

@@ -176,3 +176,26 @@ def test_live_two_rank_fsdp_peak_matches_the_model():
     measured = max(r["peak_bytes"] for r in result.phases)
     assert len(result.phases) == 2
     assert abs(_predicted(plan) / measured - 1) <= 0.10, f"measured {measured / MIB:.1f} MiB"
+
+
+def test_the_loss_peak_is_what_the_recipe_prices():
+    """The fp32 cross-entropy of the runtime (and torchtitan's eager loss) peaks at 4 + 8 bytes
+    per logit, under ``loss_parallel`` (tp > 1: vocab-sharded logits) at 4 + 12: measured on
+    this CPU rank's allocator (``benchmarks/loss_memory.py``) against the autopar recipe."""
+    import sys
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from cost_models.recipe import load_recipe
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "benchmarks"))
+    import loss_memory
+    rec = load_recipe("autopar")
+    assert not dist.is_initialized()
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        mesh = init_device_mesh("cpu", (1,))
+        plain = loss_memory.loss_bytes_per_logit(mesh, 512, 2048, parallel=False)
+        sharded = loss_memory.loss_bytes_per_logit(mesh, 512, 2048, parallel=True)
+    finally:
+        dist.destroy_process_group()
+    assert plain == pytest.approx(rec.logits_bytes + rec.loss_backward_bytes, rel=0.01)
+    assert sharded == pytest.approx(rec.logits_bytes + rec.loss_parallel_backward_bytes, rel=0.01)
