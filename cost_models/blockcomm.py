@@ -102,19 +102,12 @@ def pipelined_tp_s(model: ModelProfile, hw: HardwareProfile, strat: Strategy,
     return fwd, bwd
 
 
-def cp_heads(model: ModelProfile, strat: Strategy) -> float:
-    """K (or V) heads per token one tp rank exchanges under context parallelism: the query
-    heads where the program repeats K, V before attention (``recipe.kv_repeated``), else the
-    kv heads."""
-    return (model.heads if strat.recipe.kv_repeated else model.kv_heads) / strat.mesh.tp
-
-
 def block_cp_s(model: ModelProfile, hw: HardwareProfile, strat: Strategy,
                g: comm.Group) -> compute.PassTimes:
     """Exposed context-parallel communication of one block per micro-batch, by pass (the
     estimate counts it in ``tp_comm_s``).
 
-    Each of the c = cp ranks holds a K,V block of seq/c tokens, 2 x ``cp_heads`` x d
+    Each of the c = cp ranks holds a K,V block of seq/c tokens, 2 x ``compute.cp_heads`` x d
     elements per token. Ring attention (``ContextParallel.RING``; Liu et al. 2023,
     Megatron-Core / Transformer Engine's P2P CP) runs c steps: in each of the c-1 sends, the
     block moves to the next rank while attention runs on the block received last, so a step
@@ -133,7 +126,7 @@ def block_cp_s(model: ModelProfile, hw: HardwareProfile, strat: Strategy,
     if c == 1:
         return compute.PassTimes(forward_s=0.0, recompute_s=0.0, backward_s=0.0)
     d = model.hidden / model.heads
-    block = strat.tokens(model.seq) * 2 * cp_heads(model, strat) * d * compute.elem_bytes(strat)
+    block = strat.tokens(model.seq) * 2 * compute.cp_heads(model, strat) * d * compute.elem_bytes(strat)
     method = strat.recipe.context_parallel
     if method in (ContextParallel.RING, ContextParallel.GATHER_RING):
         _, core_s = compute.block_gemm_s(model, hw, strat)

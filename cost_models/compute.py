@@ -314,12 +314,19 @@ def block_elementwise_bytes(model: ModelProfile, strat: Strategy,
     return scale * rest, scale * core
 
 
+def cp_heads(model: ModelProfile, strat: Strategy) -> float:
+    """K (or V) heads per token one tp rank exchanges under context parallelism: the query
+    heads where the program repeats K, V before attention (``recipe.kv_repeated``), else the
+    kv heads."""
+    return (model.heads if strat.recipe.kv_repeated else model.kv_heads) / strat.mesh.tp
+
+
 def cp_merge_bytes(model: ModelProfile, strat: Strategy) -> tuple[float, float]:
     """(forward, backward) element-wise bytes of one block's attention core that torch's
     context parallelism adds on one rank (``ContextParallel.GATHER_RING``, c = cp kernels per
     pass; 0 otherwise), counted from ``_templated_ring_attention``/``_backward`` per element
     of the rank's output O (tokens x heads/tp x d) and of its K (as of V; tokens x
-    ``blockcomm.cp_heads`` x d), as fused kernels move them, times
+    ``cp_heads`` x d), as fused kernels move them, times
     ``recipe.elementwise_traffic``:
 
     - forward: each kernel's output cast to fp32 (6 B), c - 1 merges into the running fp32
@@ -332,7 +339,6 @@ def cp_merge_bytes(model: ModelProfile, strat: Strategy) -> tuple[float, float]:
     c = strat.mesh.cp
     if c == 1 or strat.recipe.context_parallel != ContextParallel.GATHER_RING:
         return 0.0, 0.0
-    from cost_models.blockcomm import cp_heads  # blockcomm imports compute
     d = model.hidden / model.heads
     tokens = strat.tokens(model.seq) * strat.recipe.elementwise_traffic
     o = tokens * model.heads / strat.mesh.tp * d

@@ -718,7 +718,7 @@ def test_torch_cp_exchanges_repeated_heads_and_passes_fp32_gradients_round_the_r
         s = Strategy(recipe=rec, mesh=Degrees(cp=4, dp=2), recompute="full", zero=3)
         g = comm.axis_groups(slow, s)[Axis.CP]
         t = blockcomm.block_cp_s(model, slow, s, g)
-        block = s.tokens(model.seq) * 2 * blockcomm.cp_heads(model, s) * 128 * 2  # local K,V bytes
+        block = s.tokens(model.seq) * 2 * compute.cp_heads(model, s) * 128 * 2  # local K,V bytes
         # Over a slow link nothing hides: the gather of the other ranks' blocks, and four fp32 sends.
         assert t.forward_s == pytest.approx(comm.all_gather_s(4 * block, g) - compute.block_gemm_s(model, slow, s)[1] / 4
                                             + slow.overlap_penalty * compute.block_gemm_s(model, slow, s)[1] / 4)

@@ -69,7 +69,8 @@ def test_worst_row_within_15_percent(in_sample):
 
 @pytest.fixture(scope="module")
 def memory():
-    return validate.memory_results(SOURCES, MODELS)
+    import published_memory
+    return published_memory.memory_results(SOURCES, MODELS)
 
 
 def test_every_published_out_of_memory_run_is_predicted_not_to_fit(memory):
