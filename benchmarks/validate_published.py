@@ -46,7 +46,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from cost_models import (Degrees, HardwareProfile, ModelProfile, Strategy, estimate, load_profile,  # noqa: E402
                          stage_costs)
 from cost_models.blockcomm import layer_pass_times  # noqa: E402
-from cost_models.memory import state_bytes  # noqa: E402
+from cost_models.states import state_bytes  # noqa: E402
 from cost_models.recipe import load_recipe  # noqa: E402
 
 V, S = 51200, 2048

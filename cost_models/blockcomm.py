@@ -9,7 +9,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Mapping
 
-from cost_models import comm, compute, memory, pipeline
+from cost_models import comm, compute, memory, pipeline, states
 from cost_models.axes import Axis
 from cost_models.hardware import HardwareProfile
 from cost_models.model_profile import ModelProfile
@@ -193,7 +193,7 @@ def moe_terms(model: ModelProfile, hw: HardwareProfile, strat: Strategy) -> MoeT
     a2a = block_ep_s(model, strat, comm.axis_groups(hw, strat)[Axis.EP])
     rc = 2.0 if strat.recompute == "full" else 1.0
     gemm = compute.expert_gemm_s(model, hw, strat) * rc + compute.expert_gemm_s(model, hw, strat, backward=True)
-    e = memory.state_bytes(memory.expert_layer_params(model, strat), memory.expert_strategy(strat))
+    e = states.state_bytes(states.expert_layer_params(model, strat), states.expert_strategy(strat))
     m = strat.num_microbatches
     return MoeTerms(all_to_all_s=m * n * (a2a.forward_s + a2a.recompute_s + a2a.backward_s),
                     expert_gemm_s=m * n * gemm, expert_state_bytes=n * e.total,

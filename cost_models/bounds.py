@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from dataclasses import replace
 
-from cost_models import memory, pipeline
+from cost_models import memory, pipeline, states
 from cost_models.hardware import HardwareProfile
 from cost_models.model_profile import ModelProfile
 from cost_models.stages import StageCosts
@@ -46,17 +46,17 @@ def least_memory_costs(model: ModelProfile, hw: HardwareProfile, strat: Strategy
     workspace: each term at its least over the modes."""
     s = replace(strat, schedule="1f1b", virtual_stages=1, recompute="none", stage_layers=(),
                 stage_recompute=())
-    first, last = memory.first_params(model, s), memory.last_params(model, s)
+    first, last = states.first_params(model, s), states.last_params(model, s)
     lead_static = lead_act = lead_host = lead_grads = 0.0
     if model.lead is not None:
         n = model.lead_layers
-        lead_state = memory.layer_state_bytes(model.lead, s)
+        lead_state = states.layer_state_bytes(model.lead, s)
         lead_static, lead_grads = n * lead_state.total, n * lead_state.grads
         lead_act = n * min(memory.block_act_bytes(model.lead, s, r) for r in RECOMPUTE)
-        lead_host = n * memory.layer_host_bytes(model.lead, s)
+        lead_host = n * states.layer_host_bytes(model.lead, s)
     absent = memory.grads_absent(strat)
-    layer, first_state, last_state = (memory.layer_state_bytes(model, s), memory.state_bytes(first, s),
-                                      memory.state_bytes(last, s))
+    layer, first_state, last_state = (states.layer_state_bytes(model, s), states.state_bytes(first, s),
+                                      states.state_bytes(last, s))
     return StageCosts(
         pp=s.mesh.pp, nominal=0, mode_time_s=(0.0,) * len(RECOMPUTE), first_time_s=0.0,
         last_time_s=0.0, p2p_time_s=0.0, mode_dp_time_s=(0.0,) * len(RECOMPUTE),
@@ -66,13 +66,13 @@ def least_memory_costs(model: ModelProfile, hw: HardwareProfile, strat: Strategy
         mode_workspace_bytes=tuple(memory.workspace_bytes(model, s, r) for r in RECOMPUTE),
         first_static_bytes=first_state.total + lead_static,
         first_act_bytes=memory.first_act_bytes(model, s) + lead_act,
-        last_static_bytes=last_state.total + memory.head_gather_bytes(model, s),
+        last_static_bytes=last_state.total + states.head_gather_bytes(model, s),
         last_act_bytes=memory.last_act_bytes(model, s), last_transient_bytes=memory.loss_backward_bytes(model, s),
         inflight=pipeline.inflight(s), buffer_bytes=memory.base_buffer_bytes(model, hw, s),
         sum_weight=0.0, max_weight=0.0,
-        layer_host_bytes=memory.layer_host_bytes(model, s),
-        first_host_bytes=memory.host_state_bytes(first, s) + lead_host,
-        last_host_bytes=memory.host_state_bytes(last, s),
+        layer_host_bytes=states.layer_host_bytes(model, s),
+        first_host_bytes=states.host_state_bytes(first, s) + lead_host,
+        last_host_bytes=states.host_state_bytes(last, s),
         host_cap_bytes=hw.host_memory_bytes if s.offload else float("inf"),
         grads_absent=absent, layer_grad_bytes=layer.grads if absent else 0.0,
         first_grad_bytes=first_state.grads + lead_grads if absent else 0.0,

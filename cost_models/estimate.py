@@ -19,7 +19,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, replace
 
-from cost_models import blockcomm, comm, compute, memory, pieces, pipeline
+from cost_models import blockcomm, comm, compute, memory, pieces, pipeline, states
 from cost_models.axes import Axis
 from cost_models.hardware import HardwareProfile
 from cost_models.model_profile import ModelProfile
@@ -87,22 +87,22 @@ def _parts(model: ModelProfile, hw: HardwareProfile, strat: Strategy, cache: dic
                                    blockcomm.block_comm(model, hw, s, groups), hw, s, rep))
     # Embedding: 1 forward exchange (vocab-parallel lookup); head: 1 backward (gradient of
     # the projection's input).
-    first = pieces.piece(memory.first_params(model, strat), compute.first_times(model, hw, strat),
+    first = pieces.piece(states.first_params(model, strat), compute.first_times(model, hw, strat),
                    compute.PassTimes(forward_s=unit, recompute_s=0.0, backward_s=0.0),
                    memory.first_act_bytes(model, strat), hw, strat, rep,
                    reduced_last=True, tensors=model.embed_param_tensors)
-    last = pieces.piece(memory.last_params(model, strat), compute.last_times(model, hw, strat),
+    last = pieces.piece(states.last_params(model, strat), compute.last_times(model, hw, strat),
                   compute.PassTimes(forward_s=blockcomm.vocab_parallel_loss_s(model, strat, groups[Axis.TP]),
                                     recompute_s=0.0, backward_s=unit),
                   memory.last_act_bytes(model, strat), hw, strat, rep, tensors=model.head_param_tensors)
-    if gathered := memory.head_gather_bytes(model, strat):
+    if gathered := states.head_gather_bytes(model, strat):
         last = replace(last, state=replace(last.state, params=last.state.params + gathered))
     if strat.mesh.pp > 1 and model.tied:
         # The tied embedding and its copy on the last stage sum their gradients after the
         # flush (Megatron's embedding all-reduce), exposed on both stages.
         pair = replace(groups[Axis.PP], size=2)
         sync = comm.all_reduce_s(model.vocab * model.hidden / strat.mesh.tp
-                                 * memory.state_layout(strat).grad, pair)
+                                 * states.state_layout(strat).grad, pair)
         first = replace(first, dp_tail_s=first.dp_tail_s + sync)
         last = replace(last, dp_tail_s=last.dp_tail_s + sync)
     lead = []

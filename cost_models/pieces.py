@@ -7,14 +7,14 @@ data-parallel collective hides behind the pass it serves and only its excess is 
 (``piece``); without it (Megatron-LM 2021's local DDP under a pipeline) all of it is. Under
 a pipeline, recipes that run FSDP2 through torch.distributed.pipelining keep the stage's
 weights gathered and gradients unsharded until the last backward
-(``memory.holds_unsharded``), which changes both the collectives and the memory.
+(``states.holds_unsharded``), which changes both the collectives and the memory.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
 
-from cost_models import comm, compute, memory
+from cost_models import comm, compute, memory, states
 from cost_models.hardware import HardwareProfile
 from cost_models.model_profile import ModelProfile
 from cost_models.strategy import Strategy
@@ -31,7 +31,7 @@ class Piece:
     dp_tail_s: float
     """Per step, in D_s."""
     optimizer_s: float
-    state: memory.StateBytes
+    state: states.StateBytes
     act_bytes: float
     host_bytes: float = 0.0
     """Offloaded state in host memory."""
@@ -55,14 +55,14 @@ def plus(a: Piece, b: Piece, n: float) -> Piece:
     return Piece(compute_s=a.compute_s + n * b.compute_s, tp_s=a.tp_s + n * b.tp_s,
                   dp_exposed_s=a.dp_exposed_s + n * b.dp_exposed_s, dp_tail_s=a.dp_tail_s + n * b.dp_tail_s,
                   optimizer_s=a.optimizer_s + n * b.optimizer_s,
-                  state=memory.StateBytes(params=a.state.params + n * b.state.params,
+                  state=states.StateBytes(params=a.state.params + n * b.state.params,
                                           grads=a.state.grads + n * b.state.grads,
                                           optimizer=a.state.optimizer + n * b.state.optimizer),
                   act_bytes=a.act_bytes + n * b.act_bytes, host_bytes=a.host_bytes + n * b.host_bytes,
                   forward_s=a.forward_s + n * b.forward_s, recompute_s=a.recompute_s + n * b.recompute_s)
 
 
-def optimizer_bytes_per_param(rec: memory.StateLayout) -> float:
+def optimizer_bytes_per_param(rec: states.StateLayout) -> float:
     """Device-memory traffic of the optimizer step per (sharded) parameter: the gradient-norm
     read and the clipping scale (read, write), Adam (read gradient, states and weights, write
     states and weights), the copy of fp32 master weights into the 16-bit weights, and zeroing
@@ -72,7 +72,7 @@ def optimizer_bytes_per_param(rec: memory.StateLayout) -> float:
     return 5 * rec.grad + states + master
 
 
-def grad_accum_bytes_per_param(rec: memory.StateLayout, strat: Strategy) -> float:
+def grad_accum_bytes_per_param(rec: states.StateLayout, strat: Strategy) -> float:
     """Device-memory traffic per parameter and micro-batch of adding the backward's fresh
     gradient into the gradient buffer, unless the weight-gradient GEMMs accumulate in place
     (``grad_accum_fusion``): read the 16-bit gradient, read and write the buffer's element
@@ -81,8 +81,8 @@ def grad_accum_bytes_per_param(rec: memory.StateLayout, strat: Strategy) -> floa
     2 + 4 + 4 = 10 with fp32 ones). ZeRO 2/3 add the reduce-scattered shard into theirs."""
     if strat.recipe.grad_accum_fusion:
         return 0.0
-    per = (memory.compute_copy_bytes(strat) or rec.weight) + 2 * rec.grad
-    return per / strat.replicas if strat.zero >= 2 and not memory.holds_unsharded(strat) else per
+    per = (states.compute_copy_bytes(strat) or rec.weight) + 2 * rec.grad
+    return per / strat.replicas if strat.zero >= 2 and not states.holds_unsharded(strat) else per
 
 
 def fsdp_copy_bytes_per_param(strat: Strategy) -> float:
@@ -91,19 +91,19 @@ def fsdp_copy_bytes_per_param(strat: Strategy) -> float:
     gathered 16-bit weights out of its flat buffer into the parameters (read and write), each
     reduce-scatter copies the 16-bit gradients into its buffer in the reduce dtype. ZeRO-3
     gathers twice and reduces once per micro-batch (once per micro-batch and per step under a
-    pipeline that holds them, ``memory.holds_unsharded``); ZeRO-2 reduces per micro-batch and
+    pipeline that holds them, ``states.holds_unsharded``); ZeRO-2 reduces per micro-batch and
     gathers per step; ZeRO-1 both per step (spread over the micro-batches here)."""
     if not strat.recipe.fsdp_copies or strat.replicas == 1 or strat.zero == 0:
         return 0.0
-    rec = memory.state_layout(strat)
-    gather = 2 * memory.gather_bytes(strat)
-    reduce = (memory.compute_copy_bytes(strat) or rec.weight) + rec.grad
+    rec = states.state_layout(strat)
+    gather = 2 * states.gather_bytes(strat)
+    reduce = (states.compute_copy_bytes(strat) or rec.weight) + rec.grad
     m = strat.num_microbatches
-    if strat.zero == 3 and not memory.holds_unsharded(strat):
+    if strat.zero == 3 and not states.holds_unsharded(strat):
         return 2 * gather + reduce
     if strat.zero == 3:
         return gather + reduce / m
-    if strat.zero == 2 and not memory.holds_unsharded(strat):
+    if strat.zero == 2 and not states.holds_unsharded(strat):
         return reduce + gather / m
     return (gather + reduce) / m
 
@@ -116,18 +116,18 @@ def block_piece(model: ModelProfile, passes: compute.PassTimes, tp: compute.Pass
     hiding behind the same passes (so a block whose two reductions each fit the backward is
     priced as hiding both: optimistic when they share the links), and their optimizer step
     and states count on top."""
-    dense = piece(memory.dense_layer_params(model, strat), passes, tp,
+    dense = piece(states.dense_layer_params(model, strat), passes, tp,
                    memory.block_act_bytes(model, strat), hw, strat, rep, tensors=model.block_param_tensors)
     if not model.moe:
         return dense
     _, edp = comm.expert_groups(hw, strat)
     none = compute.PassTimes(forward_s=0.0, recompute_s=0.0, backward_s=0.0)
-    e = piece(memory.expert_layer_params(model, strat), passes, none, 0.0, hw,
-               memory.expert_strategy(strat), edp)
+    e = piece(states.expert_layer_params(model, strat), passes, none, 0.0, hw,
+               states.expert_strategy(strat), edp)
     return replace(dense, compute_s=dense.compute_s + e.compute_s - passes.total_s,
                    dp_exposed_s=dense.dp_exposed_s + e.dp_exposed_s, dp_tail_s=dense.dp_tail_s + e.dp_tail_s,
                    optimizer_s=dense.optimizer_s + e.optimizer_s,
-                   state=memory.layer_state_bytes(model, strat),
+                   state=states.layer_state_bytes(model, strat),
                    host_bytes=dense.host_bytes + e.host_bytes,
                    forward_s=dense.forward_s + e.forward_s - passes.forward_s)
 
@@ -184,8 +184,8 @@ def piece(params: float, passes: compute.PassTimes, tp: compute.PassTimes, act: 
     tensors adds their DTensor dispatch (``dtensor_step_s``) on the host, and each micro-batch
     the hooks of its FSDP2 group (``hooks_s``, a third of them in the forward).
     """
-    rec = memory.state_layout(strat)
-    grads, weights = params * rec.grad, params * memory.gather_bytes(strat)
+    rec = states.state_layout(strat)
+    grads, weights = params * rec.grad, params * states.gather_bytes(strat)
     rs, ag = comm.reduce_scatter_s(grads, rep), comm.all_gather_s(weights, rep)
     fwd, bwd = passes.forward_s, passes.recompute_s + passes.backward_s
     if not dp_hides(strat, hw):
@@ -197,7 +197,7 @@ def piece(params: float, passes: compute.PassTimes, tp: compute.PassTimes, act: 
         tail = hide(comm.best_all_reduce_s(grads, rep), bwd_window)
     elif strat.zero == 1:
         tail = hide(rs, bwd_window) + hide(ag, fwd)
-    elif memory.holds_unsharded(strat):
+    elif states.holds_unsharded(strat):
         # Gathered weights and unsharded gradients through the pipeline: one reduce-scatter
         # per step; ZeRO-3 re-gathers once per micro-batch (the forward reshards, the
         # backward does not), ZeRO-2 once after the step.
@@ -234,7 +234,7 @@ def piece(params: float, passes: compute.PassTimes, tp: compute.PassTimes, act: 
     hooks = hooks_s(hw, strat) if params > 0 else 0.0
     return Piece(compute_s=passes.total_s + accum + hooks, tp_s=tp.total_s, dp_exposed_s=exposed, dp_tail_s=tail,
                   optimizer_s=opt,
-                  state=memory.state_bytes(params, strat), act_bytes=act,
-                  host_bytes=memory.host_state_bytes(params, strat),
+                  state=states.state_bytes(params, strat), act_bytes=act,
+                  host_bytes=states.host_state_bytes(params, strat),
                   forward_s=passes.forward_s + tp.forward_s + exposed_fwd + hooks / 3,
                   recompute_s=passes.recompute_s + tp.recompute_s)

@@ -106,7 +106,7 @@ class ExecutionRecipe:
     kernel) or ``sdpa`` (whichever torch's scaled_dot_product_attention dispatches on the
     device: the profile's ``sdpa_kernel``)."""
     state: str
-    """Training-state layout (``cost_models.memory.STATE_LAYOUTS``): ``megatron`` 16-bit
+    """Training-state layout (``cost_models.states.STATE_LAYOUTS``): ``megatron`` 16-bit
     weights + fp32 gradients + fp32 master and moments (2 + 4 + 12 bytes per parameter),
     ``zero`` 16-bit gradients (2 + 2 + 12), ``fp32`` fp32 weights that are the master, fp32
     gradients, two moments (4 + 4 + 8; 16-bit copies gathered or cast for compute: FSDP2's
@@ -300,7 +300,7 @@ def recipe_from_dict(data: object, where: str) -> ExecutionRecipe:
         recipe = ExecutionRecipe(**kw)
     except (TypeError, ValueError) as exc:
         raise RecipeError(f"recipe {where} is malformed: {' '.join(str(exc).split())[:200]}") from None
-    from cost_models.memory import STATE_LAYOUTS  # memory imports strategy, which imports us
+    from cost_models.states import STATE_LAYOUTS  # states imports strategy, which imports us
     if recipe.state not in STATE_LAYOUTS:
         raise RecipeError(f"recipe {where}: state {recipe.state!r} is not one of "
                           f"{', '.join(STATE_LAYOUTS)}")

@@ -9,9 +9,9 @@ import pytest
 
 from cost_models import (Axis, Degrees, ModelProfile, ProfileError, Strategy, estimate, even_stage_layers, load_profile,
                          model_flops_per_step, stage_costs)
-from cost_models import blockcomm, comm, compute, memory, pieces, pipeline
+from cost_models import blockcomm, comm, compute, memory, pieces, pipeline, states
 from cost_models.axes import parse_order
-from cost_models.memory import STATE_LAYOUTS, state_bytes
+from cost_models.states import STATE_LAYOUTS, state_bytes
 from autopar.profiles import profile_spec
 from autopar.spec import parse_model_spec
 from cost_models.recipe import ContextParallel, load_recipe
@@ -418,7 +418,7 @@ def test_data_parallel_reduction_hides_behind_the_backward_when_overlapped():
     over = stage_costs(model, A0, Strategy(mesh=Degrees(dp=8), num_microbatches=4, recipe=MC))
     after = stage_costs(model, A0, Strategy(mesh=Degrees(dp=8, pp=1), num_microbatches=4,
                                               recipe=dataclasses.replace(MC, dp_overlap="never")))
-    opt = compute.optimizer_memory_s(memory.layer_params(model, Strategy(recipe=MC)) * 50, A0)
+    opt = compute.optimizer_memory_s(states.layer_params(model, Strategy(recipe=MC)) * 50, A0)
     assert over.layer_dp_time_s == pytest.approx(opt)  # the all-reduce is hidden, Adam is not
     assert after.layer_dp_time_s > over.layer_dp_time_s
     assert after.first_dp_time_s == pytest.approx(over.first_dp_time_s)  # embedding goes last
@@ -639,7 +639,7 @@ def test_torchtitan_float8_gathers_one_byte_weights_and_inputs():
     model = gpt(4, 4096, 32, seq=4096)
     f8 = Strategy(mesh=Degrees(dp=8, tp=2), zero=3, sequence_parallel=True, fp8=True, recipe=tt)
     off = dataclasses.replace(f8, recipe=plain)
-    assert memory.gather_bytes(f8) == 1.0 and memory.gather_bytes(off) == 2.0
+    assert states.gather_bytes(f8) == 1.0 and states.gather_bytes(off) == 2.0
     (f_on, b_on), (f_off, b_off) = compute.fp8_cast_bytes(model, f8), compute.fp8_cast_bytes(model, off)
     w = model.dense_block_params / 2 * tt.fp8_cast_bytes
     assert f_off - f_on == pytest.approx(w * 7 / 8) and b_off - b_on == pytest.approx(w * 7 / 8)
@@ -681,7 +681,7 @@ def test_cp_divides_activations_and_attention_flops_and_keeps_cp_1():
         assert compute.block_gemm_s(model, H100, s)[1] > compute.block_gemm_s(model, H100, one)[1] / cp
         # ZeRO shards over dp x cp (the weights are replicated over cp).
         z = dataclasses.replace(s, zero=1)
-        assert memory.state_bytes(1e9, z).optimizer == pytest.approx(12e9 / (4 * cp))
+        assert states.state_bytes(1e9, z).optimizer == pytest.approx(12e9 / (4 * cp))
     assert blockcomm.block_cp_s(model, H100, one, comm.axis_groups(H100, one)[Axis.CP]).total_s == 0.0
     # cp = 1 named in the order is the same strategy (the order is canonical): the same price.
     listed = Strategy(recipe=TE, mesh=Degrees(tp=2, dp=4), axis_order=("pp", "dp", "cp", "tp"))
@@ -822,13 +822,13 @@ def test_moe_terms_experts_over_ep_all_to_all_over_its_tier():
     model = moe_profile(layers=4, hidden=1024, heads=8, experts=8, topk=2, seq=2048)
     hw = load_profile("dgx-h100")
     one, four = (Strategy(mesh=Degrees(dp=8, ep=e), zero=0) for e in (1, 4))
-    dense_state = memory.state_bytes(model.dense_block_params, one).total
-    expert_state = memory.state_bytes(model.expert_params, one).total
-    assert memory.layer_state_bytes(model, one).total == pytest.approx(dense_state + expert_state)
-    assert memory.layer_state_bytes(model, four).total == pytest.approx(dense_state + expert_state / 4)
+    dense_state = states.state_bytes(model.dense_block_params, one).total
+    expert_state = states.state_bytes(model.expert_params, one).total
+    assert states.layer_state_bytes(model, one).total == pytest.approx(dense_state + expert_state)
+    assert states.layer_state_bytes(model, four).total == pytest.approx(dense_state + expert_state / 4)
     z1 = Strategy(mesh=Degrees(dp=8, ep=4), zero=1)  # optimizer states: dense over 8, experts over edp = 2
-    lay = memory.state_layout(z1)
-    assert memory.layer_state_bytes(model, z1).optimizer == pytest.approx(
+    lay = states.state_layout(z1)
+    assert states.layer_state_bytes(model, z1).optimizer == pytest.approx(
         lay.optimizer * (model.dense_block_params / 8 + model.expert_params / 4 / 2))
     groups = lambda s: comm.axis_groups(hw, s)  # noqa: E731
     assert block_ep_s(model, one, groups(one)[Axis.EP]).total_s == 0.0

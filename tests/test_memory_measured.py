@@ -96,7 +96,7 @@ def _gpipe_wide(plan: Plan, row: dict) -> bool:
 def test_peak_of_the_later_grid_within_10_percent_of_measured(plan, row):
     """The second grid (the ranking under shared cores: ZeRO 1-3 with 1F1B and GPipe under a
     pipeline, which the first grid barely has). ZeRO-3 x pp 2 on the wide model was predicted
-    45-58 % high while the gathered weights were counted twice (``memory.holds_unsharded``)."""
+    45-58 % high while the gathered weights were counted twice (``states.holds_unsharded``)."""
     test_peak_within_10_percent_of_measured(plan, row)
 
 
