@@ -13,7 +13,7 @@ from cost_models import comm, compute, memory, pipeline, states
 from cost_models.axes import Axis
 from cost_models.hardware import HardwareProfile
 from cost_models.model_profile import ModelProfile
-from cost_models.recipe import ContextParallel
+from cost_models.recipe import ContextParallel, SpCopy
 from cost_models.strategy import Strategy
 
 
@@ -35,39 +35,65 @@ def tp_unit_s(model: ModelProfile, strat: Strategy, g: comm.Group) -> float:
     return comm.all_reduce_s(vol, g)
 
 
+def gather_elem_bytes(strat: Strategy) -> float:
+    """Bytes per element of SP's all-gathers into the column-parallel layers: 1 where Float8
+    linears gather their fp8-cast input (``recipe.fp8_tp_gather``), else the activations'."""
+    return 1.0 if strat.fp8 and strat.recipe.fp8_tp_gather else compute.elem_bytes(strat)
+
+
+def sp_copy_s(model: ModelProfile, hw: HardwareProfile, strat: Strategy) -> tuple[float, float, float]:
+    """(after an all-gather into a column-parallel layer, after a 16-bit all-gather, before a
+    reduce-scatter) time of the copy that rearranges the full hidden states (b s h elements,
+    read and written) around one of SP's collectives in a batch-first program
+    (``recipe.sp_copy``), s; zeros where there is none."""
+    copy = strat.recipe.sp_copy
+    if not strat.sequence_parallel or strat.mesh.tp == 1 or copy == SpCopy.NONE:
+        return 0.0, 0.0, 0.0
+    full = strat.tokens(model.seq) * model.hidden
+    scatter = compute.memory_s(2 * full * compute.elem_bytes(strat), hw)
+    if copy == SpCopy.BATCH_FIRST and strat.micro_batch == 1:  # torch's view
+        return 0.0, 0.0, scatter
+    return compute.memory_s(2 * full * gather_elem_bytes(strat), hw), scatter, scatter
+
+
 def block_tp_s(model: ModelProfile, hw: HardwareProfile, strat: Strategy,
                g: comm.Group) -> compute.PassTimes:
     """Exposed tensor-parallel communication of one block per micro-batch, by pass.
 
     Forward: two exchanges (before the column-parallel and after the row-parallel layers of
     attention and MLP); full recompute repeats them, per-op recompute the all-gathers (SP) or
-    the all-reduces. Backward: their two conjugates. With
+    the all-reduces. Backward: their two conjugates. Pipelined with their GEMMs
+    (``recipe.tp_comm_overlap``): ``pipelined_tp_s``. Otherwise, with
     ``tp_overlap`` (Megatron's async communication) the column-parallel layers' all-reduce
     of the input gradient (SP: its reduce-scatter) hides behind their weight-gradient GEMMs.
     With SP two all-gathers per sublayer stay exposed: the conjugate of the forward
     reduce-scatter, and the one that rebuilds the saved input shard for the weight gradient
     (queued before the input-gradient GEMM on Megatron's single connection; Korthikanti et
-    al. Table 4 shows SP saving 0.1 of 11.9 ms of backward).
+    al. Table 4 shows SP saving 0.1 of 11.9 ms of backward). Each SP collective of a
+    batch-first program adds its rearranging copy (``sp_copy_s``).
     """
-    unit = tp_unit_s(model, strat, g)
     if strat.mesh.tp == 1:
         return compute.PassTimes(forward_s=0.0, recompute_s=0.0, backward_s=0.0)
-    bwd = 2 * unit
-    if strat.recipe.tp_overlap:
-        window = compute.wgrad_window_s(model, hw, strat)
-        if strat.sequence_parallel:
-            vol = strat.tokens(model.seq) * model.hidden * compute.elem_bytes(strat)
-            gather = comm.all_gather_s(vol, g)
-            bwd = 4 * gather + comm.exposed_s(2 * unit - 2 * gather, window, hw)
-        else:
-            bwd = comm.exposed_s(bwd, window, hw)
-    fwd = 2 * unit
-    if strat.fp8 and strat.recipe.fp8_tp_gather and strat.sequence_parallel:
-        # The all-gathers feeding the column-parallel Float8 linears move 1-byte elements.
-        vol = strat.tokens(model.seq) * model.hidden * compute.elem_bytes(strat)
-        fwd -= 2 * (comm.all_gather_s(vol, g) - comm.all_gather_s(vol / compute.elem_bytes(strat), g))
     if strat.recipe.tp_comm_overlap:
         fwd, bwd = pipelined_tp_s(model, hw, strat, g)
+    else:
+        unit = tp_unit_s(model, strat, g)
+        bwd = 2 * unit
+        if strat.recipe.tp_overlap:
+            window = compute.wgrad_window_s(model, hw, strat)
+            if strat.sequence_parallel:
+                vol = strat.tokens(model.seq) * model.hidden * compute.elem_bytes(strat)
+                gather = comm.all_gather_s(vol, g)
+                bwd = 4 * gather + comm.exposed_s(2 * unit - 2 * gather, window, hw)
+            else:
+                bwd = comm.exposed_s(bwd, window, hw)
+        fwd = 2 * unit
+        if strat.sequence_parallel:
+            vol = strat.tokens(model.seq) * model.hidden
+            fwd -= 2 * (comm.all_gather_s(vol * compute.elem_bytes(strat), g)
+                        - comm.all_gather_s(vol * gather_elem_bytes(strat), g))
+        into, gather, scatter = sp_copy_s(model, hw, strat)
+        fwd, bwd = fwd + 2 * (into + scatter), bwd + 2 * (gather + scatter)
     mode = strat.recompute_run()
     # Per-op recompute keeps the reduce-scatters' outputs (SP) and repeats the all-gathers, half
     # of the forward's exchanges; without SP it repeats the all-reduces, all of them.
@@ -90,9 +116,7 @@ def pipelined_tp_s(model: ModelProfile, hw: HardwareProfile, strat: Strategy,
     vol = strat.tokens(model.seq) * model.hidden * compute.elem_bytes(strat)
     if strat.sequence_parallel:
         gather, scatter = comm.all_gather_s(vol, g), comm.reduce_scatter_s(vol, g)
-        into = gather
-        if strat.fp8 and strat.recipe.fp8_tp_gather:  # Float8 linears gather 1-byte inputs
-            into = comm.all_gather_s(vol / compute.elem_bytes(strat), g)
+        into = comm.all_gather_s(vol / compute.elem_bytes(strat) * gather_elem_bytes(strat), g)
         fwd_ex, bwd_ex = (into, scatter, into, scatter), (scatter, gather, scatter, gather)
     else:
         reduce = comm.all_reduce_s(vol, g)

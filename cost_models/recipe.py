@@ -93,6 +93,28 @@ class Fp8WeightCast(str, Enum):
     each model chunk's first micro-batch)."""
 
 
+class SpCopy(str, Enum):
+    """Whether sequence parallelism's collectives copy the full hidden states once more
+    (with ``Strategy.sequence_parallel``)."""
+
+    NONE = "none"
+    """No copy: the hidden states are sequence-first, ``[s, b, h]`` (Megatron), so each
+    all-gather and reduce-scatter runs over the outermost dimension, or the collectives are
+    pipelined with their GEMMs and read the shards in place (async TP, userbuffers)."""
+    BATCH_FIRST = "batch_first"
+    """The hidden states are batch-first, ``[b, s, h]``, sharded on the sequence (DTensor's
+    ``Shard(1)``), on torch 2.10 or later: the functional reduce-scatter first rearranges its
+    input so the shards lie along dim 0 (``_chunk_or_narrow_cat``: ``torch.cat``), and the
+    all-gather, whose shards arrive stacked on dim 0, rearranges its output into dim 1
+    (``_maybe_view_chunk_cat``): a copy of the full tensor each, read and written, except
+    the all-gather's where the micro-batch is one sequence, a view there
+    (pytorch/pytorch#169404). Eager and torch.compile'd alike: Inductor emits the copies as
+    ``cat`` kernels (seen in its output code for a compiled DTensor SP block, torch 2.13)."""
+    BATCH_FIRST_BEFORE_2_10 = "batch_first_before_2_10"
+    """Batch-first as above, on torch before 2.10: the all-gather's copy at every micro-batch
+    size too (``torch.cat(torch.chunk(...))``)."""
+
+
 @dataclass(frozen=True, kw_only=True, slots=True)
 class ExecutionRecipe:
     """How a framework runs a strategy: the switches the cost model prices (see module)."""
@@ -160,6 +182,8 @@ class ExecutionRecipe:
     """With sequence parallelism, the all-gather before each column-parallel Float8 linear
     moves the fp8-cast input, 1 byte per element (torchao's ``Float8ColwiseParallel``); the
     backward's reduce-scatters and the row-parallel outputs stay 16-bit."""
+    sp_copy: SpCopy = SpCopy.NONE
+    """Whether SP's collectives copy the full hidden states once more (``SpCopy``)."""
     logits_bytes: float = 4.0
     """Bytes per logit the loss keeps for backward: 4 for Megatron's fp32 logits and for eager
     fp32 cross-entropy (its fp32 log-probabilities), 6 where the 16-bit logits are kept too."""
@@ -255,6 +279,10 @@ def available_recipes() -> list[str]:
     return sorted(p.stem for p in RECIPE_DIR.glob("*.json"))
 
 
+ENUMS = (Attention, DpOverlap, ContextParallel, Fp8WeightCast, SpCopy)
+"""The closed vocabularies a recipe's switches take (JSON strings)."""
+
+
 def recipe_from_dict(data: object, where: str) -> ExecutionRecipe:
     """Build a recipe from parsed JSON; any problem is a ``RecipeError`` naming ``where``."""
     if not isinstance(data, dict):
@@ -270,7 +298,7 @@ def recipe_from_dict(data: object, where: str) -> ExecutionRecipe:
             if value is None:
                 continue
             kind = float
-        if kind in (Attention, DpOverlap, ContextParallel, Fp8WeightCast):
+        if kind in ENUMS:
             if value not in [e.value for e in kind]:
                 raise RecipeError(f"recipe {where} is malformed: {key} must be one of "
                                   f"{', '.join(e.value for e in kind)}, got {_shown(value)}")
@@ -292,10 +320,7 @@ def recipe_from_dict(data: object, where: str) -> ExecutionRecipe:
             raise RecipeError(f"recipe {where} is malformed: notes must map names to strings")
     try:
         kw = dict(data)
-        kw["attention"] = Attention(kw.get("attention"))
-        kw["dp_overlap"] = DpOverlap(kw.get("dp_overlap"))
-        kw["context_parallel"] = ContextParallel(kw.get("context_parallel", ContextParallel.NONE.value))
-        kw["fp8_weight_cast"] = Fp8WeightCast(kw.get("fp8_weight_cast", Fp8WeightCast.EVERY_PASS.value))
+        kw.update({k: hints[k](v) for k, v in kw.items() if hints[k] in ENUMS})
         kw = {k: float(v) if hints[k] in (float, float | None) and v is not None else v for k, v in kw.items()}
         recipe = ExecutionRecipe(**kw)
     except (TypeError, ValueError) as exc:

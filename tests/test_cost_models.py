@@ -6,6 +6,7 @@ import math
 from pathlib import Path
 
 import pytest
+import torch
 
 from cost_models import (Axis, Degrees, ModelProfile, ProfileError, Strategy, estimate, even_stage_layers, load_profile,
                          model_flops_per_step, stage_costs)
@@ -14,7 +15,7 @@ from cost_models.axes import parse_order
 from cost_models.states import STATE_LAYOUTS, state_bytes
 from autopar.profiles import profile_spec
 from autopar.spec import parse_model_spec
-from cost_models.recipe import ContextParallel, load_recipe
+from cost_models.recipe import ContextParallel, SpCopy, load_recipe
 
 MC, M21 = load_recipe("megatron-core"), load_recipe("megatron-2021")
 
@@ -646,7 +647,9 @@ def test_torchtitan_float8_gathers_one_byte_weights_and_inputs():
     g = comm.axis_groups(h100, f8)[Axis.TP]
     on, no = blockcomm.block_tp_s(model, h100, f8, g), blockcomm.block_tp_s(model, h100, off, g)
     vol = f8.tokens(model.seq) * model.hidden * 2
-    assert no.forward_s - on.forward_s == pytest.approx(2 * (comm.all_gather_s(vol, g) - comm.all_gather_s(vol / 2, g)))
+    copies = 2 * (compute.memory_s(2 * vol, h100) - compute.memory_s(vol, h100))  # SP's rearranging copies
+    assert no.forward_s - on.forward_s == pytest.approx(2 * (comm.all_gather_s(vol, g) - comm.all_gather_s(vol / 2, g))
+                                                        + copies)
     assert on.backward_s == no.backward_s
     assert estimate(model, h100, f8, global_batch=8).step_time_s < estimate(model, h100, off, global_batch=8).step_time_s
 
@@ -765,6 +768,39 @@ def test_pipelined_tp_hides_each_exchange_behind_its_own_gemm_only():
             assert bwd >= rs - win_b[0] + ag - win_b[1]
         plain = blockcomm.block_tp_s(model, H100, dataclasses.replace(s, recipe=load_recipe("torchtitan-compile")), g)
         assert plain.forward_s >= fwd and plain.backward_s >= bwd
+
+
+def test_batch_first_sp_copies_the_hidden_states_around_its_collectives():
+    """torch's functional collectives on DTensor SP's batch-first [b, s, h] shards copy the
+    full hidden states once more: the reduce-scatter always (its input rearranged by
+    ``torch.cat``), the all-gather unless the micro-batch is one sequence (a view since torch
+    2.10), and at every micro-batch before. Megatron's sequence-first program and the
+    pipelined (async TP) one copy nothing."""
+    from torch._utils import _chunk_or_narrow_cat, _maybe_view_chunk_cat
+
+    for b, viewed in ((1, True), (3, False)):  # the torch this runs on makes the copies priced
+        gathered = torch.arange(2 * b * 4 * 3.0).reshape(2 * b, 4, 3)
+        out = _maybe_view_chunk_cat(gathered, 2, 1)
+        assert out.shape == (b, 8, 3) and (out.data_ptr() == gathered.data_ptr() and out._base is not None) == viewed
+        scattered = _chunk_or_narrow_cat(out, 2, narrow_dim=1, cat_dim=0)
+        assert scattered.untyped_storage().data_ptr() != out.untyped_storage().data_ptr()
+    model = profile_spec(parse_model_spec("llama3-8b"))
+    titan = load_recipe("torchtitan-compile")
+    assert load_recipe("autopar").sp_copy == SpCopy.BATCH_FIRST
+    assert titan.sp_copy == SpCopy.BATCH_FIRST_BEFORE_2_10
+    assert MC.sp_copy == load_recipe("torchtitan-asynctp").sp_copy == SpCopy.NONE
+    for mb in (1, 12):
+        s = Strategy(recipe=titan, mesh=Degrees(tp=8, dp=8), sequence_parallel=True, micro_batch=mb, recompute="full")
+        g = comm.axis_groups(H100, s)[Axis.TP]
+        copy = compute.memory_s(2 * s.tokens(model.seq) * model.hidden * 2, H100)
+        plain = blockcomm.block_tp_s(model, H100, dataclasses.replace(s, recipe=dataclasses.replace(titan, sp_copy=SpCopy.NONE)), g)
+        for recipe, gathers in ((titan, 2), (dataclasses.replace(titan, sp_copy=SpCopy.BATCH_FIRST), 0 if mb == 1 else 2)):
+            t = blockcomm.block_tp_s(model, H100, dataclasses.replace(s, recipe=recipe), g)
+            assert t.forward_s == pytest.approx(plain.forward_s + (2 + gathers) * copy)
+            assert t.backward_s == pytest.approx(plain.backward_s + (2 + gathers) * copy)
+            assert t.recompute_s == pytest.approx(t.forward_s)
+    no_sp = Strategy(recipe=titan, mesh=Degrees(tp=8, dp=8), micro_batch=12)
+    assert blockcomm.sp_copy_s(model, H100, no_sp) == (0.0, 0.0, 0.0)
 
 
 def test_cp_needs_a_recipe_that_has_it():
