@@ -112,7 +112,9 @@ def pipelined_tp_s(model: ModelProfile, hw: HardwareProfile, strat: Strategy,
     row-parallel one's). An exchange longer than its GEMM shows the difference
     (``comm.exposed_s``, with the overlap penalty on the rest): a narrow GEMM (a small model
     at wide TP) cannot hide its exchange, however long the pass's other GEMMs. Without SP the
-    two all-reduces follow the row-parallel GEMMs (backward: the column-parallel ones)."""
+    two all-reduces follow the row-parallel GEMMs (backward: the column-parallel ones). Where
+    the pipelined reduce-scatter exchanges partial sums and reduces them in a kernel of its
+    own (``recipe.tp_overlap_reduces_partials``), that kernel follows the GEMM, exposed."""
     vol = strat.tokens(model.seq) * model.hidden * compute.elem_bytes(strat)
     if strat.sequence_parallel:
         gather, scatter = comm.all_gather_s(vol, g), comm.reduce_scatter_s(vol, g)
@@ -123,6 +125,12 @@ def pipelined_tp_s(model: ModelProfile, hw: HardwareProfile, strat: Strategy,
         fwd_ex, bwd_ex = (0.0, reduce, 0.0, reduce), (reduce, 0.0, reduce, 0.0)
     fwd = sum(comm.exposed_s(x, w, hw) for x, w in zip(fwd_ex, compute.tp_windows_s(model, hw, strat)))
     bwd = sum(comm.exposed_s(x, w, hw) for x, w in zip(bwd_ex, compute.tp_windows_s(model, hw, strat, True)))
+    if strat.sequence_parallel and strat.recipe.tp_overlap_reduces_partials:
+        # Each reduce-scatter (two per pass) sums the tp stacked partials after its last chunk:
+        # the full b s h partials read, the shard written.
+        full = strat.tokens(model.seq) * model.hidden * compute.elem_bytes(strat)
+        reduce = compute.memory_s(full * (1 + 1 / strat.mesh.tp), hw)
+        fwd, bwd = fwd + 2 * reduce, bwd + 2 * reduce
     return fwd, bwd
 
 

@@ -143,6 +143,12 @@ class ExecutionRecipe:
     the GEMM next to it (Transformer Engine's userbuffers, ``--tp-comm-overlap``; torch's
     async TP): it hides behind that one GEMM, not the pass's others
     (``blockcomm.pipelined_tp_s``)."""
+    tp_overlap_reduces_partials: bool = False
+    """With ``tp_comm_overlap`` and SP, each pipelined reduce-scatter sends every chunk's
+    partial sums to its owner and sums the tp of them in one more kernel after the GEMM
+    (torch's async TP: ``_fused_matmul_reduce_scatter_impl`` returns ``torch.sum`` of the
+    stacked partials), reading the full partials and writing the shard; False: the reduction
+    runs inside the communication kernel (Transformer Engine's userbuffers reduce-scatter)."""
     grad_accum_fusion: bool
     """Weight-gradient GEMMs accumulate straight into the gradient buffer (Megatron's
     ``--gradient-accumulation-fusion``); False: every micro-batch's backward writes a fresh

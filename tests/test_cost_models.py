@@ -749,7 +749,7 @@ def test_pipelined_tp_hides_each_exchange_behind_its_own_gemm_only():
     each exchange hides (only the overlap penalty shows), and pipelining never costs more than
     the same exchanges unpipelined."""
     model = profile_spec(parse_model_spec("llama3-8b"))
-    rec = load_recipe("torchtitan-asynctp")
+    rec = dataclasses.replace(load_recipe("torchtitan-asynctp"), tp_overlap_reduces_partials=False)  # the exchanges only
     for tp, hides in ((8, False), (2, True)):
         s = Strategy(recipe=rec, mesh=Degrees(tp=tp, dp=8), sequence_parallel=True, micro_batch=12, recompute="full")
         g = comm.axis_groups(H100, s)[Axis.TP]
@@ -768,6 +768,23 @@ def test_pipelined_tp_hides_each_exchange_behind_its_own_gemm_only():
             assert bwd >= rs - win_b[0] + ag - win_b[1]
         plain = blockcomm.block_tp_s(model, H100, dataclasses.replace(s, recipe=load_recipe("torchtitan-compile")), g)
         assert plain.forward_s >= fwd and plain.backward_s >= bwd
+
+
+def test_torch_async_tp_sums_the_stacked_partials_after_each_pipelined_reduce_scatter():
+    """torch's fused matmul-reduce-scatter exchanges each chunk's partial sums and returns
+    their sum over the tp ranks: one more kernel after the GEMM that reads the full partials
+    and writes the shard, twice per pass; Transformer Engine's userbuffers reduce inside the
+    communication kernel."""
+    model = profile_spec(parse_model_spec("llama3-8b"))
+    rec = load_recipe("torchtitan-asynctp")
+    assert rec.tp_overlap_reduces_partials and not load_recipe("megatron-core-te").tp_overlap_reduces_partials
+    s = Strategy(recipe=rec, mesh=Degrees(tp=8, dp=8), sequence_parallel=True, micro_batch=12, recompute="full")
+    g = comm.axis_groups(H100, s)[Axis.TP]
+    te_like = dataclasses.replace(s, recipe=dataclasses.replace(rec, tp_overlap_reduces_partials=False))
+    full = s.tokens(model.seq) * model.hidden * 2
+    reduce = compute.memory_s(full * (1 + 1 / 8), H100)
+    (fwd, bwd), (f0, b0) = blockcomm.pipelined_tp_s(model, H100, s, g), blockcomm.pipelined_tp_s(model, H100, te_like, g)
+    assert fwd == pytest.approx(f0 + 2 * reduce) and bwd == pytest.approx(b0 + 2 * reduce)
 
 
 def test_batch_first_sp_copies_the_hidden_states_around_its_collectives():
