@@ -90,7 +90,7 @@ def _guard(fn):
 
 # Shared options (design.md names).
 MODEL = typer.Option(..., "--model", help="Preset (gpt3-175b, llama3-8b, ...) or spec gpt:layers=..,hidden=..,heads=..,vocab=..,seq=..")
-CLUSTER = typer.Option(..., "--cluster", help="Hardware profile name (dgx-a100-80g, dgx-a100-40g, dgx-h100, dgx-h200, dgx-h800, dgx-b200, grand-teton-h100-96g, cpu-local) or path")
+CLUSTER = typer.Option(..., "--cluster", help="Hardware profile name (dgx-a100-80g, dgx-a100-40g, dgx-h100, dgx-h200, dgx-h800, dgx-b200, grand-teton-h100-96g, jean-zay-a100-80g, cpu-local) or path")
 GPUS = typer.Option(..., "--gpus", help="Total number of devices")
 BATCH = typer.Option(..., "--global-batch", help="Sequences per optimizer step")
 SEQ = typer.Option(None, "--seq-len", help="Training sequence length (default: the model's)")

@@ -66,7 +66,7 @@ newly priced feature by construction. ``cp``: NeMo's and Megatron-Bridge's conte
 rows (Llama-3 8B / 70B at CP 2, Llama-3.1 405B at CP 2) check the ring-attention pricing with the
 constants the other rows fit. ``per_op_sac``: torchtitan's per-op selective recompute (``op``),
 recorded by the sources as "selective", checked the same way."""
-FAMILIES = {"A100": ("dgx-a100-80g", "dgx-a100-40g"), "H100": ("dgx-h100",),
+FAMILIES = {"A100": ("dgx-a100-80g", "dgx-a100-40g", "jean-zay-a100-80g"), "H100": ("dgx-h100",),
             "GT": ("grand-teton-h100-96g",)}
 """Profiles sharing one chip: the fitted fractions of peak are common to them. Grand Teton's
 500 W H100 is a family of its own: the H100 die, whose fractions its profile carries over
@@ -354,7 +354,7 @@ def summary(results: list[Result]) -> dict[str, tuple[int, float, float]]:
 
 
 DOCUMENTED = {"dgx-h100": ("flash2", "cudnn"), "grand-teton-h100-96g": ("flash2", "cudnn"),
-              "dgx-a100-80g": ("cudnn",), "dgx-a100-40g": ("cudnn",)}
+              "dgx-a100-80g": ("cudnn",), "dgx-a100-40g": ("cudnn",), "jean-zay-a100-80g": ("cudnn",)}
 """Kernels whose ``attention_efficiency`` a profile takes from documentation or a measurement,
 not from a fit (its notes say which): usable as out-of-sample priors."""
 

@@ -555,7 +555,7 @@ def test_even_stage_layers():
 
 
 BF16_DENSE_PEAK_TFLOPS = {"dgx-a100-80g": 312.0, "dgx-h100": 989.0, "dgx-h200": 989.0,
-                          "grand-teton-h100-96g": 989.0, "dgx-b200": 2250.0}
+                          "grand-teton-h100-96g": 989.0, "dgx-b200": 2250.0, "jean-zay-a100-80g": 312.0}
 """Datasheet dense bf16 peaks (sparsity halved) of the shipped 8-GPU profiles."""
 
 
