@@ -165,11 +165,18 @@ def host_optimizer_s(nbytes: float, hw: HardwareProfile) -> float:
     return nbytes / _host_rate(hw.host_optimizer_gbps, "host_optimizer_gbps", hw) if nbytes else 0.0
 
 
+COLUMN_PARALLEL = (True, False, True, False)
+"""Which of ``block_gemms``' weight GEMMs, in its order, are column-parallel (their input the
+full hidden state, SP's all-gathered one): QKV and the up projection(s) (or a mixture of
+experts' dense rest), not the attention output and the down projection."""
+
+
 def block_gemms(model: ModelProfile, strat: Strategy) -> tuple[list[Gemm], list[Gemm]]:
     """(weight GEMMs, attention-core GEMMs) of one block's forward on one tp rank; for a
     mixture of experts the dense ones only (attention, router, shared experts: what is left
     of the dense FLOPs after attention's projections, as one GEMM of that width), the routed
-    experts' in ``expert_gemms``."""
+    experts' in ``expert_gemms``. The weight GEMMs alternate column- and row-parallel
+    (``COLUMN_PARALLEL``): QKV, attention output, up, down."""
     t, h, f = strat.mesh.tp, model.hidden, model.ffn
     d = h / model.heads
     tokens = strat.tokens(model.seq)
@@ -205,16 +212,17 @@ def _scaled_s(gemms: list[Gemm], flops: float, hw: HardwareProfile, strat: Strat
 
 def fp8_cast_bytes(model: ModelProfile, strat: Strategy) -> tuple[float, float]:
     """(forward, backward) device-memory bytes of one block's Float8 casts per micro-batch on
-    one tp rank: each weight GEMM's input (forward) and output gradient (backward) scaled and
-    cast per element, ``recipe.fp8_cast_bytes`` each (dynamic scaling: read for the amax, read
-    and write one byte), and its weights as often as ``recipe.fp8_weight_cast`` says: in each
+    one tp rank: each weight GEMM's input (forward; a column-parallel one's on the rank's
+    sequence shard where it is cast before SP's gather: ``tp_gathered``) and output gradient
+    (backward) scaled and cast per element, ``recipe.fp8_cast_bytes`` each (dynamic scaling:
+    read for the amax, read and write one byte), and its weights as often as ``recipe.fp8_weight_cast`` says: in each
     pass, in the forward, or once per step (spread over the step's micro-batches). 0 without
     ``fp8``."""
     if not strat.fp8:
         return 0.0, 0.0
     weights, _ = block_gemms(model, strat)
     per = strat.recipe.fp8_cast_bytes
-    ins = sum(g.m * g.k for g in weights)
+    ins = sum(g.m * g.k / (tp_gathered(strat) if column else 1) for g, column in zip(weights, COLUMN_PARALLEL))
     grads = sum(g.m * g.n for g in weights)
     w = (model.dense_block_params + model.expert_params / strat.mesh.ep) / strat.mesh.tp
     w /= fp8_cast_shards(strat)
@@ -224,6 +232,13 @@ def fp8_cast_bytes(model: ModelProfile, strat: Strategy) -> tuple[float, float]:
     if cast == Fp8WeightCast.FORWARD:
         return per * (ins + w), per * grads
     return per * (ins + w / max(1, strat.num_microbatches)), per * grads
+
+
+def tp_gathered(strat: Strategy) -> int:
+    """Ranks a column-parallel Float8 linear's input cast is split over: under SP with
+    ``recipe.fp8_tp_gather`` each tp rank casts its sequence shard before the all-gather
+    (torchao's ``PrepareFloat8ModuleInput``), else every rank casts the whole input."""
+    return strat.mesh.tp if strat.fp8 and strat.sequence_parallel and strat.recipe.fp8_tp_gather else 1
 
 
 def fp8_cast_shards(strat: Strategy) -> int:

@@ -633,17 +633,25 @@ def test_fp8_weights_are_cast_as_often_as_the_program_casts_them():
 
 def test_torchtitan_float8_gathers_one_byte_weights_and_inputs():
     """torchao's Float8 under FSDP casts each rank's shard before the weight all-gather (1 byte
-    per parameter moved, the cast on the shard only) and, under SP, all-gathers the
-    column-parallel inputs in fp8; without the switches both stay 16-bit."""
+    per parameter moved, the cast on the shard only) and, under SP, casts the column-parallel
+    inputs on the rank's sequence shard and all-gathers them in fp8; without the switches
+    all stay 16-bit and every rank casts the whole weight and the gathered input."""
     tt, h100 = load_recipe("torchtitan"), load_profile("dgx-h100")
     plain = dataclasses.replace(tt, fp8_all_gather=False, fp8_tp_gather=False)
     model = gpt(4, 4096, 32, seq=4096)
     f8 = Strategy(mesh=Degrees(dp=8, tp=2), zero=3, sequence_parallel=True, fp8=True, recipe=tt)
     off = dataclasses.replace(f8, recipe=plain)
     assert states.gather_bytes(f8) == 1.0 and states.gather_bytes(off) == 2.0
+    assert compute.tp_gathered(f8) == 2 and compute.tp_gathered(off) == 1
+    assert compute.tp_gathered(dataclasses.replace(f8, sequence_parallel=False)) == 1
+    weights, _ = compute.block_gemms(model, dataclasses.replace(f8, mesh=Degrees(dp=2, tp=8)))
+    for g, column in zip(weights, compute.COLUMN_PARALLEL, strict=True):  # input full, or output full
+        assert (g.k, g.n == model.hidden) == ((model.hidden, False) if column else (g.k, True))
     (f_on, b_on), (f_off, b_off) = compute.fp8_cast_bytes(model, f8), compute.fp8_cast_bytes(model, off)
     w = model.dense_block_params / 2 * tt.fp8_cast_bytes
-    assert f_off - f_on == pytest.approx(w * 7 / 8) and b_off - b_on == pytest.approx(w * 7 / 8)
+    column_inputs = 2 * f8.tokens(model.seq) * model.hidden  # QKV's and the up projection's, full
+    assert f_off - f_on == pytest.approx(w * 7 / 8 + column_inputs / 2 * tt.fp8_cast_bytes)
+    assert b_off - b_on == pytest.approx(w * 7 / 8)
     g = comm.axis_groups(h100, f8)[Axis.TP]
     on, no = blockcomm.block_tp_s(model, h100, f8, g), blockcomm.block_tp_s(model, h100, off, g)
     vol = f8.tokens(model.seq) * model.hidden * 2
