@@ -38,7 +38,7 @@ def tp_unit_s(model: ModelProfile, strat: Strategy, g: comm.Group) -> float:
 def gather_elem_bytes(strat: Strategy) -> float:
     """Bytes per element of SP's all-gathers into the column-parallel layers: 1 where Float8
     linears gather their fp8-cast input (``recipe.fp8_tp_gather``), else the activations'."""
-    return 1.0 if strat.fp8 and strat.recipe.fp8_tp_gather else compute.elem_bytes(strat)
+    return 1.0 if compute.fp8_sp_gather(strat) else compute.elem_bytes(strat)
 
 
 def sp_copy_s(model: ModelProfile, hw: HardwareProfile, strat: Strategy) -> tuple[float, float, float]:

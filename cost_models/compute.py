@@ -215,9 +215,9 @@ def fp8_cast_bytes(model: ModelProfile, strat: Strategy) -> tuple[float, float]:
     one tp rank: each weight GEMM's input (forward; a column-parallel one's on the rank's
     sequence shard where it is cast before SP's gather: ``tp_gathered``) and output gradient
     (backward) scaled and cast per element, ``recipe.fp8_cast_bytes`` each (dynamic scaling:
-    read for the amax, read and write one byte), and its weights as often as ``recipe.fp8_weight_cast`` says: in each
-    pass, in the forward, or once per step (spread over the step's micro-batches). 0 without
-    ``fp8``."""
+    read for the amax, read and write one byte), and its weights as often as
+    ``recipe.fp8_weight_cast`` says: in each pass, in the forward, or once per step (spread
+    over the step's micro-batches). 0 without ``fp8``."""
     if not strat.fp8:
         return 0.0, 0.0
     weights, _ = block_gemms(model, strat)
@@ -238,7 +238,13 @@ def tp_gathered(strat: Strategy) -> int:
     """Ranks a column-parallel Float8 linear's input cast is split over: under SP with
     ``recipe.fp8_tp_gather`` each tp rank casts its sequence shard before the all-gather
     (torchao's ``PrepareFloat8ModuleInput``), else every rank casts the whole input."""
-    return strat.mesh.tp if strat.fp8 and strat.sequence_parallel and strat.recipe.fp8_tp_gather else 1
+    return strat.mesh.tp if fp8_sp_gather(strat) else 1
+
+
+def fp8_sp_gather(strat: Strategy) -> bool:
+    """Whether SP's all-gathers into the column-parallel layers move fp8-cast inputs (Float8
+    linears under ``recipe.fp8_tp_gather``)."""
+    return strat.fp8 and strat.sequence_parallel and strat.recipe.fp8_tp_gather
 
 
 def fp8_cast_shards(strat: Strategy) -> int:
