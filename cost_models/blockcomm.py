@@ -114,23 +114,31 @@ def pipelined_tp_s(model: ModelProfile, hw: HardwareProfile, strat: Strategy,
     at wide TP) cannot hide its exchange, however long the pass's other GEMMs. Without SP the
     two all-reduces follow the row-parallel GEMMs (backward: the column-parallel ones). Where
     the pipelined reduce-scatter exchanges partial sums and reduces them in a kernel of its
-    own (``recipe.tp_overlap_reduces_partials``), that kernel follows the GEMM, exposed."""
+    own (``recipe.tp_overlap_reduces_partials``), that kernel follows the GEMM, exposed. Where
+    the backward's column-parallel reduce-scatters are not pipelined
+    (``recipe.tp_overlap_backward_scatter`` false) they run whole, with their copy."""
     vol = strat.tokens(model.seq) * model.hidden * compute.elem_bytes(strat)
-    if strat.sequence_parallel:
+    sp = strat.sequence_parallel
+    if sp:
         gather, scatter = comm.all_gather_s(vol, g), comm.reduce_scatter_s(vol, g)
         into = comm.all_gather_s(vol / compute.elem_bytes(strat) * gather_elem_bytes(strat), g)
         fwd_ex, bwd_ex = (into, scatter, into, scatter), (scatter, gather, scatter, gather)
     else:
         reduce = comm.all_reduce_s(vol, g)
         fwd_ex, bwd_ex = (0.0, reduce, 0.0, reduce), (reduce, 0.0, reduce, 0.0)
+    piped = (True, True, True, True)
+    if sp and not strat.recipe.tp_overlap_backward_scatter:
+        piped = (False, True, False, True)
     fwd = sum(comm.exposed_s(x, w, hw) for x, w in zip(fwd_ex, compute.tp_windows_s(model, hw, strat)))
-    bwd = sum(comm.exposed_s(x, w, hw) for x, w in zip(bwd_ex, compute.tp_windows_s(model, hw, strat, True)))
-    if strat.sequence_parallel and strat.recipe.tp_overlap_reduces_partials:
-        # Each reduce-scatter (two per pass) sums the tp stacked partials after its last chunk:
-        # the full b s h partials read, the shard written.
-        full = strat.tokens(model.seq) * model.hidden * compute.elem_bytes(strat)
-        reduce = compute.memory_s(full * (1 + 1 / strat.mesh.tp), hw)
-        fwd, bwd = fwd + 2 * reduce, bwd + 2 * reduce
+    bwd = sum(comm.exposed_s(x, w, hw) if p else x
+              for x, w, p in zip(bwd_ex, compute.tp_windows_s(model, hw, strat, True), piped))
+    if sp and not all(piped):
+        bwd += 2 * compute.memory_s(2 * vol, hw)  # each plain reduce-scatter's rearranging copy
+    if sp and strat.recipe.tp_overlap_reduces_partials:
+        # Each pipelined reduce-scatter sums the tp stacked partials after its last chunk: the
+        # full b s h partials read, the shard written.
+        reduce = compute.memory_s(vol * (1 + 1 / strat.mesh.tp), hw)
+        fwd, bwd = fwd + 2 * reduce, bwd + (2 * reduce if piped[0] else 0.0)
     return fwd, bwd
 
 

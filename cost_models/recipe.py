@@ -149,6 +149,14 @@ class ExecutionRecipe:
     (torch's async TP: ``_fused_matmul_reduce_scatter_impl`` returns ``torch.sum`` of the
     stacked partials), reading the full partials and writing the shard; False: the reduction
     runs inside the communication kernel (Transformer Engine's userbuffers reduce-scatter)."""
+    tp_overlap_backward_scatter: bool = True
+    """With ``tp_comm_overlap`` and SP, the backward's reduce-scatters out of the
+    column-parallel layers' input gradients are pipelined too (Transformer Engine: one fused
+    QKV and one fused up projection, each gradient one GEMM). False where each of those
+    gradients is a sum of several GEMMs' (torchtitan's separate wq, wk, wv and w1, w3) and the
+    overlap fuses a reduce-scatter only where one matmul makes its input (torch's
+    micro-pipeline TP pass, ``_find_producer_matmul``): the two run as plain reduce-scatters,
+    exposed, with their rearranging copy (``sp_copy``'s scatter copy)."""
     grad_accum_fusion: bool
     """Weight-gradient GEMMs accumulate straight into the gradient buffer (Megatron's
     ``--gradient-accumulation-fusion``); False: every micro-batch's backward writes a fresh

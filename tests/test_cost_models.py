@@ -660,6 +660,9 @@ def test_torchtitan_float8_gathers_one_byte_weights_and_inputs():
                                                         + copies)
     assert on.backward_s == no.backward_s
     assert estimate(model, h100, f8, global_batch=8).step_time_s < estimate(model, h100, off, global_batch=8).step_time_s
+    # Transformer Engine's norm writes its fp8 output on the sequence shard and SP gathers that.
+    te = dataclasses.replace(f8, recipe=load_recipe("megatron-core-te"))
+    assert compute.fp8_sp_gather(te) and blockcomm.gather_elem_bytes(te) == 1.0 and compute.tp_gathered(te) == 2
 
 
 @pytest.mark.parametrize("name", ["dgx-h100", "cpu-local"])
@@ -782,17 +785,49 @@ def test_torch_async_tp_sums_the_stacked_partials_after_each_pipelined_reduce_sc
     """torch's fused matmul-reduce-scatter exchanges each chunk's partial sums and returns
     their sum over the tp ranks: one more kernel after the GEMM that reads the full partials
     and writes the shard, twice per pass; Transformer Engine's userbuffers reduce inside the
-    communication kernel."""
+    communication kernel. The backward's unfused reduce-scatters (torchtitan) have none."""
     model = profile_spec(parse_model_spec("llama3-8b"))
-    rec = load_recipe("torchtitan-asynctp")
-    assert rec.tp_overlap_reduces_partials and not load_recipe("megatron-core-te").tp_overlap_reduces_partials
-    s = Strategy(recipe=rec, mesh=Degrees(tp=8, dp=8), sequence_parallel=True, micro_batch=12, recompute="full")
-    g = comm.axis_groups(H100, s)[Axis.TP]
-    te_like = dataclasses.replace(s, recipe=dataclasses.replace(rec, tp_overlap_reduces_partials=False))
-    full = s.tokens(model.seq) * model.hidden * 2
+    shipped = load_recipe("torchtitan-asynctp")
+    assert shipped.tp_overlap_reduces_partials and not load_recipe("megatron-core-te").tp_overlap_reduces_partials
+    full = 12 * model.seq * model.hidden * 2
     reduce = compute.memory_s(full * (1 + 1 / 8), H100)
-    (fwd, bwd), (f0, b0) = blockcomm.pipelined_tp_s(model, H100, s, g), blockcomm.pipelined_tp_s(model, H100, te_like, g)
-    assert fwd == pytest.approx(f0 + 2 * reduce) and bwd == pytest.approx(b0 + 2 * reduce)
+    for rec, backward in ((dataclasses.replace(shipped, tp_overlap_backward_scatter=True), 2), (shipped, 0)):
+        s = Strategy(recipe=rec, mesh=Degrees(tp=8, dp=8), sequence_parallel=True, micro_batch=12, recompute="full")
+        g = comm.axis_groups(H100, s)[Axis.TP]
+        te_like = dataclasses.replace(s, recipe=dataclasses.replace(rec, tp_overlap_reduces_partials=False))
+        (fwd, bwd), (f0, b0) = blockcomm.pipelined_tp_s(model, H100, s, g), blockcomm.pipelined_tp_s(model, H100, te_like, g)
+        assert fwd == pytest.approx(f0 + 2 * reduce) and bwd == pytest.approx(b0 + backward * reduce)
+
+
+def test_torch_async_tp_leaves_the_backward_reduce_scatter_of_summed_gradients_unfused():
+    """Inductor's micro-pipeline TP pass fuses a reduce-scatter only where one matmul makes
+    its input (checked on the installed torch). torchtitan's Llama sums its separate q/k/v (and
+    w1/w3) projections' input gradients first, so the backward's two reduce-scatters run
+    plain, whole and with their rearranging copy, while Transformer Engine (one fused QKV, one
+    fused up projection) pipelines them; the forward is the same either way."""
+    from torch._inductor.fx_passes import micro_pipeline_tp
+
+    aten = torch.ops.aten
+    graph = torch.fx.Graph()
+    x, wq, wk = (graph.placeholder(n) for n in ("x", "wq", "wk"))
+    dq, dk = (graph.call_function(aten.mm.default, (x, w)) for w in (wq, wk))
+    summed = graph.call_function(aten.add.Tensor, (dq, dk))
+    assert micro_pipeline_tp._find_producer_matmul(dq) is not None
+    assert micro_pipeline_tp._find_producer_matmul(summed) is None
+    model = profile_spec(parse_model_spec("llama3-8b"))
+    titan = load_recipe("torchtitan-asynctp")
+    assert not titan.tp_overlap_backward_scatter and load_recipe("megatron-core-te").tp_overlap_backward_scatter
+    s = Strategy(recipe=dataclasses.replace(titan, tp_overlap_reduces_partials=False), mesh=Degrees(tp=8, dp=8),
+                 sequence_parallel=True, micro_batch=12, recompute="full")
+    piped = dataclasses.replace(s, recipe=dataclasses.replace(s.recipe, tp_overlap_backward_scatter=True))
+    g = comm.axis_groups(H100, s)[Axis.TP]
+    vol = s.tokens(model.seq) * model.hidden * 2
+    rs, ag = comm.reduce_scatter_s(vol, g), comm.all_gather_s(vol, g)
+    win_b = compute.tp_windows_s(model, H100, s, backward=True)
+    (fwd, bwd), (f1, b1) = blockcomm.pipelined_tp_s(model, H100, s, g), blockcomm.pipelined_tp_s(model, H100, piped, g)
+    gathers = comm.exposed_s(ag, win_b[1], H100) + comm.exposed_s(ag, win_b[3], H100)
+    assert fwd == f1 and bwd == pytest.approx(2 * rs + 2 * compute.memory_s(2 * vol, H100) + gathers)
+    assert b1 < bwd
 
 
 def test_batch_first_sp_copies_the_hidden_states_around_its_collectives():
