@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import statistics
 import sys
@@ -69,6 +70,23 @@ def key(plan: Plan) -> str:
 def spearman(a: list[float], b: list[float]) -> float:
     ra, rb = np.argsort(np.argsort(a)), np.argsort(np.argsort(b))
     return float(np.corrcoef(ra, rb)[0, 1]) if len(a) > 2 else float("nan")
+
+
+def repeatability(runs: list) -> tuple[float, float, float] | None:
+    """How well this machine's measurements agree with themselves, from the rounds of each
+    plan (``summarise``'s fourth element): the median over pairs of rounds of their Spearman
+    correlation across the plans (r), the median over plans of their rounds' spread
+    ((max - min) / median), and the Spearman-Brown ceiling sqrt(k r / (1 + (k - 1) r)): about
+    the correlation an error-free prediction can reach against the median of k rounds. None
+    with one round."""
+    rounds = [[round_s(t) for t in r[3]] for r in runs]
+    k = min(len(x) for x in rounds)
+    if k < 2 or len(rounds) < 3:
+        return None
+    per = [[x[j] for x in rounds] for j in range(k)]
+    r = statistics.median(spearman(per[i], per[j]) for i in range(k) for j in range(i + 1, k))
+    spread = statistics.median((max(x) - min(x)) / statistics.median(x) for x in rounds)
+    return r, spread, math.sqrt(k * r / (1 + (k - 1) * r)) if r > 0 else 0.0
 
 
 def round_s(step_times_s: list[float]) -> float:
@@ -136,6 +154,10 @@ def report(label: str, plans: list[Plan], runs: list, hw: HardwareProfile, model
     print(f"  {label}: {len(plans)} plans; step time |error| mean {statistics.mean(errs):.1%} max {max(errs):.1%}; "
           f"Spearman {spearman([e.step_time_s for e in pred], meas):.3f}; peak memory |error| mean "
           f"{statistics.mean(mem):.1%} max {max(mem):.1%}")
+    again = repeatability(runs)
+    if again is not None:
+        print(f"  the measurements themselves: rounds agree at Spearman {again[0]:.3f} (median over pairs), a plan's "
+              f"rounds spread {again[1]:.1%} (median); ceiling for an error-free model about {again[2]:.2f}")
     if p is not None:
         print(f"  pick: measured rank {order.index(p) + 1} of {len(plans)}, {meas[p] / oracle:.3f} x the oracle; "
               f"plain DDP {meas[by_key[ddp]] / oracle:.3f} x, plain FSDP {meas[by_key[fsdp]] / oracle:.3f} x")

@@ -161,3 +161,26 @@ def test_gpu_profile_counts_each_kernel_once_under_its_operator():
     assert got["gemm"] == pytest.approx(300e-6) and got["attention"] == pytest.approx(100e-6)
     assert got["optimizer"] == pytest.approx(50e-6) and got["gemm_flops"] == 6e9
     assert got["other"] == pytest.approx(20e-6)  # the gelu; the foreach add is the optimizer's
+
+
+def test_plan_quality_reports_how_well_its_rounds_agree():
+    """The benchmark's noise ceiling: rounds that rank the plans alike agree at Spearman 1
+    (an error-free model could reach 1), rounds that rank them in reverse at -1 (ceiling 0),
+    and one round says nothing."""
+    import sys
+    from pathlib import Path
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "benchmarks"))
+    import plan_quality
+
+    pad = [0.0] * plan_quality.WARMUP  # warm-up steps, dropped
+    tail = [0.0] * plan_quality.PROFILED
+
+    def run(*rounds: float) -> tuple:
+        return (0.0, 0.0, None, [pad + [t] + tail for t in rounds])
+
+    alike = [run(1.0, 1.1), run(2.0, 2.2), run(3.0, 3.3)]
+    r, spread, ceiling = plan_quality.repeatability(alike)
+    assert (r, ceiling) == (pytest.approx(1.0), pytest.approx(1.0)) and spread == pytest.approx(0.1 / 1.05)
+    r, _, ceiling = plan_quality.repeatability([run(1.0, 3.0), run(2.0, 2.0), run(3.0, 1.0)])
+    assert r == pytest.approx(-1.0) and ceiling == 0.0
+    assert plan_quality.repeatability([run(1.0), run(2.0), run(3.0)]) is None
