@@ -44,8 +44,9 @@ FLOPs. Causal load balancing (Megatron-Core / Transformer Engine, torch's ``cont
 the sequence cut into 2c chunks, rank r taking chunks r and 2c-1-r) gives every rank the same
 share of the causal work, so the executed fraction stays ``causal_fraction(seq)`` on each. The
 core is always the fused kernel under CP (``Strategy.fused_attention``). The K,V exchange is
-communication (``cost_models.blockcomm.block_cp_s``); torch's CP runs the core as cp kernels
-merged in fp32, element-wise traffic of its own (``cp_merge_bytes``).
+communication (``cost_models.blockcomm.block_cp_s``); the ring programs run the core as cp
+kernels whose outputs are merged and gradients accumulated (torch's in fp32, Transformer
+Engine's in 16 bits), element-wise traffic of its own (``cp_merge_bytes``).
 """
 
 from __future__ import annotations
@@ -343,12 +344,29 @@ def cp_heads(model: ModelProfile, strat: Strategy) -> float:
 
 
 def cp_merge_bytes(model: ModelProfile, strat: Strategy) -> tuple[float, float]:
-    """(forward, backward) element-wise bytes of one block's attention core that torch's
-    context parallelism adds on one rank (``ContextParallel.GATHER_RING``, c = cp kernels per
-    pass; 0 otherwise), counted from ``_templated_ring_attention``/``_backward`` per element
-    of the rank's output O (tokens x heads/tp x d) and of its K (as of V; tokens x
-    ``cp_heads`` x d), as fused kernels move them, times
-    ``recipe.elementwise_traffic``:
+    """(forward, backward) element-wise bytes of one block's attention core that context
+    parallelism adds on one rank (c = cp kernels per pass; 0 without it or under
+    ``ContextParallel.ALL_GATHER``), per element of the rank's output O (tokens x heads/tp x
+    d) and of its K (as of V; tokens x ``cp_heads`` x d), as fused kernels move them, times
+    ``recipe.elementwise_traffic``.
+
+    Transformer Engine's ring (``ContextParallel.RING``: ``AttnFuncWithCPAndKVP2P``,
+    transformer_engine/pytorch/attention.py at v1.8, sbhd/bshd layouts, everything in the
+    activations' 16-bit dtype), averaged over the ranks (a rank r runs r of the c - 1 later
+    kernels on its whole Q and half the peer's K, V, the rest on half its Q and the whole K,
+    V), with r = c - 1:
+
+    - forward: the output zeroed (2 B) and corrected once per kernel (read it and the
+      kernel's, write: 6 B; 3 on a half-Q step): 8 + 5.5 r per O with the half-Q copies; K, V
+      concatenated into the send buffer once (4 B each) and half copied out on the half-K,V
+      steps (r per K);
+    - backward: dQ set by the first kernel (4 B) and accumulated after each later one (6 B, 3
+      on half), Q, O and dO halves copied for the half-Q kernels: 4 + 7.5 r per O; K, V into
+      the buffer (4), their halves copied (r), dK, dV concatenated after each kernel (4, 2 on
+      half) and accumulated (4, then 6, 3 on half): 12 + 8.5 r per K.
+
+    torch's (``ContextParallel.GATHER_RING``), counted from
+    ``_templated_ring_attention``/``_backward``:
 
     - forward: each kernel's output cast to fp32 (6 B), c - 1 merges into the running fp32
       output (read it and the kernel's, write it: 10 B), the result cast back (6 B) per O;
@@ -357,13 +375,16 @@ def cp_merge_bytes(model: ModelProfile, strat: Strategy) -> tuple[float, float]:
       gradient, write: 10 B) and cast back (6 B) per O; dK and dV each accumulated (10 B),
       concatenated for the exchange (8 B) after every kernel and cast back once (6 B), K, V
       concatenated again (4 B each) before the c - 1 later kernels."""
-    c = strat.mesh.cp
-    if c == 1 or strat.recipe.context_parallel != ContextParallel.GATHER_RING:
+    c, method = strat.mesh.cp, strat.recipe.context_parallel
+    if c == 1 or method not in (ContextParallel.GATHER_RING, ContextParallel.RING):
         return 0.0, 0.0
     d = model.hidden / model.heads
     tokens = strat.tokens(model.seq) * strat.recipe.elementwise_traffic
     o = tokens * model.heads / strat.mesh.tp * d
     kv = tokens * cp_heads(model, strat) * d
+    if method == ContextParallel.RING:
+        r = c - 1
+        return o * (8 + 5.5 * r) + 2 * kv * (4 + r), o * (4 + 7.5 * r) + 2 * kv * (12 + 8.5 * r)
     fwd = o * (6 * c + 10 * (c - 1) + 6) + 2 * kv * 4 * (c - 1)
     bwd = o * (10 * c + 6) + 2 * kv * (18 * c + 6 + 4 * (c - 1))
     return fwd, bwd

@@ -746,6 +746,14 @@ def test_torch_cp_exchanges_repeated_heads_and_passes_fp32_gradients_round_the_r
     # Per rank: 1/c of the tokens, about c merges of them each.
     assert merges[0] == (0.0, 0.0) and all(0 < a[0] < b[0] and a[1] > 0 for a, b in zip(merges[1:], merges[2:]))
     assert compute.cp_merge_bytes(model, Strategy(recipe=load_recipe("autopar"), mesh=Degrees(cp=4, dp=2))) == (0.0, 0.0)
+    # Transformer Engine's ring corrects its 16-bit output and accumulates 16-bit gradients once
+    # per kernel too: linear in the kernels, and less per kernel than torch's fp32 merges.
+    te = [tuple(x * c for x in compute.cp_merge_bytes(model, Strategy(recipe=TE, mesh=Degrees(cp=c, dp=8 // c))))
+          for c in (1, 2, 3, 4)]  # per sequence: a rank holds 1/c of its tokens
+    assert te[0] == (0.0, 0.0)
+    for a, b, c in zip(te[1:], te[2:], te[3:]):  # the same bytes per later kernel
+        assert all(y - x == pytest.approx(z - y) for x, y, z in zip(a, b, c))
+    assert all(x / 2 < y for x, y in zip(te[1], merges[1]))
     gather_once = dataclasses.replace(tt, context_parallel=ContextParallel.ALL_GATHER)
     t = [compute.block_times(model, H100, Strategy(recipe=r, mesh=Degrees(cp=4, dp=2))).total_s
          for r in (gather_once, grouped, tt)]
