@@ -41,6 +41,12 @@ def gather_elem_bytes(strat: Strategy) -> float:
     return 1.0 if compute.fp8_sp_gather(strat) else compute.elem_bytes(strat)
 
 
+def scatter_copy_s(model: ModelProfile, hw: HardwareProfile, strat: Strategy) -> float:
+    """The copy that rearranges a batch-first program's full hidden states (b s h elements,
+    read and written) before an unpipelined reduce-scatter of SP, s."""
+    return compute.memory_s(2 * strat.tokens(model.seq) * model.hidden * compute.elem_bytes(strat), hw)
+
+
 def sp_copy_s(model: ModelProfile, hw: HardwareProfile, strat: Strategy) -> tuple[float, float, float]:
     """(after an all-gather into a column-parallel layer, after a 16-bit all-gather, before a
     reduce-scatter) time of the copy that rearranges the full hidden states (b s h elements,
@@ -49,10 +55,10 @@ def sp_copy_s(model: ModelProfile, hw: HardwareProfile, strat: Strategy) -> tupl
     copy = strat.recipe.sp_copy
     if not strat.sequence_parallel or strat.mesh.tp == 1 or copy == SpCopy.NONE:
         return 0.0, 0.0, 0.0
-    full = strat.tokens(model.seq) * model.hidden
-    scatter = compute.memory_s(2 * full * compute.elem_bytes(strat), hw)
+    scatter = scatter_copy_s(model, hw, strat)
     if copy == SpCopy.BATCH_FIRST and strat.micro_batch == 1:  # torch's view
         return 0.0, 0.0, scatter
+    full = strat.tokens(model.seq) * model.hidden
     return compute.memory_s(2 * full * gather_elem_bytes(strat), hw), scatter, scatter
 
 
@@ -133,7 +139,7 @@ def pipelined_tp_s(model: ModelProfile, hw: HardwareProfile, strat: Strategy,
     bwd = sum(comm.exposed_s(x, w, hw) if p else x
               for x, w, p in zip(bwd_ex, compute.tp_windows_s(model, hw, strat, True), piped))
     if sp and not all(piped):
-        bwd += 2 * compute.memory_s(2 * vol, hw)  # each plain reduce-scatter's rearranging copy
+        bwd += 2 * scatter_copy_s(model, hw, strat)
     if sp and strat.recipe.tp_overlap_reduces_partials:
         # Each pipelined reduce-scatter sums the tp stacked partials after its last chunk: the
         # full b s h partials read, the shard written.
