@@ -36,8 +36,9 @@ def tp_unit_s(model: ModelProfile, strat: Strategy, g: comm.Group) -> float:
 
 
 def gather_elem_bytes(strat: Strategy) -> float:
-    """Bytes per element of SP's all-gathers into the column-parallel layers: 1 where Float8
-    linears gather their fp8-cast input (``recipe.fp8_tp_gather``), else the activations'."""
+    """Bytes per element of SP's all-gathers: 1 where Float8 linears gather fp8 casts
+    (``recipe.fp8_tp_gather``: the column-parallel layers' inputs in the forward, the
+    row-parallel layers' output gradients in the backward), else the activations'."""
     return 1.0 if compute.fp8_sp_gather(strat) else compute.elem_bytes(strat)
 
 
@@ -47,19 +48,18 @@ def scatter_copy_s(model: ModelProfile, hw: HardwareProfile, strat: Strategy) ->
     return compute.memory_s(2 * strat.tokens(model.seq) * model.hidden * compute.elem_bytes(strat), hw)
 
 
-def sp_copy_s(model: ModelProfile, hw: HardwareProfile, strat: Strategy) -> tuple[float, float, float]:
-    """(after an all-gather into a column-parallel layer, after a 16-bit all-gather, before a
-    reduce-scatter) time of the copy that rearranges the full hidden states (b s h elements,
-    read and written) around one of SP's collectives in a batch-first program
-    (``recipe.sp_copy``), s; zeros where there is none."""
+def sp_copy_s(model: ModelProfile, hw: HardwareProfile, strat: Strategy) -> tuple[float, float]:
+    """(after an all-gather, before a reduce-scatter) time of the copy that rearranges the
+    full hidden states (b s h elements, read and written) around one of SP's collectives in a
+    batch-first program (``recipe.sp_copy``), s; zeros where there is none."""
     copy = strat.recipe.sp_copy
     if not strat.sequence_parallel or strat.mesh.tp == 1 or copy == SpCopy.NONE:
-        return 0.0, 0.0, 0.0
+        return 0.0, 0.0
     scatter = scatter_copy_s(model, hw, strat)
     if copy == SpCopy.BATCH_FIRST and strat.micro_batch == 1:  # torch's view
-        return 0.0, 0.0, scatter
+        return 0.0, scatter
     full = strat.tokens(model.seq) * model.hidden
-    return compute.memory_s(2 * full * gather_elem_bytes(strat), hw), scatter, scatter
+    return compute.memory_s(2 * full * gather_elem_bytes(strat), hw), scatter
 
 
 def block_tp_s(model: ModelProfile, hw: HardwareProfile, strat: Strategy,
@@ -94,12 +94,13 @@ def block_tp_s(model: ModelProfile, hw: HardwareProfile, strat: Strategy,
             else:
                 bwd = comm.exposed_s(bwd, window, hw)
         fwd = 2 * unit
-        if strat.sequence_parallel:
+        if strat.sequence_parallel:  # two all-gathers a pass are fp8 under Float8's gather
             vol = strat.tokens(model.seq) * model.hidden
-            fwd -= 2 * (comm.all_gather_s(vol * compute.elem_bytes(strat), g)
-                        - comm.all_gather_s(vol * gather_elem_bytes(strat), g))
-        into, gather, scatter = sp_copy_s(model, hw, strat)
-        fwd, bwd = fwd + 2 * (into + scatter), bwd + 2 * (gather + scatter)
+            low = 2 * (comm.all_gather_s(vol * compute.elem_bytes(strat), g)
+                       - comm.all_gather_s(vol * gather_elem_bytes(strat), g))
+            fwd, bwd = fwd - low, bwd - low
+        gather, scatter = sp_copy_s(model, hw, strat)
+        fwd, bwd = fwd + 2 * (gather + scatter), bwd + 2 * (gather + scatter)
     mode = strat.recompute_run()
     # Per-op recompute keeps the reduce-scatters' outputs (SP) and repeats the all-gathers, half
     # of the forward's exchanges; without SP it repeats the all-reduces, all of them.
@@ -126,9 +127,9 @@ def pipelined_tp_s(model: ModelProfile, hw: HardwareProfile, strat: Strategy,
     vol = strat.tokens(model.seq) * model.hidden * compute.elem_bytes(strat)
     sp = strat.sequence_parallel
     if sp:
-        gather, scatter = comm.all_gather_s(vol, g), comm.reduce_scatter_s(vol, g)
+        scatter = comm.reduce_scatter_s(vol, g)
         into = comm.all_gather_s(vol / compute.elem_bytes(strat) * gather_elem_bytes(strat), g)
-        fwd_ex, bwd_ex = (into, scatter, into, scatter), (scatter, gather, scatter, gather)
+        fwd_ex, bwd_ex = (into, scatter, into, scatter), (scatter, into, scatter, into)
     else:
         reduce = comm.all_reduce_s(vol, g)
         fwd_ex, bwd_ex = (0.0, reduce, 0.0, reduce), (reduce, 0.0, reduce, 0.0)

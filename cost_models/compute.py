@@ -213,9 +213,9 @@ def _scaled_s(gemms: list[Gemm], flops: float, hw: HardwareProfile, strat: Strat
 
 def fp8_cast_bytes(model: ModelProfile, strat: Strategy) -> tuple[float, float]:
     """(forward, backward) device-memory bytes of one block's Float8 casts per micro-batch on
-    one tp rank: each weight GEMM's input (forward; a column-parallel one's on the rank's
-    sequence shard where it is cast before SP's gather: ``tp_gathered``) and output gradient
-    (backward) scaled and cast per element, ``recipe.fp8_cast_bytes`` each (dynamic scaling:
+    one tp rank: each weight GEMM's input (forward) and output gradient (backward) scaled and
+    cast per element, on the rank's sequence shard where the cast comes before SP's all-gather
+    (``tp_gathered``: a column-parallel layer's input, a row-parallel one's output gradient), ``recipe.fp8_cast_bytes`` each (dynamic scaling:
     read for the amax, read and write one byte), and its weights as often as
     ``recipe.fp8_weight_cast`` says: in each pass, in the forward, or once per step (spread
     over the step's micro-batches). 0 without ``fp8``."""
@@ -224,7 +224,7 @@ def fp8_cast_bytes(model: ModelProfile, strat: Strategy) -> tuple[float, float]:
     weights, _ = block_gemms(model, strat)
     per = strat.recipe.fp8_cast_bytes
     ins = sum(g.m * g.k / (tp_gathered(strat) if column else 1) for g, column in zip(weights, COLUMN_PARALLEL))
-    grads = sum(g.m * g.n for g in weights)
+    grads = sum(g.m * g.n / (1 if column else tp_gathered(strat)) for g, column in zip(weights, COLUMN_PARALLEL))
     w = (model.dense_block_params + model.expert_params / strat.mesh.ep) / strat.mesh.tp
     w /= fp8_cast_shards(strat)
     cast = strat.recipe.fp8_weight_cast
@@ -236,9 +236,12 @@ def fp8_cast_bytes(model: ModelProfile, strat: Strategy) -> tuple[float, float]:
 
 
 def tp_gathered(strat: Strategy) -> int:
-    """Ranks a column-parallel Float8 linear's input cast is split over: under SP with
-    ``recipe.fp8_tp_gather`` each tp rank casts its sequence shard before the all-gather
-    (torchao's ``PrepareFloat8ModuleInput``), else every rank casts the whole input."""
+    """Ranks a Float8 cast that SP all-gathers is split over: under SP with
+    ``recipe.fp8_tp_gather`` each tp rank casts its sequence shard before the all-gather (a
+    column-parallel input: torchao's ``PrepareFloat8ModuleInput``, Transformer Engine's
+    quantizing norm; a row-parallel output gradient in the backward: torchao's
+    ``Float8RowwiseParallel`` casts it before its redistribute, Transformer Engine's
+    ``grad_output_preprocess``), else every rank casts the whole tensor."""
     return strat.mesh.tp if fp8_sp_gather(strat) else 1
 
 

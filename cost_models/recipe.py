@@ -193,9 +193,12 @@ class ExecutionRecipe:
     shard only (torchao's ``enable_fsdp_float8_all_gather`` with
     ``precompute_float8_dynamic_scale_for_fsdp``: one amax all-reduce per step)."""
     fp8_tp_gather: bool = False
-    """With sequence parallelism, the all-gather before each column-parallel Float8 linear
-    moves the fp8-cast input, 1 byte per element (torchao's ``Float8ColwiseParallel``); the
-    backward's reduce-scatters and the row-parallel outputs stay 16-bit."""
+    """With sequence parallelism, SP's all-gathers move fp8 casts made on the sequence shard,
+    1 byte per element: the column-parallel inputs in the forward (torchao's
+    ``PrepareFloat8ModuleInput``, Transformer Engine's quantizing norm) and the row-parallel
+    layers' output gradients in the backward (torchao's ``Float8RowwiseParallel`` casts them
+    before the redistribute, TE's ``grad_output_preprocess`` before its gather); the
+    reduce-scatters, forward and backward, stay 16-bit."""
     sp_copy: SpCopy = SpCopy.NONE
     """Whether SP's collectives copy the full hidden states once more (``SpCopy``)."""
     logits_bytes: float = 4.0
