@@ -420,7 +420,9 @@ def test_long_sequences_get_cp_where_the_program_has_it():
     model = gpt_profile(layers=8, hidden=2048, heads=16, vocab=32000, seq=32768)
     hw = load_profile("dgx-h100")
     mc = load_recipe("megatron-core-te")
-    sol = search(model, hw, 16, 4, "bf16", Pins(recipe=mc))
+    # Two sequences on 16 GPUs: data parallelism alone cannot spread them. (At four, TP 4 x DP 4
+    # prices 1.7 % faster than CP 2 x TP 2 x DP 4 once Transformer Engine's ring merges count.)
+    sol = search(model, hw, 16, 2, "bf16", Pins(recipe=mc))
     assert sol.optimal and sol.strategy.mesh.cp > 1 and sol.estimate.fits
     order = sol.strategy.axis_order
     assert Axis.CP in order and model.seq % (2 * sol.strategy.mesh.cp) == 0
