@@ -215,16 +215,18 @@ def fp8_cast_bytes(model: ModelProfile, strat: Strategy) -> tuple[float, float]:
     """(forward, backward) device-memory bytes of one block's Float8 casts per micro-batch on
     one tp rank: each weight GEMM's input (forward) and output gradient (backward) scaled and
     cast per element, on the rank's sequence shard where the cast comes before SP's all-gather
-    (``tp_gathered``: a column-parallel layer's input, a row-parallel one's output gradient), ``recipe.fp8_cast_bytes`` each (dynamic scaling:
-    read for the amax, read and write one byte), and its weights as often as
+    (``tp_gathered``: a column-parallel layer's input, a row-parallel one's output gradient),
+    ``recipe.fp8_cast_bytes`` each (dynamic scaling: read for the amax, read and write one
+    byte), and its weights as often as
     ``recipe.fp8_weight_cast`` says: in each pass, in the forward, or once per step (spread
     over the step's micro-batches). 0 without ``fp8``."""
     if not strat.fp8:
         return 0.0, 0.0
     weights, _ = block_gemms(model, strat)
     per = strat.recipe.fp8_cast_bytes
-    ins = sum(g.m * g.k / (tp_gathered(strat) if column else 1) for g, column in zip(weights, COLUMN_PARALLEL))
-    grads = sum(g.m * g.n / (1 if column else tp_gathered(strat)) for g, column in zip(weights, COLUMN_PARALLEL))
+    split = tp_gathered(strat)
+    ins = sum(g.m * g.k / (split if column else 1) for g, column in zip(weights, COLUMN_PARALLEL))
+    grads = sum(g.m * g.n / (1 if column else split) for g, column in zip(weights, COLUMN_PARALLEL))
     w = (model.dense_block_params + model.expert_params / strat.mesh.ep) / strat.mesh.tp
     w /= fp8_cast_shards(strat)
     cast = strat.recipe.fp8_weight_cast
@@ -246,8 +248,9 @@ def tp_gathered(strat: Strategy) -> int:
 
 
 def fp8_sp_gather(strat: Strategy) -> bool:
-    """Whether SP's all-gathers into the column-parallel layers move fp8-cast inputs (Float8
-    linears under ``recipe.fp8_tp_gather``)."""
+    """Whether SP's all-gathers move fp8 casts (Float8 linears under ``recipe.fp8_tp_gather``):
+    the column-parallel inputs in the forward, the row-parallel output gradients in the
+    backward."""
     return strat.fp8 and strat.sequence_parallel and strat.recipe.fp8_tp_gather
 
 
