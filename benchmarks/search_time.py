@@ -64,12 +64,16 @@ TABLE1 = [("megatron-1.7b", 1, 1, 32, 512), ("megatron-3.6b", 2, 1, 64, 512),
 def plan_process(model: str, cluster: str, gpus: int, batch: int, seq: int | None,
                  time_limit: float) -> tuple[float, dict]:
     """Wall time of one whole ``autopar plan --json`` process, and its JSON (``$AUTOPAR_CACHE``
-as the caller set it)."""
+    as the caller set it). The process reads and writes compiled bytecode as installed Python
+    does (pip compiles a wheel's modules; an editable install's first run writes its
+    ``__pycache__``): where ``PYTHONDONTWRITEBYTECODE`` is set, as in some sandboxes, every
+    process would compile autopar's ~50 modules again, 0.15 s a user does not wait for."""
     cmd = [sys.executable, "-m", "autopar.cli", "plan", "--model", model, "--cluster", cluster,
            "--gpus", str(gpus), "--global-batch", str(batch), "--time-limit", str(time_limit), "--json"]
     if seq is not None:
         cmd += ["--seq-len", str(seq)]
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])))
+    env.pop("PYTHONDONTWRITEBYTECODE", None)
     t = time.perf_counter()
     out = subprocess.run(cmd, capture_output=True, text=True, check=True, cwd=ROOT, env=env)
     return time.perf_counter() - t, json.loads(out.stdout)

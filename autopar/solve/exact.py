@@ -30,7 +30,7 @@ import numpy as np
 
 from cost_models import StageCosts
 from cost_models.strategy import RECOMPUTE
-from autopar.solve.tables import SLACK, StageTables, least_feasible, least_total, stage_caps
+from autopar.solve.tables import SLACK, StageTables, least_feasible, least_total, sorted_unique, stage_caps
 
 BUDGET = 1000
 """Most convolutions one scan may evaluate before it gives up (each well under a millisecond
@@ -143,8 +143,8 @@ def least_step(c: StageCosts, tabs: StageTables, modes: tuple[int, ...], cap: fl
     fronts = [keys[key] for key in stage_keys]
     size = max(upper) + 1
     fixed = sum(f.fixed_t for f in fronts)
-    times = np.unique(np.concatenate([f.time + f.fixed_t for f in fronts]))
-    tails = np.unique(np.concatenate([f.dp + f.fixed_d for f in fronts]))
+    times = sorted_unique(np.concatenate([f.time + f.fixed_t for f in fronts]))
+    tails = sorted_unique(np.concatenate([f.dp + f.fixed_d for f in fronts]))
     times = times[times >= tau - abs(tau) * 1e-12]  # τ* was summed in another float order
     if c.max_weight <= 0:  # the slowest stage costs nothing of its own: let it be as slow as any
         times = times[-1:]

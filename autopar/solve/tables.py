@@ -52,87 +52,105 @@ class StageTables:
 
 
 def _two_modes(total: np.ndarray, room: np.ndarray, a: int, b: int, c: StageCosts,
-               per: list[float]) -> tuple[np.ndarray, np.ndarray, int, int]:
-    """Fastest split of ``total`` blocks over modes a, b within ``room`` bytes:
-    (time, blocks in the faster mode, faster mode, other mode)."""
-    t = c.mode_time_s
-    if t[a] > t[b] or (t[a] == t[b] and per[a] > per[b]):
-        a, b = b, a
+               per: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+    """Fastest split of ``total`` blocks over modes a, b within ``room`` bytes, per stage
+    (axis 0; ``per[u, r]``: block bytes): (time, blocks in the faster mode, faster mode per
+    stage, other mode per stage)."""
+    t = np.asarray(c.mode_time_s, dtype=float)
+    swap = (t[a] > t[b]) | ((t[a] == t[b]) & (per[:, a] > per[:, b]))
+    fast, slow = np.where(swap, b, a), np.where(swap, a, b)
+    rows = np.arange(len(per))
+    pa, pb = per[rows, fast][:, None, None], per[rows, slow][:, None, None]
+    ta, tb = t[fast][:, None, None], t[slow][:, None, None]
     tol = SLACK * np.abs(room) + 1.0
-    if per[a] <= per[b]:
-        n_a = total.astype(float)
-        ok = total * per[a] <= room + tol
-    else:
-        n_a = np.floor((room + tol - total * per[b]) / (per[a] - per[b]))
-        ok = n_a >= 0
-        n_a = np.clip(n_a, 0, total)
-    time = n_a * t[a] + (total - n_a) * t[b]
-    return np.where(ok, time, np.inf), n_a.astype(np.int64), a, b
+    lighter = pa <= pb  # the faster mode is no heavier: every block in it, if they all fit
+    with np.errstate(divide="ignore", invalid="ignore"):
+        n_b = np.floor((room + tol - total * pb) / (pa - pb))
+    n_a = np.where(lighter, total.astype(float), np.clip(n_b, 0, total))
+    ok = np.where(lighter, total * pa <= room + tol, n_b >= 0)
+    time = n_a * ta + (total - n_a) * tb
+    return np.where(ok, time, np.inf), n_a.astype(np.int64), fast, slow
+
+
+def _raw_tables(c: StageCosts, stages: list[int], modes: tuple[int, ...], cap: float,
+                uppers: list[int]) -> list[tuple[np.ndarray, np.ndarray]]:
+    """(g_s(N), argmin mix) for N = 0 … upper, for each of ``stages`` at once (raw, not yet
+    made monotone): every stage's arrays in one pass of numpy calls per mode subset."""
+    per = np.array([[c.block_bytes(s, r) for r in range(len(RECOMPUTE))] for s in stages],
+                   dtype=float)
+    base = np.array([cap - c.stage_fixed_bytes(s) for s in stages], dtype=float)
+    size = max(max(uppers), 0) + 1
+    u, n = np.arange(len(stages)), np.arange(size)
+    best = np.full((len(stages), size), np.inf)
+    mix = np.zeros((len(stages), size, len(RECOMPUTE)), dtype=np.int64)
+    best[base >= 0, 0] = 0.0  # an empty stage uses no recompute workspace
+    for width in (1, 2, 3):
+        for subset in combinations(modes, width):
+            room = base - max(c.mode_workspace_bytes[r] for r in subset)
+            skip = room < -SLACK * np.abs(base)
+            if skip.all():
+                continue
+            counts = np.zeros((len(stages), size, len(RECOMPUTE)), dtype=np.int64)
+            if width == 1:
+                r = subset[0]
+                room1 = room[:, None]
+                ok = n * per[:, r:r + 1] <= room1 + SLACK * np.abs(room1) + 1.0
+                time = np.where(ok, n * c.mode_time_s[r], np.inf)
+                counts[:, :, r] = n
+            else:
+                z, (a, b) = (subset[2], subset[:2]) if width == 3 else (None, subset)
+                # axes: stage, N, blocks in mode z (0 when two modes)
+                nz = np.arange(size)[None, None, :] if z is not None else np.zeros((1, 1, 1), np.int64)
+                rest = n[None, :, None] - nz
+                left = room[:, None, None] - (nz * per[:, z][:, None, None] if z is not None else 0.0)
+                total = np.maximum(rest, 0)
+                t2, n_a, fa, fb = _two_modes(total, np.broadcast_to(left, (len(stages),) + rest.shape[1:]),
+                                             a, b, c, per)
+                t2 = np.where(rest >= 0, t2 + (nz * c.mode_time_s[z] if z is not None else 0.0),
+                              np.inf)
+                j = np.argmin(t2, axis=2)[:, :, None]
+                time = np.take_along_axis(t2, j, axis=2)[:, :, 0]
+                in_a = np.take_along_axis(n_a, j, axis=2)[:, :, 0]
+                counts[u[:, None], n[None, :], fa[:, None]] = in_a
+                counts[u[:, None], n[None, :], fb[:, None]] = \
+                    np.take_along_axis(np.broadcast_to(total, t2.shape), j, axis=2)[:, :, 0] - in_a
+                if z is not None:
+                    counts[:, :, z] = j[:, :, 0]
+            time = np.where(skip[:, None], np.inf, time)
+            better = time < best
+            best = np.where(better, time, best)
+            mix[better] = counts[better]
+    return [(best[i, :max(up, 0) + 1], mix[i, :max(up, 0) + 1]) for i, up in enumerate(uppers)]
 
 
 def stage_table(c: StageCosts, s: int, modes: tuple[int, ...], cap: float,
                 upper: int) -> tuple[np.ndarray, np.ndarray]:
     """(g_s(N), argmin mix) for N = 0 … upper (raw, not yet made monotone)."""
-    per = [c.block_bytes(s, r) for r in range(len(RECOMPUTE))]
-    base = cap - c.stage_fixed_bytes(s)
-    size = max(upper, 0) + 1
-    best = np.full(size, np.inf)
-    mix = np.zeros((size, len(RECOMPUTE)), dtype=np.int64)
-    n = np.arange(size)
-    if base >= 0:  # an empty stage uses no recompute workspace
-        best[0] = 0.0
-    for width in (1, 2, 3):
-        for subset in combinations(modes, width):
-            room = base - max(c.mode_workspace_bytes[r] for r in subset)
-            if room < -SLACK * abs(base):
-                continue
-            if width == 1:
-                r = subset[0]
-                ok = n * per[r] <= room + SLACK * abs(room) + 1.0
-                time = np.where(ok, n * c.mode_time_s[r], np.inf)
-                counts = np.zeros((size, len(RECOMPUTE)), dtype=np.int64)
-                counts[:, r] = n
-            else:
-                z, (a, b) = (subset[2], subset[:2]) if width == 3 else (None, subset)
-                # rows: N, columns: blocks in mode z (0 when two modes)
-                nz = np.arange(size)[None, :] if z is not None else np.zeros((1, 1), np.int64)
-                rest = n[:, None] - nz
-                left = room - (nz * per[z] if z is not None else 0.0)
-                t2, n_a, fa, fb = _two_modes(np.maximum(rest, 0), np.broadcast_to(left, rest.shape),
-                                             a, b, c, per)
-                t2 = np.where(rest >= 0, t2 + (nz * c.mode_time_s[z] if z is not None else 0.0),
-                              np.inf)
-                j = np.argmin(t2, axis=1)
-                time = t2[n, j]
-                counts = np.zeros((size, len(RECOMPUTE)), dtype=np.int64)
-                counts[:, fa] = n_a[n, j]
-                counts[:, fb] = np.maximum(rest, 0)[n, j] - n_a[n, j]
-                if z is not None:
-                    counts[:, z] = j
-            better = time < best
-            best = np.where(better, time, best)
-            mix[better] = counts[better]
-    return best, mix
+    return _raw_tables(c, [s], modes, cap, [upper])[0]
 
 
 def stage_tables(c: StageCosts, modes: tuple[int, ...], cap: float,
                  upper: list[int]) -> StageTables:
-    times, mixes, seen = [], [], {}
-    for s in range(c.pp):
-        # stages alike in memory (in-flight micro-batches, fixed bytes, bound) share a table
-        key = (c.memory_key(s), upper[s])
-        if key not in seen:
-            g, mix = stage_table(c, s, modes, cap, upper[s])
-            seen[key] = (np.minimum.accumulate(g[::-1])[::-1], mix)
-        times.append(seen[key][0])
-        mixes.append(seen[key][1])
-    return StageTables(time=tuple(times), mix=tuple(mixes),
+    # stages alike in memory (in-flight micro-batches, fixed bytes, bound) share a table
+    keys = [(c.memory_key(s), upper[s]) for s in range(c.pp)]
+    first = {k: s for s, k in reversed(list(enumerate(keys)))}
+    reps = sorted(first.values())
+    raw = dict(zip(reps, _raw_tables(c, reps, modes, cap, [upper[s] for s in reps])))
+    built = {k: (np.minimum.accumulate(raw[s][0][::-1])[::-1], raw[s][1]) for k, s in first.items()}
+    return StageTables(time=tuple(built[k][0] for k in keys), mix=tuple(built[k][1] for k in keys),
                        fixed=tuple(c.stage_time_s(s, 0) for s in range(c.pp)))
 
 
 def stage_caps(t: StageTables, tau: float) -> list[int]:
     """N_s^max(τ): the most blocks stage s runs within τ (-1 if not even none)."""
     return [int(np.searchsorted(g + f, tau, side="right")) - 1 for g, f in zip(t.time, t.fixed)]
+
+
+def sorted_unique(values: np.ndarray) -> np.ndarray:
+    """The distinct values, ascending (``np.unique`` without the ``numpy.ma`` import its
+    first call costs a fresh ``autopar plan`` process, 10 ms)."""
+    v = np.sort(values, axis=None)
+    return v[np.concatenate(([True], v[1:] != v[:-1]))] if v.size else v
 
 
 def least_feasible(values: np.ndarray, ok: Callable[[float], bool]) -> float:
@@ -156,7 +174,7 @@ def bottleneck(t: StageTables, layers: int, min_layers: int) -> float:
     stacked = np.full((len(t.time), size), np.inf)  # T_s per N, padded with inf
     for s, (g, f) in enumerate(zip(t.time, t.fixed)):
         stacked[s, :len(g)] = g + f
-    values = np.unique(stacked[np.isfinite(stacked)])
+    values = sorted_unique(stacked[np.isfinite(stacked)])
 
     def ok(tau: float) -> bool:
         # N_s^max(τ) = (entries ≤ τ) - 1: each row is non-decreasing, as in ``stage_caps``
@@ -230,7 +248,7 @@ def single_mode_least_step(c: StageCosts, t: StageTables, layers: int, min_layer
     last = np.zeros((pp, 1))
     first[0, 0], last[-1, 0] = c.first_dp_time_s, c.last_dp_time_s
     tails = (n[None, :] * c.mode_dp_time_s[mode] + first) + last  # D_s per block count
-    deltas = np.unique(tails)
+    deltas = sorted_unique(tails)
 
     def least_tail(caps: np.ndarray) -> float:
         def ok(delta: float) -> bool:
@@ -238,7 +256,7 @@ def single_mode_least_step(c: StageCosts, t: StageTables, layers: int, min_layer
             return bool(most.min() >= min_layers and most.sum() >= layers)
         return least_feasible(deltas, ok)
 
-    values = np.unique(times[np.isfinite(times)])
+    values = sorted_unique(times[np.isfinite(times)])
     values = values[values >= tau]
     if not np.isfinite(tau) or values.size == 0:
         return float("inf")
