@@ -67,7 +67,7 @@ def plan_process(model: str, cluster: str, gpus: int, batch: int, seq: int | Non
     as the caller set it). The process reads and writes compiled bytecode as installed Python
     does (pip compiles a wheel's modules; an editable install's first run writes its
     ``__pycache__``): where ``PYTHONDONTWRITEBYTECODE`` is set, as in some sandboxes, every
-    process would compile autopar's ~50 modules again, 0.15 s a user does not wait for."""
+    process would compile autopar's ~50 modules again, about 0.1 s a user does not wait for."""
     cmd = [sys.executable, "-m", "autopar.cli", "plan", "--model", model, "--cluster", cluster,
            "--gpus", str(gpus), "--global-batch", str(batch), "--time-limit", str(time_limit), "--json"]
     if seq is not None:
