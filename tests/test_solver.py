@@ -149,6 +149,31 @@ def test_cp_sat_with_table_cuts_is_optimal_without_the_greedy_shortcut(monkeypat
         checked += 1
 
 
+def test_roomy_stages_are_placed_in_their_fastest_mode_without_cp_sat(monkeypatch):
+    """96 blocks over 4 stages with room for 41 a stage without recompute and 96 with full:
+    memory cuts off only loads no optimum wants, so the fastest mode alone places the
+    candidate (``search._alone``), proven optimal without CP-SAT, at the step CP-SAT proves
+    when that shortcut is off."""
+    import importlib
+    from autopar.profiles import profile_spec
+    from autopar.workflow import read_job
+    searching = importlib.import_module("autopar.solve.search")
+    job = read_job("gpt:layers=8,hidden=4096,heads=32,vocab=32000,seq=2048", "dgx-a100-80g", 1024, 1024)
+    model = dataclasses.replace(profile_spec(job.spec), layers=96)
+    pins = Pins(pp=4, tp=2, zero=1, micro_batch=2, schedule="interleaved", virtual_stages=13)
+    solves = []
+    solve = searching.solve_placement
+    monkeypatch.setattr(searching, "solve_placement", lambda *a, **k: solves.append(1) or solve(*a, **k))
+    alone = search(model, job.hw, 1024, 1024, "bf16", pins)
+    assert alone.optimal and not solves
+    assert set(alone.strategy.stage_layers) == {24}  # balance alone: all in one mode
+    assert {i for c in alone.strategy.stage_recompute for i, n in enumerate(c) if n} == {0}
+    monkeypatch.setattr(searching, "_alone", lambda *a, **k: None)
+    proven = search(model, job.hw, 1024, 1024, "bf16", pins)
+    assert solves and proven.optimal
+    assert alone.estimate.step_time_s == pytest.approx(proven.estimate.step_time_s, rel=1e-12)
+
+
 def test_time_limit_of_zero_still_returns_a_plan_with_an_honest_gap():
     model = gpt_profile(96, 12288, 96, 51200, 2048)
     hw = load_profile("dgx-a100-80g")

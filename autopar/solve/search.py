@@ -215,6 +215,8 @@ class _Refined:
     """A candidate's memory-aware bound and what its placement solve reuses."""
 
     bound: float
+    modes: tuple[int, ...] = ()
+    """The modes the placement needs (``_alone``: one where it dominates the others)."""
     tables: StageTables | None = None
     tau: float = float("inf")
 
@@ -230,8 +232,8 @@ def _refine(c: StageCosts, cand: Candidate, layers: int, cap: float,
     if min(upper) < cand.min_layers or sum(upper) < layers:
         return _Refined(bound=float("inf"))
     if ref is None:
-        return _Refined(bound=lower_bound(c, layers, cand.modes, cap, upper,
-                                          min_layers=cand.min_layers))
+        return _Refined(bound=lower_bound(c, layers, cand.modes, cap, upper, min_layers=cand.min_layers),
+                        modes=cand.modes)
     tabs = stage_tables(c, cand.modes, cap, upper)
     tau = bottleneck(tabs, layers, cand.min_layers)
     if tau == float("inf"):
@@ -241,7 +243,45 @@ def _refine(c: StageCosts, cand: Candidate, layers: int, cap: float,
     if len(cand.modes) == 1:  # one mode: the candidate's exact optimum (float noise aside)
         bound = max(bound, single_mode_least_step(c, tabs, layers, cand.min_layers,
                                                   cand.modes[0], tau) * (1 - EXACT))
-    return _Refined(bound=bound, tables=tabs, tau=tau)
+        return _Refined(bound=bound, modes=cand.modes, tables=tabs, tau=tau)
+    alone = _alone(c, cand, layers, cap, upper, tabs, tau, total)
+    if alone is not None:
+        return replace(alone, bound=max(bound, alone.bound))
+    return _Refined(bound=bound, modes=cand.modes, tables=tabs, tau=tau)
+
+
+def _alone(c: StageCosts, cand: Candidate, layers: int, cap: float, upper: list[int],
+           tabs: StageTables, tau: float, total: float) -> _Refined | None:
+    """The candidate as a problem in one mode f where that has its optimum, else None. Let f
+    be no slower than the candidate's other modes in T and in D: a placement's blocks all
+    moved to f cost no more, and fit wherever each stage s holds at most f's most,
+    ``upper_f[s]``. So the optimum is f's own unless a placement loading some stage beyond
+    ``upper_f[s]`` (with leaner modes) beats it; such a stage's T_s is at least its table
+    time there, which raises the slowest stage's bound τ. Where that bound is no lower than
+    a placement in f alone (greedy's), memory only cuts off loads no optimum wants (placement
+    is balance alone: the usual case with room to spare), and f's tables bound and place the
+    candidate (``tables.single_mode_least_step``: no CP-SAT)."""
+    t, d = c.mode_time_s, c.mode_dp_time_s
+    f = min(cand.modes, key=lambda r: (t[r], d[r]))
+    if any(t[f] > t[r] or d[f] > d[r] for r in cand.modes):
+        return None
+    upper_f = stage_upper_bounds(c, layers, cap, (f,))
+    if min(upper_f) < cand.min_layers or sum(upper_f) < layers:
+        return None
+    tabs_f = stage_tables(c, (f,), cap, upper_f)
+    tau_f = bottleneck(tabs_f, layers, cand.min_layers)
+    if tau_f == float("inf"):
+        return None
+    loads = greedy(c, tabs_f, layers, cand.min_layers, cap, tau_f)
+    if loads is None:
+        return None
+    over = min((float(tabs.time[s][n + 1]) + tabs.fixed[s]
+                for s, n in enumerate(upper_f) if n < upper[s]), default=float("inf"))
+    if (lower_bound(c, layers, cand.modes, cap, upper, max(tau, over), total, cand.min_layers)
+            < c.step_time_s(_full_loads(loads))):
+        return None
+    best = single_mode_least_step(c, tabs_f, layers, cand.min_layers, f, tau_f)
+    return _Refined(bound=best * (1 - EXACT), modes=(f,), tables=tabs_f, tau=tau_f)
 
 
 def _place(c: StageCosts, cand: Candidate, layers: int, cap: float, ref: _Refined,
@@ -258,7 +298,7 @@ def _place(c: StageCosts, cand: Candidate, layers: int, cap: float, ref: _Refine
         step = c.step_time_s(loads)
         if step <= ref.bound * (1 + TIE):  # meets the bound: optimal
             return loads, step
-    scan = least_step(c, ref.tables, cand.modes, cap, layers, cand.min_layers, ref.tau, step)
+    scan = least_step(c, ref.tables, ref.modes, cap, layers, cand.min_layers, ref.tau, step)
     if scan is not None:  # the exact scan settled it, unless its placement fits only within SLACK
         least, better = scan
         if better is not None and all(c.stage_memory_bytes(s, ld) <= cap
@@ -268,7 +308,7 @@ def _place(c: StageCosts, cand: Candidate, layers: int, cap: float, ref: _Refine
             return loads, min(step, least * (1 - EXACT))
         if better is None:  # nothing beats greedy's (or no placement fits)
             return None if loads is None else (loads, min(step, least * (1 - EXACT)))
-    placed = solve_placement(c, layers, cap, cand.modes, cand.min_layers, time_limit_s,
+    placed = solve_placement(c, layers, cap, ref.modes, cand.min_layers, time_limit_s,
                              tables=ref.tables, tau=ref.tau, hint=loads, effort=EFFORT)
     if placed is None:
         return None if loads is None else (loads, ref.bound)
