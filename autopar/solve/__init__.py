@@ -60,7 +60,11 @@ sum_weight · max(LP bound on Σ T_s, least Σ T_s of the tables (a min-plus con
 for a candidate with one recompute mode (zero-bubble, a pinned mode) Σ T_s is fixed and the
 bound is its exact optimum (``tables.single_mode_least_step``: for each slowest-stage time
 τ ≥ τ*, the least worst tail D by a bottleneck search), so its greedy placement, when optimal,
-is proven without CP-SAT.
+is proven without CP-SAT. A candidate with several modes is solved as one in its fastest mode
+f (no slower in T nor in D) where memory cannot make the modes trade (``search._alone``): every
+placement moved to f fits and costs no more unless a stage holds more blocks than f allows,
+and the bound on such placements (that stage's table time raising τ) is no lower than a
+placement in f alone. Roomy stages, the usual case, are so placed by balance alone.
 Offload candidates borrow the bound of their twin without offload (never faster) until popped.
 The other kept axis orders of a candidate wait behind one heap item keyed by an order-free
 bound: its costs with every axis in the best group any order gives it (adjacent ranks:
