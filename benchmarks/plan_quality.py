@@ -1,12 +1,15 @@
 """Is the planner's pick the fastest plan? Every plan it ranks, measured on this machine.
 
-    python benchmarks/plan_quality.py [--ranks 4] [--keep 24] [--steps 10] [--rounds 3]
+    python benchmarks/plan_quality.py [--ranks 4] [--keep 24] [--spread 0] [--steps 10] [--rounds 3]
                                       [--profile cpu-local] [--save RUNS.json | --replay RUNS.json]
 
 For each model below (deep-narrow, wide, long-sequence GPTs, whose plans differ), the search
 proves its ``--keep`` best strategies under the profile (``search(keep=…)``: every feasible
 one where there are fewer), plus plain DDP and plain FSDP (ZeRO-3) at one micro-batch per
-rank. Each is trained ``--steps`` steps on ``--ranks`` gloo CPU ranks, all plans of a model in
+rank, plus ``--spread`` more from the rest of the space, evenly spaced in predicted rank
+among those predicted within ``SPREAD_CAP`` times the best (``spread``): the best ones lie
+within 15-25 % of each other, where this machine's rounds disagree as much, so their ranking
+alone measures the noise more than the model; the spread ones show how it ranks the space. Each is trained ``--steps`` steps on ``--ranks`` gloo CPU ranks, all plans of a model in
 one torchrun job; a round's time of a plan is the median of its steps after 2 of warm-up and
 before the 3 last, which run under the profiler for its peak memory (``runtime.phases``). The
 job runs ``--rounds`` times, every other round in reverse order (a machine's slow minutes fall
@@ -55,6 +58,9 @@ MODELS = [  # (label, model, global batch)
     ("long-seq", "gpt:layers=4,hidden=128,heads=4,vocab=512,seq=512,tied=0", 8),
 ]
 WARMUP = 2
+SPREAD_CAP = 3.0
+"""``--spread`` plans are predicted at most this many times the best one's step (deep-narrow's
+slowest plans take 15 s a step, 60 times its best)."""
 
 
 def baseline(model: str, batch: int, ranks: int, seq: int, layers: int, zero: int, cluster: str) -> Plan:
@@ -70,6 +76,17 @@ def key(plan: Plan) -> str:
 def spearman(a: list[float], b: list[float]) -> float:
     ra, rb = np.argsort(np.argsort(a)), np.argsort(np.argsort(b))
     return float(np.corrcoef(ra, rb)[0, 1]) if len(a) > 2 else float("nan")
+
+
+def spread(alternatives: list, keep: int, n: int) -> list:
+    """``n`` strategies of ``alternatives`` (best first) beyond the ``keep`` best, evenly spaced
+    in rank among those predicted within ``SPREAD_CAP`` times the best (all of them where
+    there are no more than ``n``)."""
+    rest = [a.strategy for a in alternatives[keep:]
+            if a.step_time_s <= SPREAD_CAP * alternatives[0].step_time_s]
+    if n <= 0 or len(rest) <= n:
+        return rest if n > 0 else []
+    return [rest[round(i * (len(rest) - 1) / (n - 1))] for i in range(n)] if n > 1 else [rest[len(rest) // 2]]
 
 
 def repeatability(runs: list) -> tuple[float, float, float] | None:
@@ -135,7 +152,7 @@ def replayed(path: str) -> dict[str, tuple[list[Plan], list]]:
 
 
 def report(label: str, plans: list[Plan], runs: list, hw: HardwareProfile, model, pick: str,
-           ddp: str, fsdp: str) -> None:
+           ddp: str, fsdp: str, top: int) -> None:
     pred = [estimate(model, hw, p.strategy(), global_batch=p.global_batch) for p in plans]
     meas = [t for t, *_ in runs]
     errs = [abs(e.step_time_s / m - 1) for e, m in zip(pred, meas)]
@@ -154,6 +171,11 @@ def report(label: str, plans: list[Plan], runs: list, hw: HardwareProfile, model
     print(f"  {label}: {len(plans)} plans; step time |error| mean {statistics.mean(errs):.1%} max {max(errs):.1%}; "
           f"Spearman {spearman([e.step_time_s for e in pred], meas):.3f}; peak memory |error| mean "
           f"{statistics.mean(mem):.1%} max {max(mem):.1%}")
+    if len(plans) > top > 2:
+        best = sorted(range(len(plans)), key=lambda i: pred[i].step_time_s)[:top]
+        print(f"  the {top} predicted fastest alone: Spearman {spearman([pred[i].step_time_s for i in best], [meas[i] for i in best]):.3f}; "
+              f"the rest span {min(meas[i] for i in range(len(plans)) if i not in best) / oracle:.2f}-"
+              f"{max(meas) / oracle:.2f} x the oracle")
     again = repeatability(runs)
     if again is not None:
         print(f"  the measurements themselves: rounds agree at Spearman {again[0]:.3f} (median over pairs), a plan's "
@@ -167,6 +189,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--ranks", type=int, default=4)
     parser.add_argument("--keep", type=int, default=24)
+    parser.add_argument("--spread", type=int, default=0, help="plans from the rest of the space (``spread``)")
     parser.add_argument("--steps", type=int, default=10)
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--profile", default="cpu-local")
@@ -180,8 +203,9 @@ def main() -> None:
     for label, model, batch in MODELS:
         job = read_job(model, args.profile, args.ranks, batch, dtype="fp32")
         prof = profile_spec(job.spec)
-        sol = search(prof, job.hw, args.ranks, batch, "fp32", keep=args.keep)
-        by_key = {key(p): p for p in (plan_from_strategy(job, a.strategy, None) for a in sol.alternatives)}
+        sol = search(prof, job.hw, args.ranks, batch, "fp32", keep=args.keep if not args.spread else 100_000)
+        chosen = [a.strategy for a in sol.alternatives[:args.keep]] + spread(list(sol.alternatives), args.keep, args.spread)
+        by_key = {key(p): p for p in (plan_from_strategy(job, st, None) for st in chosen)}
         pick = key(plan_from_strategy(job, sol.strategy, None))
         ddp, fsdp = (baseline(model, batch, args.ranks, job.spec.seq, job.spec.layers, z, args.profile) for z in (0, 3))
         by_key.setdefault(key(ddp), ddp)
@@ -194,7 +218,7 @@ def main() -> None:
     print("\n== shipped profile")
     for label, job, prof, plans, runs, pick, ddp_key, fsdp_key in cases:
         print(f"\n{label} ({job.spec.name}, global batch {job.global_batch})")
-        report(label, plans, runs, hw, prof, pick, ddp_key, fsdp_key)
+        report(label, plans, runs, hw, prof, pick, ddp_key, fsdp_key, args.keep)
     # Refit on one run: the first model's pick.
     label, job, prof, plans, runs, pick, _, _ = cases[0]
     i = [key(p) for p in plans].index(pick)
@@ -207,7 +231,7 @@ def main() -> None:
         if key(new) not in [key(p) for p in plans] and not args.replay:
             plans, runs = plans + [new], runs + measure([new], args.steps, args.rounds)
         print(f"\n{label} ({'in-sample' if n == 0 else 'out-of-sample'})")
-        report(label, plans, runs, cal, prof, key(new), ddp_key, fsdp_key)
+        report(label, plans, runs, cal, prof, key(new), ddp_key, fsdp_key, args.keep)
 
 
 if __name__ == "__main__":
