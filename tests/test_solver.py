@@ -674,3 +674,47 @@ def test_per_op_recompute_is_never_planned_under_the_zero_bubble_schedule():
     assert not any(c[3] for c in sol.strategy.stage_recompute) and sol.strategy.recompute != "op"
     with pytest.raises(UserError, match="zero-bubble schedule"):
         search(model, hw, 8, 32, "bf16", Pins(pp=4, schedule="zero-bubble", recompute="op"))
+
+
+def test_zero_bubble_is_not_planned_with_full_recompute():
+    """torch's split backward (``stage_backward_input``, then ``stage_backward_weight`` per
+    parameter group) recomputes a non-reentrant checkpointed block once in the input pass and
+    again for each of its parameter groups in the weight pass: three forwards of a block of two
+    linear layers where one is priced (measured 2.7 x the priced step on the CPU ranks of
+    ``benchmarks/plan_quality.py --spread``). The search plans no such candidate and says why
+    when both are pinned."""
+    import torch
+    from torch import nn
+    from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import CheckpointImpl, checkpoint_wrapper
+    from torch.distributed.pipelining._backward import stage_backward_input, stage_backward_weight
+    from autopar.solve.infeasible import ZB_FULL
+
+    calls = []
+
+    class Block(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.a, self.b = nn.Linear(8, 16), nn.Linear(16, 8)
+
+        def forward(self, x):
+            calls.append(1)
+            return x + self.b(torch.relu(self.a(x)))
+
+    blocks = nn.Sequential(*[checkpoint_wrapper(Block(), checkpoint_impl=CheckpointImpl.NO_REENTRANT)
+                             for _ in range(2)])
+    x = torch.randn(4, 8, requires_grad=True)
+    out = blocks(x)
+    calls.clear()
+    _, groups = stage_backward_input([out], [torch.ones_like(out)], [x], blocks.parameters())
+    assert len(calls) == 2  # the input pass: one recompute a block
+    stage_backward_weight(blocks.parameters(), groups)
+    assert len(calls) > 2 * 2  # the weight pass recomputes again, per parameter group
+
+    model, hw = gpt_profile(8, 1024, 16, 32000, 2048), load_profile("dgx-a100-80g")
+    hw = dataclasses.replace(hw, memory_gib=6.0, reserve_gib=0.0)  # tight: recompute pays
+    zb = [c.strategy.recompute for c in outer_candidates(model, hw, 8, 16, "bf16")
+          if c.strategy.schedule == "zero-bubble"]
+    assert zb and "full" not in zb  # zero-bubble is planned, in its other modes
+    with pytest.raises(UserError) as err:
+        search(model, hw, 8, 16, "bf16", Pins(pp=2, schedule="zero-bubble", recompute="full"))
+    assert str(err.value) == ZB_FULL

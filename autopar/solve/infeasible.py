@@ -14,6 +14,13 @@ _FLAGS = {"dp": "--dp", "tp": "--tp", "pp": "--pp", "cp": "--cp", "zero": "--zer
           "recompute": "--recompute"}
 
 
+ZB_FULL = ("--recompute full is not planned under the zero-bubble schedule: torch's split backward "
+           "recomputes a checkpointed block again for each parameter group in its weight pass (a block "
+           "of two linear layers runs its forward three times, not once); use --recompute selective or "
+           "none, or another --schedule")
+"""Why the search plans no zero-bubble candidate with full recompute."""
+
+
 def op_unpriced(model: ModelProfile) -> str | None:
     """What keeps per-op recompute from being priced for ``model``, or None where it is."""
     if model.op_priced:
@@ -44,6 +51,8 @@ def no_candidate_reason(model: ModelProfile, hw: HardwareProfile, gpus: int,
     refusal = op_refusal(model.name, op_unpriced(model), pins.cp, pins.schedule) if pins.recompute == "op" else None
     if refusal:
         return refusal
+    if pins.schedule == "zero-bubble" and pins.recompute == "full":
+        return ZB_FULL
     if pins.cp and pins.cp > 1 and "cp" in pins.refused:
         return (f"--cp {pins.cp}: autopar's runtime runs context parallelism on the built-in gpt/llama models "
                 "only; drop --cp, or plan with --recipe megatron-core and run it through `autopar export`")

@@ -129,7 +129,8 @@ def _schedules(pins: Pins, pp: int, m: int, layers: int) -> Iterator[tuple[str, 
 
 def _mode_sets(pins: Pins, schedule: str) -> Iterator[tuple[str, tuple[int, ...]]]:
     """(nominal mode, modes the blocks may mix). Zero-bubble's fill fraction depends on the
-    recompute mode (``cost_models.pipeline``), so it is planned with one mode on every block."""
+    recompute mode (``cost_models.pipeline``), so it is planned with one mode on every block
+    (not full: ``block_families``)."""
     if pins.recompute is not None:
         yield pins.recompute, (RECOMPUTE.index(pins.recompute),)
     elif schedule == "zero-bubble":
@@ -356,6 +357,8 @@ def block_families(model: ModelProfile, hw: HardwareProfile, block: Block, dtype
                 vs = [v for v in chunk_counts if not ((ep > 1 or model.moe) and refuses(
                     dp * cp, pp, zero, sched, v, cp, ep=ep, moe=model.moe, sp=sp))]
                 for nominal, modes in _mode_sets(pins, sched):
+                    if sched == "zero-bubble" and nominal == "full":
+                        continue  # ``infeasible.ZB_FULL``: the weight pass recomputes per parameter group
                     for mode in ("selective", "op"):
                         # torch's selective checkpointing allows one backward through a block;
                         # the zero-bubble schedule runs two (input, then weight gradients).
