@@ -133,8 +133,10 @@ def stage_tables(c: StageCosts, modes: tuple[int, ...], cap: float,
                  upper: list[int]) -> StageTables:
     # stages alike in memory (in-flight micro-batches, fixed bytes, bound) share a table
     keys = [(c.memory_key(s), upper[s]) for s in range(c.pp)]
-    first = {k: s for s, k in reversed(list(enumerate(keys)))}
-    reps = sorted(first.values())
+    first: dict[tuple, int] = {}  # each key's first stage
+    for s, k in enumerate(keys):
+        first.setdefault(k, s)
+    reps = list(first.values())
     raw = dict(zip(reps, _raw_tables(c, reps, modes, cap, [upper[s] for s in reps])))
     built = {k: (np.minimum.accumulate(raw[s][0][::-1])[::-1], raw[s][1]) for k, s in first.items()}
     return StageTables(time=tuple(built[k][0] for k in keys), mix=tuple(built[k][1] for k in keys),
