@@ -9,7 +9,8 @@ one where there are fewer), plus plain DDP and plain FSDP (ZeRO-3) at one micro-
 rank, plus ``--spread`` more from the rest of the space, evenly spaced in predicted rank
 among those predicted within ``SPREAD_CAP`` times the best (``spread``): the best ones lie
 within 15-25 % of each other, where this machine's rounds disagree as much, so their ranking
-alone measures the noise more than the model; the spread ones show how it ranks the space. Each is trained ``--steps`` steps on ``--ranks`` gloo CPU ranks, all plans of a model in
+alone measures the noise more than the model; the spread ones show how it ranks the space.
+Each is trained ``--steps`` steps on ``--ranks`` gloo CPU ranks, all plans of a model in
 one torchrun job; a round's time of a plan is the median of its steps after 2 of warm-up and
 before the 3 last, which run under the profiler for its peak memory (``runtime.phases``). The
 job runs ``--rounds`` times, every other round in reverse order (a machine's slow minutes fall
@@ -84,9 +85,13 @@ def spread(alternatives: list, keep: int, n: int) -> list:
     there are no more than ``n``)."""
     rest = [a.strategy for a in alternatives[keep:]
             if a.step_time_s <= SPREAD_CAP * alternatives[0].step_time_s]
-    if n <= 0 or len(rest) <= n:
-        return rest if n > 0 else []
-    return [rest[round(i * (len(rest) - 1) / (n - 1))] for i in range(n)] if n > 1 else [rest[len(rest) // 2]]
+    if n <= 0:
+        return []
+    if len(rest) <= n:
+        return rest
+    if n == 1:
+        return [rest[len(rest) // 2]]
+    return [rest[round(i * (len(rest) - 1) / (n - 1))] for i in range(n)]
 
 
 def repeatability(runs: list) -> tuple[float, float, float] | None:
@@ -173,9 +178,10 @@ def report(label: str, plans: list[Plan], runs: list, hw: HardwareProfile, model
           f"{statistics.mean(mem):.1%} max {max(mem):.1%}")
     if len(plans) > top > 2:
         best = sorted(range(len(plans)), key=lambda i: pred[i].step_time_s)[:top]
-        print(f"  the {top} predicted fastest alone: Spearman {spearman([pred[i].step_time_s for i in best], [meas[i] for i in best]):.3f}; "
-              f"the rest span {min(meas[i] for i in range(len(plans)) if i not in best) / oracle:.2f}-"
-              f"{max(meas) / oracle:.2f} x the oracle")
+        rest = [meas[i] for i in range(len(plans)) if i not in best]
+        rho = spearman([pred[i].step_time_s for i in best], [meas[i] for i in best])
+        print(f"  the {top} predicted fastest alone: Spearman {rho:.3f}; the rest span "
+              f"{min(rest) / oracle:.2f}-{max(rest) / oracle:.2f} x the oracle")
     again = repeatability(runs)
     if again is not None:
         print(f"  the measurements themselves: rounds agree at Spearman {again[0]:.3f} (median over pairs), a plan's "
