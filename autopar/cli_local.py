@@ -70,6 +70,8 @@ def profile(ranks: int = typer.Option(4, "--ranks", help="Processes to measure a
                            ("element-wise efficiency (reference run)", round(result["memory_efficiency"], 4)),
                            ("optimizer efficiency (reference run)", round(result["optimizer_memory_efficiency"], 4)),
                            ("dispatch us/op", result["kernel_dispatch_us"]),
+                           ("TP host us per split Linear", result["tp_linear_us"]),
+                           ("collective us per call", tier.get("call_latency_us", 0.0)),
                            ("collective alpha us/step", tier["latency_us"]), ("bus GB/s", tier["bw_gbps"]),
                            ("p2p GB/s", tier["p2p_bw_gbps"])):
             table.add_row(key, str(value))

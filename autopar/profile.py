@@ -33,6 +33,7 @@ point-to-point bandwidth is the slope of send/recv time over bytes. Rank 0 write
 from __future__ import annotations
 
 import json
+import math
 import os
 import re
 import statistics
@@ -46,7 +47,7 @@ import numpy as np
 
 from autopar.errors import UserError
 from autopar.profile_bench import (ADD_ELEMENTS, ATTENTION, BURST_GEMMS, DISPATCH_BLOCK, DISPATCH_RECIPE,
-                                   HOOK_GROUPS, OPTIMIZER_TENSORS, SHAPES, measure)
+                                   HOOK_GROUPS, OPTIMIZER_TENSORS, SHAPES, TP_DEPTHS, measure)
 from cost_models.recipe import load_recipe
 
 if TYPE_CHECKING:
@@ -69,54 +70,63 @@ LATENCY_FLOOR = 0.01
 term (the same reason: a link always has some; a fitted 0 is noise)."""
 
 
-def fit_collectives(rows: list[tuple[str, int, float]], world: int) -> tuple[float, float, float]:
-    """(α s, β bytes/s, reduce-scatter factor) of ``rows`` (kind, bytes, seconds) under the
-    cost model's formulas: α and β fitted on the all-reduces and all-gathers (β at most the
-    rate that leaves ``BANDWIDTH_FLOOR`` of the largest one's time to its bytes, α at least
-    ``LATENCY_FLOOR`` of the smallest one's time over its steps), the factor the
-    median ratio of each reduce-scatter to its ring formula under them (gloo reduces the whole
-    buffer: about 2; NCCL's ring: about 1)."""
+def fit_collectives(rows: list[tuple[str, int, int, float]]) -> tuple[float, float, float, float]:
+    """(call s, α s, β bytes/s, reduce-scatter factor) of ``rows`` (kind, group size, bytes,
+    seconds) under the cost model's formulas: the fixed cost per call, α per ring step and β
+    fitted on the all-reduces and all-gathers (the call's cost only where two or more group
+    sizes tell it from the steps', else 0; β at most the rate that leaves ``BANDWIDTH_FLOOR``
+    of the largest one's time to its bytes, α at least ``LATENCY_FLOOR`` of the smallest one's
+    time over its steps), the factor the median ratio of each reduce-scatter to its ring
+    formula under them (gloo reduces the whole buffer: about 2; NCCL's ring: about 1)."""
     from cost_models import comm
     ops = {"all_reduce": comm.all_reduce_s, "all_gather": comm.all_gather_s}
-    unit_alpha = comm.Group(size=world, bw_bytes_s=float("inf"), p2p_bytes_s=float("inf"), latency_s=1.0,
-                            inter_node=False)
-    unit_beta = comm.Group(size=world, bw_bytes_s=1.0, p2p_bytes_s=1.0, latency_s=0.0, inter_node=False)
+
+    def unit(n: int, call: float, alpha: float, beta: float) -> comm.Group:
+        return comm.Group(size=n, bw_bytes_s=beta, p2p_bytes_s=beta, latency_s=alpha, inter_node=False, call_s=call)
     ring = [row for row in rows if row[0] in ops]
-    design = np.array([[ops[k](b, unit_alpha), ops[k](b, unit_beta)] for k, b, _ in ring])
-    times = np.array([t for _, _, t in ring])
-    # Relative error is what a plan's estimate feels: weight each row by 1/t.
-    weights = 1.0 / np.maximum(times, 1e-9)
-    alpha, inv_beta = _nonnegative_lstsq(design * weights[:, None], times * weights)
+    sizes = {n for _, n, _, _ in ring}
+    design = np.array([[ops[k](b, unit(n, 1.0, 0.0, math.inf)), ops[k](b, unit(n, 0.0, 1.0, math.inf)),
+                        ops[k](b, unit(n, 0.0, 0.0, 1.0))] for k, n, b, _ in ring])
+    if len(sizes) < 2:  # one group size: a call's cost and its steps' are one term
+        design = design[:, 1:]
+    times = np.array([t for *_, t in ring])
+    # Relative error is what a plan's estimate feels: weight each row by 1/t, t at least a
+    # quarter of the rows' median (a collective timed no longer than its burst reads ~0).
+    weights = 1.0 / np.maximum(times, max(1e-9, float(np.median(times)) / 4))
+    fitted = _nonnegative_lstsq(design * weights[:, None], times * weights)
+    call, alpha, inv_beta = fitted if len(fitted) == 3 else (0.0, *fitted)
     # Where latency alone explains the times (a loaded machine's noise swamps the bytes), the
     # bandwidth term is below the noise: it is priced at BANDWIDTH_FLOOR of the largest
     # transfer's time, never as infinite bandwidth (which no profile accepts).
-    largest = int(np.argmax(design[:, 1]))
-    cap = design[largest, 1] / (BANDWIDTH_FLOOR * max(float(times[largest]), 1e-9))
+    largest = int(np.argmax(design[:, -1]))
+    cap = design[largest, -1] / (BANDWIDTH_FLOOR * max(float(times[largest]), 1e-9))
     beta = min(1.0 / inv_beta, cap) if inv_beta > 0 else cap
-    smallest = int(np.argmin(design[:, 1]))
-    alpha = max(alpha, LATENCY_FLOOR * float(times[smallest]) / max(float(design[smallest, 0]), 1e-9))
-    fitted = comm.Group(size=world, bw_bytes_s=beta, p2p_bytes_s=beta, latency_s=alpha, inter_node=False)
-    ratios = [t / comm.reduce_scatter_s(b, fitted) for k, b, t in rows
-              if k == "reduce_scatter" and comm.reduce_scatter_s(b, fitted) > 0]
+    smallest = int(np.argmin(design[:, -1]))
+    steps = design[smallest, -2]
+    alpha = max(alpha, LATENCY_FLOOR * float(times[smallest]) / max(float(steps), 1e-9))
+    ratios = [t / comm.reduce_scatter_s(b, unit(n, call, alpha, beta)) for k, n, b, t in rows
+              if k == "reduce_scatter" and comm.reduce_scatter_s(b, unit(n, call, alpha, beta)) > 0]
     factor = min(10.0, max(0.1, statistics.median(ratios))) if ratios else 1.0
-    return alpha, beta, factor
+    return call, alpha, beta, factor
 
 
-def _nonnegative_lstsq(a: np.ndarray, y: np.ndarray) -> tuple[float, float]:
-    """argmin |a x - y| over x >= 0 for two unknowns: the unconstrained solution if it is
-    non-negative, else the better of the two one-unknown fits (the optimum lies on a face)."""
-    x = np.linalg.lstsq(a, y, rcond=None)[0]
-    if (x >= 0).all():
-        return float(x[0]), float(x[1])
-    best: tuple[float, float, float] | None = None
-    for j in range(2):
-        col = a[:, j]
-        c = max(0.0, float(col @ y / (col @ col))) if col @ col > 0 else 0.0
-        r = float(np.sum((col * c - y) ** 2))
-        if best is None or r < best[0]:
-            best = (r, c if j == 0 else 0.0, c if j == 1 else 0.0)
-    assert best is not None
-    return best[1], best[2]
+def _nonnegative_lstsq(a: np.ndarray, y: np.ndarray) -> tuple[float, ...]:
+    """argmin |a x - y| over x >= 0 for a few unknowns: the best least-squares solution over
+    every subset of the columns whose solution is non-negative (the optimum lies on a face)."""
+    k = a.shape[1]
+    best: tuple[float, tuple[float, ...]] | None = None
+    for mask in range(1, 1 << k):
+        cols = [j for j in range(k) if mask >> j & 1]
+        x = np.linalg.lstsq(a[:, cols], y, rcond=None)[0]
+        if (x < 0).any():
+            continue
+        r = float(np.sum((a[:, cols] @ x - y) ** 2))
+        if best is None or r < best[0] - 1e-15 * max(1.0, r):
+            full = [0.0] * k
+            for j, v in zip(cols, x):
+                full[j] = float(v)
+            best = (r, tuple(full))
+    return best[1] if best is not None else (0.0,) * k
 
 
 def _fit_p2p(rows: list[tuple[int, float]]) -> float:
@@ -140,7 +150,10 @@ def build_profile(results: list[dict], world: int, threads: int, device: str, dt
         f"all-reduce, reduce-scatter and all-gather over {world} ranks at 4 B..16 MiB"
         + ("" if device == "cuda" else f", each right after {BURST_GEMMS} 256^3 GEMMs on every "
            "rank less their time (as a step meets it: autopar.profile_bench._in_step)")
-        + "; alpha per ring step and bus bandwidth fitted to cost_models.comm's ring formulas on the all-reduces "
+        + (f", and over pairs of ranks side by side ({world // 2} pairs)" if world > 2 and world % 2 == 0 else "")
+        + "; each the median over ranks; the fixed cost per call (call_latency_us, where two group sizes tell it "
+        "from the steps'), alpha per "
+        "ring step and bus bandwidth fitted to cost_models.comm's ring formulas on the all-reduces "
         "and all-gathers by non-negative least squares on relative error; reduce_scatter_factor: median ratio of "
         "the reduce-scatters to their ring formula; p2p_bw_gbps: slope of send/recv time over bytes. "
         "inter_node: one machine measured, the same tier")} if tier else {}
@@ -159,6 +172,8 @@ def build_profile(results: list[dict], world: int, threads: int, device: str, dt
         "kernel_dispatch_us": round(med("dispatch") * 1e6, 2),
         "dtensor_optimizer_us": round(med("dtensor") * 1e6, 2),
         "fsdp_hook_us": round(med("hooks") * 1e6, 2),
+        "tp_linear_us": round(med("tp_linear") * 1e6, 2),
+        "tp_loss_us": round(med("tp_loss") * 1e6, 2),
         "host_overlaps_device": device == "cuda",
         "ranks_per_core": 1.0 if device == "cuda" else round(max(1.0, world * threads / (os.cpu_count() or 1)), 3),
         "launcher": "nccl" if device == "cuda" else "gloo",
@@ -182,6 +197,12 @@ def build_profile(results: list[dict], world: int, threads: int, device: str, dt
                              "gradients unsynchronised - the same unwrapped) / "
                              f"{HOOK_GROUPS + 1} groups (autopar.profile_bench._fsdp_hook_s)"),
             "ranks_per_core": "ranks x threads each over the machine's cores (os.cpu_count), at least 1; 1 on GPUs",
+            "tp_linear_us": (f"median over ranks of what autopar.runtime.parallelize.apply_tensor_parallel adds to "
+                             f"a forward and backward of {DISPATCH_BLOCK!r} at {TP_DEPTHS[0]} and {TP_DEPTHS[-1]} "
+                             "blocks (split over a mesh of the rank alone, against the same unsplit, alternated): "
+                             "the slope per block over its split Linears (autopar.profile_bench._tp_host_s)"),
+            "tp_loss_us": ("the same at no block less one split module (the embedding): the vocab-parallel head "
+                           "and loss_parallel's cross-entropy"),
             "dtensor_optimizer_us": (f"median over ranks of (an AdamW step of {OPTIMIZER_TENSORS} DTensor parameters "
                                      f"sharded over the {world} ranks - the same of plain tensors) / {OPTIMIZER_TENSORS}"),
         },
@@ -190,9 +211,14 @@ def build_profile(results: list[dict], world: int, threads: int, device: str, dt
 
 def _tier(results: list[dict], world: int) -> dict:
     """The measured tier of the ranks' collectives and point-to-point transfers."""
-    alpha, beta, rs_factor = fit_collectives([row for r in results for row in r["collectives"]], world)
+    timed: dict[tuple, list[float]] = {}
+    for r in results:  # a rank that reached a collective last times it short: the median over ranks
+        for kind, size, nbytes, t in r["collectives"]:
+            timed.setdefault((kind, size, nbytes), []).append(t)
+    call, alpha, beta, rs_factor = fit_collectives([(*k, statistics.median(ts)) for k, ts in timed.items()])
     p2p = _fit_p2p([row for r in results for row in r["p2p"]])
-    return {"bw_gbps": round(beta / 1e9, 4), "latency_us": round(alpha * 1e6, 2), "efficiency": 1.0,
+    return {"bw_gbps": round(beta / 1e9, 4), "latency_us": round(alpha * 1e6, 2),
+            "call_latency_us": round(call * 1e6, 2), "efficiency": 1.0,
             "p2p_bw_gbps": round(p2p / 1e9, 4), "reduce_scatter_factor": round(rs_factor, 3)}
 
 

@@ -1,10 +1,12 @@
 """What each rank of ``autopar profile`` times (``autopar.profile`` starts the ranks, fits and
 writes the profile): GEMMs, fused attention, an element-wise add, the host time per kernel, a
-DTensor optimizer step, FSDP2's hooks, collectives and point-to-point transfers. Seconds,
-bytes and FLOP/s; medians of repeats."""
+DTensor optimizer step, FSDP2's hooks, tensor parallelism's DTensor modules, collectives (over
+every rank, and over pairs side by side) and point-to-point transfers. Seconds, bytes and
+FLOP/s; medians of repeats."""
 
 from __future__ import annotations
 
+import contextlib
 import statistics
 import time
 from typing import Callable
@@ -25,6 +27,10 @@ ranks on 2 cores, the order of one block's pass of the small models CPU ranks tr
 ATTENTION = {"cpu": (4, 4, 512, 32), "cuda": (2, 16, 4096, 128)}
 """(batch, heads, sequence, head dim) of the causal SDPA whose forward and backward give the
 fused attention kernel's efficiency (``_attention_rate``)."""
+TP_DEPTHS = (2, 6)
+"""Blocks of the two tiny models whose split and unsplit passes time ``tp_linear_us``."""
+TP_REPEATS = 40
+"""Alternated split / unsplit passes timed per depth for ``tp_linear_us``."""
 HOOK_GROUPS = 8
 """Blocks, each an FSDP2 group, of the model whose passes time ``fsdp_hook_us``."""
 HOOK_REPEATS = 200
@@ -137,14 +143,59 @@ def _fsdp_hook_s(device, world: int, sync: Callable[[], None]) -> float:
     return max(0.0, statistics.median(extra)) / (HOOK_GROUPS + 1)
 
 
+def _tp_host_s(device, world: int, sync: Callable[[], None]) -> tuple[float, float]:
+    """(per split Linear, for the vocab-parallel head and loss) host time that the runtime's
+    tensor parallelism adds to a forward and backward, s: tiny built-in Llamas of
+    ``TP_DEPTHS`` blocks (``DISPATCH_BLOCK``'s widths) split by ``apply_tensor_parallel`` over a
+    mesh of this rank alone (DTensor dispatches as over many, no collective runs), each against
+    the same model unsplit, alternated; the slope over the depths per block's split Linears is
+    the first figure, the rest at depth 0 less the embedding's one split module the second.
+    Collective: every rank calls it."""
+    import torch
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import DeviceMesh
+    from torch.distributed.tensor.parallel import loss_parallel
+    from autopar.model import build_model, cross_entropy
+    from autopar.runtime.context import ParallelContext
+    from autopar.runtime.parallelize import apply_tensor_parallel
+    from autopar.runtime.train import _traced_layout
+    from autopar.spec import parse_model_spec
+    groups = [dist.new_group([r]) for r in range(world)]
+    mesh = DeviceMesh.from_group(groups[dist.get_rank()], device.type, mesh_dim_names=("tp",))
+    extra, linears = [], 0
+    for depth in TP_DEPTHS:
+        spec = parse_model_spec(DISPATCH_BLOCK.replace("layers=1", f"layers={depth}"))
+        anat = _traced_layout(spec)
+        linears = len(anat.column) + len(anat.row)
+        plain, split = (build_model(spec, device=device.type, seed=0) for _ in range(2))
+        apply_tensor_parallel(split, ParallelContext(mesh=mesh, device=device), False, anat,
+                              (spec.heads, spec.kv_heads))
+        ids = torch.zeros(1, spec.seq, dtype=torch.long, device=device)
+
+        def once(m: torch.nn.Module, tp: bool) -> float:
+            t = time.perf_counter()
+            with loss_parallel() if tp else contextlib.nullcontext():
+                cross_entropy(m(ids), ids).backward()
+            sync()
+            return time.perf_counter() - t
+
+        once(plain, False), once(split, True)
+        extra.append(statistics.median(once(split, True) - once(plain, False) for _ in range(TP_REPEATS)))
+    per_block = max(0.0, (extra[-1] - extra[0]) / (TP_DEPTHS[-1] - TP_DEPTHS[0]))
+    per_linear = per_block / max(1, linears)
+    return per_linear, max(0.0, extra[0] - TP_DEPTHS[0] * per_block - per_linear)
+
+
 def _in_step(device, dtype, sync: Callable[[], None]) -> Callable[[Callable[[], object], int], float]:
     """A timer of one collective as a training step meets it, s. On CUDA the median time of
     the call alone (NCCL's kernels run beside the host). On CPU ranks the host runs both the
     operators and the collective, and a step reaches each collective right after a block's
     worth of compute (``BURST_GEMMS``) during which the ranks, more than the cores, were
     time-sliced: they arrive skewed, and each ring step waits for a descheduled peer. So the
-    collective is timed after such a burst on every rank, less the burst's own median time."""
+    collective is timed after such a burst on every rank, less the burst's own median time
+    (the mean over ranks). Collective: every rank calls it."""
     import torch
+    import torch.distributed as dist
     if device.type == "cuda":
         return lambda fn, reps: _median_time(fn, reps, sync)
     a, b = torch.randn(256, 256, dtype=dtype), torch.randn(256, 256, dtype=dtype)
@@ -159,7 +210,11 @@ def _in_step(device, dtype, sync: Callable[[], None]) -> Callable[[Callable[[], 
             fn()
         return max(1e-6, _median_time(both, reps, sync) - alone)
 
-    alone = _median_time(burst, 20, sync)
+    # The mean over ranks: one rank's own burst, time-sliced against the others, runs short or
+    # long by luck, and the collective ends when the last rank arrives (all ranks call this).
+    mean = torch.tensor([_median_time(burst, 20, sync)], dtype=torch.float64)
+    dist.all_reduce(mean)
+    alone = float(mean) / dist.get_world_size()
     return timed
 
 
@@ -192,22 +247,38 @@ def measure(rank: int, world: int, device, dtype, say: Callable[[str], None]) ->
     dist.barrier()
     out["hooks"] = _fsdp_hook_s(device, world, sync)
     out["collectives"], out["p2p"] = [], []
-    if world == 1:  # no peer: the links come from another profile (``autopar.profile``)
-        return out
+    if world > 1:  # one rank has no peer: its links come from another profile (``autopar.profile``)
+        _links(out, rank, world, device, dtype, sync, say)
+    # Last: after it (tracing, DTensor models) the collectives of 4 CPU ranks on 2 cores timed
+    # 1.5-2x slower (in-step all-reduce over 4 ranks 8-9 ms, then 11-14 ms).
+    dist.barrier()
+    out["tp_linear"], out["tp_loss"] = _tp_host_s(device, world, sync)
+    return out
+
+
+def _links(out: dict, rank: int, world: int, device, dtype, sync: Callable[[], None],
+           say: Callable[[str], None]) -> None:
+    """The collectives' and the point-to-point transfers' rows, into ``out``."""
+    import torch
+    import torch.distributed as dist
     say("collectives")
     in_step = _in_step(device, dtype, sync)
     rows = []
-    for nbytes in SIZES:
-        numel = max(world, nbytes // 4 // world * world)
-        t = torch.zeros(numel, device=device)
-        shard = torch.zeros(numel // world, device=device)
-        reps = 20 if nbytes < 2 ** 20 else 5
-        dist.barrier()
-        rows.append(("all_reduce", numel * 4, in_step(lambda: dist.all_reduce(t), reps)))
-        dist.barrier()
-        rows.append(("reduce_scatter", numel * 4, in_step(lambda: dist.reduce_scatter_tensor(shard, t), reps)))
-        dist.barrier()
-        rows.append(("all_gather", numel * 4, in_step(lambda: dist.all_gather_into_tensor(t, shard), reps)))
+    pairs = [dist.new_group([r, r + 1]) for r in range(0, world - 1, 2)] if world > 2 and world % 2 == 0 else []
+    for size, group in [(world, None)] + ([(2, pairs[rank // 2])] if pairs else []):
+        for nbytes in SIZES:
+            numel = max(size, nbytes // 4 // size * size)
+            t = torch.zeros(numel, device=device)
+            shard = torch.zeros(numel // size, device=device)
+            reps = 20 if nbytes < 2 ** 20 else 5
+            dist.barrier()
+            rows.append(("all_reduce", size, numel * 4, in_step(lambda: dist.all_reduce(t, group=group), reps)))
+            dist.barrier()
+            rows.append(("reduce_scatter", size, numel * 4,
+                         in_step(lambda: dist.reduce_scatter_tensor(shard, t, group=group), reps)))
+            dist.barrier()
+            rows.append(("all_gather", size, numel * 4,
+                         in_step(lambda: dist.all_gather_into_tensor(t, shard, group=group), reps)))
     out["collectives"] = rows
     say("p2p")
     p2p = []
@@ -225,4 +296,3 @@ def measure(rank: int, world: int, device, dtype, say: Callable[[str], None]) ->
                     dist.send(t, peer)
             p2p.append((t.numel() * 4, _median_time(ping, 10, sync) / 2))
     out["p2p"] = p2p
-    return out

@@ -1,6 +1,7 @@
 """Collective and point-to-point times under the α-β law, and which tier each mesh axis uses.
 
-Every collective costs ``steps * α + traffic / (bw * efficiency)`` (calculon's one-line law):
+Every collective costs ``call + steps * α + traffic / (bw * efficiency)`` (calculon's one-line
+law, plus a fixed cost per call: NCCL's base latency, CPU ranks' arrival skew):
 a ring all-reduce of ``n`` members moves ``2(n-1)/n`` of the buffer through each device in
 ``2(n-1)`` steps; reduce-scatter and all-gather move ``(n-1)/n`` in ``n-1`` steps; a
 (double binary) tree all-reduce moves ``2`` buffers in ``2 log2 n`` steps (NCCL's choice for
@@ -39,6 +40,8 @@ class Group:
     latency_s: float
     """α per collective step, s."""
     inter_node: bool
+    call_s: float = 0.0
+    """Fixed cost of one collective call, s (``LinkTier.call_latency_us``; not of a send)."""
     rs_factor: float = 1.0
     """A reduce-scatter's time over the ring formula's (``LinkTier.reduce_scatter_factor``)."""
 
@@ -50,12 +53,14 @@ def group(hw: HardwareProfile, size: int, inner: int = 1) -> Group:
     intra_p2p = (intra.p2p_bw_gbps or intra.bw_gbps) * 1e9 * intra.efficiency
     if size * inner <= hw.devices_per_node:
         return Group(size=size, bw_bytes_s=intra_bw, p2p_bytes_s=intra_p2p,
-                     latency_s=intra.latency_us * 1e-6, inter_node=False, rs_factor=intra.reduce_scatter_factor)
+                     latency_s=intra.latency_us * 1e-6, inter_node=False, rs_factor=intra.reduce_scatter_factor,
+                     call_s=intra.call_latency_us * 1e-6)
     per_node = max(1, min(size, hw.devices_per_node // inner))
     inter_bw = inter.bw_gbps * 1e9 * inter.efficiency
     inter_p2p = (inter.p2p_bw_gbps or inter.bw_gbps) * 1e9 * inter.efficiency
     return Group(size=size, bw_bytes_s=min(intra_bw, per_node * inter_bw), p2p_bytes_s=inter_p2p,
-                 latency_s=inter.latency_us * 1e-6, inter_node=True, rs_factor=inter.reduce_scatter_factor)
+                 latency_s=inter.latency_us * 1e-6, inter_node=True, rs_factor=inter.reduce_scatter_factor,
+                 call_s=inter.call_latency_us * 1e-6)
 
 
 def axis_groups(hw: HardwareProfile, strat: Strategy) -> dict[Axis, Group]:
@@ -125,20 +130,20 @@ def exposed_s(comm_s: float, window_s: float, hw: HardwareProfile) -> float:
 
 
 def all_reduce_s(nbytes: float, g: Group) -> float:
-    """Ring all-reduce of an ``nbytes`` buffer: 2(n-1)/n · bytes / bw + 2(n-1) α."""
+    """Ring all-reduce of an ``nbytes`` buffer: call + 2(n-1)/n · bytes / bw + 2(n-1) α."""
     n = g.size
     if n <= 1 or nbytes <= 0:
         return 0.0
-    return 2 * (n - 1) / n * nbytes / g.bw_bytes_s + 2 * (n - 1) * g.latency_s
+    return g.call_s + 2 * (n - 1) / n * nbytes / g.bw_bytes_s + 2 * (n - 1) * g.latency_s
 
 
 def tree_all_reduce_s(nbytes: float, g: Group) -> float:
-    """Double-binary-tree all-reduce: reduce up and broadcast down, 2 · bytes / bw
+    """Double-binary-tree all-reduce: reduce up and broadcast down, call + 2 · bytes / bw
     (pipelined) + 2 ⌈log2 n⌉ α."""
     n = g.size
     if n <= 1 or nbytes <= 0:
         return 0.0
-    return 2 * nbytes / g.bw_bytes_s + 2 * math.ceil(math.log2(n)) * g.latency_s
+    return g.call_s + 2 * nbytes / g.bw_bytes_s + 2 * math.ceil(math.log2(n)) * g.latency_s
 
 
 def best_all_reduce_s(nbytes: float, g: Group) -> float:
@@ -148,25 +153,25 @@ def best_all_reduce_s(nbytes: float, g: Group) -> float:
 
 def all_to_all_s(nbytes: float, g: Group) -> float:
     """Pairwise all-to-all of an ``nbytes`` buffer per device (expert dispatch or combine):
-    each device keeps 1/n and sends (n-1)/n, (n-1) α."""
+    each device keeps 1/n and sends (n-1)/n, call + (n-1) α."""
     n = g.size
     if n <= 1 or nbytes <= 0:
         return 0.0
-    return (n - 1) / n * nbytes / g.bw_bytes_s + (n - 1) * g.latency_s
+    return g.call_s + (n - 1) / n * nbytes / g.bw_bytes_s + (n - 1) * g.latency_s
 
 
 def reduce_scatter_s(nbytes: float, g: Group) -> float:
-    """Ring reduce-scatter of an ``nbytes`` buffer: (n-1)/n · bytes / bw + (n-1) α, times the
+    """Ring reduce-scatter of an ``nbytes`` buffer: call + (n-1)/n · bytes / bw + (n-1) α, times the
     tier's ``rs_factor`` (a backend whose reduce-scatter is no ring)."""
     return g.rs_factor * all_gather_s(nbytes, g)
 
 
 def all_gather_s(nbytes: float, g: Group) -> float:
-    """Ring all-gather producing an ``nbytes`` buffer: (n-1)/n · bytes / bw + (n-1) α."""
+    """Ring all-gather producing an ``nbytes`` buffer: call + (n-1)/n · bytes / bw + (n-1) α."""
     n = g.size
     if n <= 1 or nbytes <= 0:
         return 0.0
-    return (n - 1) / n * nbytes / g.bw_bytes_s + (n - 1) * g.latency_s
+    return g.call_s + (n - 1) / n * nbytes / g.bw_bytes_s + (n - 1) * g.latency_s
 
 
 def p2p_s(nbytes: float, g: Group) -> float:

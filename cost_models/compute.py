@@ -401,6 +401,16 @@ def dispatch_s(hw: HardwareProfile, strat: Strategy) -> float:
     return strat.recipe.kernels_per_block * hw.kernel_dispatch_us * 1e-6
 
 
+def tp_host_s(strat: Strategy, us: float) -> float:
+    """``us`` µs of host time that tensor parallelism adds to a forward and backward per
+    micro-batch where its modules are DTensor modules (``recipe.dtensor_parameters``), s; 0
+    without tp. The passes take a third in the forward, two in the backward, as
+    ``dispatch_s``'s kernels."""
+    if strat.mesh.tp == 1 or not strat.recipe.dtensor_parameters:
+        return 0.0
+    return us * 1e-6
+
+
 def with_host(host_s: float, device_s: float, hw: HardwareProfile) -> float:
     """A pass of ``device_s`` of kernels dispatched in ``host_s``: the larger where the device
     runs behind the host (``host_overlaps_device``), their sum where it runs on the host, s."""
@@ -433,7 +443,7 @@ def block_times(model: ModelProfile, hw: HardwareProfile, strat: Strategy) -> Pa
     cast_fwd, cast_bwd = fp8_cast_bytes(model, strat)
     moe = moe_traffic_bytes(model, strat)
     cast_fwd, cast_bwd = cast_fwd + moe, cast_bwd + moe
-    host = dispatch_s(hw, strat)
+    host = dispatch_s(hw, strat) + tp_host_s(strat, model.block_tp_linears * hw.tp_linear_us) / 3
     fwd = with_host(host, weights_s + core_s + memory_s(fwd_rest + fwd_core + cast_fwd, hw), hw)
     bwd = with_host(2 * host, weights_bwd + core_bwd + memory_s(bwd_rest + bwd_core + cast_bwd, hw), hw)
     mode = strat.recompute_run()
@@ -480,19 +490,24 @@ def wgrad_window_s(model: ModelProfile, hw: HardwareProfile, strat: Strategy) ->
 
 def first_times(model: ModelProfile, hw: HardwareProfile, strat: Strategy) -> PassTimes:
     """Embedding lookup (a gather: memory-bound), its dropout, and the gradient scatter-add:
-    forward traffic = embedding output (elem bytes) + mask, per micro-batch."""
+    forward traffic = embedding output (elem bytes) + mask, per micro-batch; under DTensor
+    tensor parallelism the vocab-parallel embedding's host time (``tp_host_s``)."""
     tokens = strat.tokens(model.seq)
     fwd = memory_s(tokens * model.hidden * (elem_bytes(strat) + 1), hw)
-    return PassTimes(forward_s=fwd, recompute_s=0.0, backward_s=2 * fwd)
+    host = tp_host_s(strat, hw.tp_linear_us)  # the vocab-parallel embedding: one row-parallel module
+    return PassTimes(forward_s=with_host(host / 3, fwd, hw), recompute_s=0.0,
+                     backward_s=with_host(2 * host / 3, 2 * fwd, hw))
 
 
 def last_times(model: ModelProfile, hw: HardwareProfile, strat: Strategy) -> PassTimes:
     """Final norm, output projection and cross-entropy: the projection GEMM at its shape's
     efficiency plus the fp32 logits written, read by the softmax and written back as
-    probabilities (3 x 4 s b V / tp); backward runs the GEMM's two gradients."""
+    probabilities (3 x 4 s b V / tp); backward runs the GEMM's two gradients. Under DTensor
+    tensor parallelism the vocab-parallel head and loss add the profile's ``tp_loss_us``."""
     tokens = strat.tokens(model.seq)
     flops = tokens * model.head_flops_per_token / strat.mesh.tp
     g = [Gemm(batch=1, m=tokens, n=model.vocab / strat.mesh.tp, k=model.hidden)]
     logits = memory_s(3 * tokens * model.vocab / strat.mesh.tp * 4, hw)
-    return PassTimes(forward_s=_scaled_s(g, flops, hw, strat) + logits, recompute_s=0.0,
-                     backward_s=_scaled_s(g, flops, hw, strat, backward=True) + logits)
+    host = tp_host_s(strat, hw.tp_loss_us)
+    return PassTimes(forward_s=with_host(host / 3, _scaled_s(g, flops, hw, strat) + logits, hw), recompute_s=0.0,
+                     backward_s=with_host(2 * host / 3, _scaled_s(g, flops, hw, strat, backward=True) + logits, hw))

@@ -26,6 +26,10 @@ class LinkTier:
     """Achievable per-device bus bandwidth of a ring collective over this tier, GB/s."""
     latency_us: float
     """α: fixed cost of one collective step over this tier, µs."""
+    call_latency_us: float = 0.0
+    """Fixed cost of one collective call over this tier whatever its steps, µs: its members'
+    arrival skew and the call's own setup (NCCL's tuner's base latency beside its per-hop one;
+    on CPU ranks sharing cores, the wait for a descheduled peer). 0: none measured."""
     efficiency: float = 1.0
     """Fraction of ``bw_gbps`` reached by the collectives the runtime issues (calibrated)."""
     p2p_bw_gbps: float = 0.0
@@ -107,6 +111,15 @@ class HardwareProfile:
     """Host time a DTensor parameter adds to the optimizer step over a plain tensor's, µs per
     parameter tensor (DTensor's dispatch of each of the step's operators; 0: not measured).
     The autopar runtime's parameters are DTensors under FSDP2 and tensor parallelism."""
+    tp_linear_us: float = 0.0
+    """Host time tensor parallelism adds to one split Linear's forward and backward per
+    micro-batch where its weights are DTensors (``recipe.dtensor_parameters``: DTensor's
+    dispatch, sharding propagation and redistribution around each ColwiseParallel and
+    RowwiseParallel module; collectives excluded), µs; it adds to the passes where the host runs
+    the operators (``host_overlaps_device`` false) and bounds them from below where it does
+    not. 0: not measured."""
+    tp_loss_us: float = 0.0
+    """The same for the vocab-parallel head and loss (``loss_parallel``), µs per micro-batch."""
     fsdp_hook_us: float = 0.0
     """Host time of FSDP2's hooks around one parameter group's forward and backward (unshard,
     reshard, gradient hand-off; collectives excluded), µs per group and micro-batch: it adds
@@ -235,6 +248,8 @@ _RANGES: dict[str, tuple[float, float, str]] = {
     "kernel_dispatch_us": (0.0, 1e6, "µs"),
     "dtensor_optimizer_us": (0.0, 1e6, "µs"),
     "fsdp_hook_us": (0.0, 1e6, "µs"),
+    "tp_linear_us": (0.0, 1e6, "µs"),
+    "tp_loss_us": (0.0, 1e6, "µs"),
     "host_memory_gib": (0.0, 1 << 20, "GiB"),
     "host_link_bw_gbps": (0.0, 1e6, "GB/s"),
     "host_optimizer_gbps": (0.0, 1e6, "GB/s"),
@@ -242,6 +257,7 @@ _RANGES: dict[str, tuple[float, float, str]] = {
     "ranks_per_core": (1.0, 1024.0, "(ranks per compute unit)"),
     "bw_gbps": (_LO, 1e6, "GB/s"),
     "latency_us": (0.0, 1e7, "µs"),
+    "call_latency_us": (0.0, 1e7, "µs"),
     "efficiency": (_EFF, 1.0, "(a fraction)"),
     "p2p_bw_gbps": (0.0, 1e6, "GB/s (0: bw_gbps)"),
     "reduce_scatter_factor": (0.1, 10.0, "(a ratio to the ring formula)"),

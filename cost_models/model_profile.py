@@ -106,6 +106,9 @@ class ModelProfile:
     """Parameter tensors of the embedding side: the tables its lookups read."""
     head_param_tensors: int = 0
     """Parameter tensors outside the blocks and the embedding tables (final norm, head)."""
+    block_tp_linears: int = 0
+    """Linear modules of one block that tensor parallelism splits (column- and row-parallel:
+    4 to 7 in a dense block), each a DTensor module under the autopar runtime (0: not traced)."""
 
     lead: ModelProfile | None = None
     """The dense blocks before the repeated ones, as a profile of their own (``layers``: how

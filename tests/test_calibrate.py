@@ -163,6 +163,29 @@ def test_gpu_profile_counts_each_kernel_once_under_its_operator():
     assert got["other"] == pytest.approx(20e-6)  # the gelu; the foreach add is the optimizer's
 
 
+def test_a_dtensor_gemm_counts_its_flops_once():
+    """Under tensor parallelism DTensor's ``aten::mm`` dispatches ``aten::mm`` on the local
+    shard; the profiler gives both the shard's FLOPs. The rate is the GEMMs' own: once."""
+    from types import SimpleNamespace
+
+    import torch
+    from torch.autograd import DeviceType
+
+    from autopar.runtime import phases
+
+    def event(name: str, us: float, flops: float = 0.0, children=()):
+        return SimpleNamespace(name=name, device_type=DeviceType.CPU, self_device_time_total=us,
+                               device_time_total=us + sum(c.device_time_total for c in children), flops=flops,
+                               cpu_children=list(children))
+    inner = event("aten::mm", 300.0, flops=6e9)
+    python = event("PythonSubclass", 40.0, children=[inner])
+    outer = event("aten::mm", 10.0, flops=6e9, children=[python])
+    plain = event("aten::addmm", 200.0, flops=4e9)
+    prof = SimpleNamespace(events=lambda: [outer, python, inner, plain])
+    got = phases.summary(prof, 1, torch.device("cuda"))  # type: ignore[arg-type]
+    assert got["gemm_flops"] == 10e9 and got["gemm"] == pytest.approx(510e-6)
+
+
 def test_plan_quality_reports_how_well_its_rounds_agree():
     """The benchmark's noise ceiling: rounds that rank the plans alike agree at Spearman 1
     (an error-free model could reach 1), rounds that rank them in reverse at -1 (ceiling 0),

@@ -1046,6 +1046,40 @@ def test_fsdp_hooks_add_per_group_and_micro_batch_where_the_host_runs_the_operat
     assert _cpu_step(streams, 3) == _cpu_step(dataclasses.replace(base, host_overlaps_device=True), 3)
 
 
+def test_dtensor_tensor_parallelism_adds_its_host_time_per_split_linear_and_loss():
+    """Under DTensor TP (the autopar recipe) each split Linear of a block pays ``tp_linear_us``
+    per micro-batch (a GPT block has 6: q, k, v, o, up, down; a third in the forward), the
+    embedding one more, the vocab-parallel head and loss ``tp_loss_us``; nothing at tp 1 or
+    where the weights are plain tensors (Megatron)."""
+    from autopar.trace.profile import profile_spec as traced
+    model = traced(parse_model_spec("gpt:layers=4,hidden=128,heads=4,vocab=512,seq=64,tied=0"))
+    assert model.block_tp_linears == 6
+    base = dataclasses.replace(CPU, tp_linear_us=0.0, tp_loss_us=0.0)
+    slow = dataclasses.replace(CPU, tp_linear_us=1000.0, tp_loss_us=5000.0)
+    tp2 = Strategy(recipe=load_recipe("autopar"), mesh=Degrees(dp=2, tp=2), micro_batch=4, num_microbatches=2,
+                   dtype="fp32")
+    fast_block, slow_block = (compute.block_times(model, hw, tp2) for hw in (base, slow))
+    assert slow_block.forward_s - fast_block.forward_s == pytest.approx(6e-3 / 3)
+    assert slow_block.backward_s - fast_block.backward_s == pytest.approx(2 * 6e-3 / 3)
+    step = lambda hw, st: estimate(model, hw, st, global_batch=16).step_time_s  # noqa: E731
+    assert step(slow, tp2) - step(base, tp2) == pytest.approx(2 * (4 * 6e-3 + 1e-3 + 5e-3), rel=1e-6)  # 2 micro-batches
+    for other in (dataclasses.replace(tp2, mesh=Degrees(dp=2)), dataclasses.replace(tp2, recipe=MC)):
+        assert step(slow, other) == step(base, other)
+
+
+def test_a_collective_pays_its_call_latency_once_whatever_its_steps():
+    """``call_latency_us`` adds once to every collective (ring or tree all-reduce, all-gather,
+    reduce-scatter, all-to-all), never to a send."""
+    g = comm.Group(size=4, bw_bytes_s=1e9, p2p_bytes_s=1e9, latency_s=1e-3, inter_node=False)
+    c = dataclasses.replace(g, call_s=5e-3)
+    for f in (comm.all_reduce_s, comm.tree_all_reduce_s, comm.all_gather_s, comm.all_to_all_s):
+        assert f(1e6, c) - f(1e6, g) == pytest.approx(5e-3)
+    assert comm.reduce_scatter_s(1e6, c) - comm.reduce_scatter_s(1e6, g) == pytest.approx(5e-3)
+    assert comm.p2p_s(1e6, c) == comm.p2p_s(1e6, g)
+    tier = dataclasses.replace(CPU.intra_node, call_latency_us=700.0)
+    assert comm.group(dataclasses.replace(CPU, intra_node=tier), 2).call_s == pytest.approx(700e-6)
+
+
 def test_vocab_parallel_loss_costs_three_small_all_reduces_under_tp():
     """Megatron's vocab-parallel cross-entropy and torch's loss_parallel all-reduce the logits'
     maximum, sum of exponentials and target logit: one fp32 value per token each."""

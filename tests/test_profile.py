@@ -21,21 +21,41 @@ runner = CliRunner()
                                                   (1e-3, 2e9, 2, 2.0), (700e-6, 1e9, 4, 1.7)])
 def test_fit_recovers_alpha_beta_and_reduce_scatter_factor_of_the_cost_models_formulas(alpha, beta, world, rs):
     g = comm.Group(size=world, bw_bytes_s=beta, p2p_bytes_s=beta, latency_s=alpha, inter_node=False, rs_factor=rs)
-    rows = [(kind, b, f(b, g) * (1 + 0.02 * ((i % 3) - 1)))  # ±2 % noise
+    rows = [(kind, world, b, f(b, g) * (1 + 0.02 * ((i % 3) - 1)))  # ±2 % noise
             for i, b in enumerate(SIZES)
             for kind, f in (("all_reduce", comm.all_reduce_s), ("reduce_scatter", comm.reduce_scatter_s),
                             ("all_gather", comm.all_gather_s))]
-    a, b, f = fit_collectives(rows, world)
+    call, a, b, f = fit_collectives(rows)
+    assert call == 0.0  # one group size cannot tell a call's cost from its steps'
     assert math.isclose(a, alpha, rel_tol=0.05) and math.isclose(b, beta, rel_tol=0.05)
     assert math.isclose(f, rs, rel_tol=0.05)
+
+
+@pytest.mark.parametrize("call", [0.0, 2e-3])
+def test_two_group_sizes_tell_a_calls_fixed_cost_from_its_steps(call):
+    """CPU ranks on shared cores reach each collective skewed: a fixed cost per call beside α
+    per ring step. Collectives over 4 ranks (6 steps of an all-reduce) and over pairs side by
+    side (2 steps) separate the two; the fit recovers both and β."""
+    alpha, beta = 0.9e-3, 1e9
+    rows = []
+    for size in (4, 2):
+        g = comm.Group(size=size, bw_bytes_s=beta, p2p_bytes_s=beta, latency_s=alpha, inter_node=False,
+                       call_s=call, rs_factor=2.0)
+        rows += [(kind, size, b, f(b, g) * (1 + 0.02 * ((i % 3) - 1)))
+                 for i, b in enumerate(SIZES)
+                 for kind, f in (("all_reduce", comm.all_reduce_s), ("reduce_scatter", comm.reduce_scatter_s),
+                                 ("all_gather", comm.all_gather_s))]
+    c, a, b, f = fit_collectives(rows)
+    assert c == pytest.approx(call, abs=0.1e-3) and a == pytest.approx(alpha, rel=0.1)
+    assert b == pytest.approx(beta, rel=0.05) and f == pytest.approx(2.0, rel=0.05)
 
 
 def test_times_that_show_no_bandwidth_give_a_finite_bound_the_profile_accepts():
     """On a loaded machine every collective can take the same time whatever its size: the fit
     then finds no bandwidth term, and β leaves ``BANDWIDTH_FLOOR`` of the largest transfer's
     time to its bytes, not infinity (which no profile accepts)."""
-    rows = [(kind, b, 2e-3) for b in SIZES for kind in ("all_reduce", "all_gather", "reduce_scatter")]
-    a, b, _ = fit_collectives(rows, 4)
+    rows = [(kind, 4, b, 2e-3) for b in SIZES for kind in ("all_reduce", "all_gather", "reduce_scatter")]
+    _, a, b, _ = fit_collectives(rows)
     largest = comm.all_reduce_s(SIZES[-1], comm.Group(size=4, bw_bytes_s=1.0, p2p_bytes_s=1.0, latency_s=0.0,
                                                       inter_node=False))
     assert b == pytest.approx(largest / (BANDWIDTH_FLOOR * 2e-3)) and 0 < b / 1e9 < 1e6 and a >= 0
@@ -49,7 +69,7 @@ def test_times_that_show_no_latency_give_the_floor_not_zero():
     unit = comm.Group(size=4, bw_bytes_s=beta, p2p_bytes_s=beta, latency_s=0.0, inter_node=False)
     steps = comm.Group(size=4, bw_bytes_s=float("inf"), p2p_bytes_s=float("inf"), latency_s=1.0, inter_node=False)
     ops = {"all_reduce": comm.all_reduce_s, "all_gather": comm.all_gather_s}
-    a, b, _ = fit_collectives([(kind, n, ops[kind](n, unit)) for n in SIZES for kind in ops], 4)
+    _, a, b, _ = fit_collectives([(kind, 4, n, ops[kind](n, unit)) for n in SIZES for kind in ops])
     assert b == pytest.approx(beta, rel=1e-6)
     assert a == pytest.approx(LATENCY_FLOOR * comm.all_gather_s(SIZES[0], unit) / comm.all_gather_s(SIZES[0], steps))
 
@@ -136,7 +156,7 @@ def test_one_rank_profile_takes_its_links_from_the_named_profile():
     from autopar.profile import build_profile, links_profile, with_links
     from cost_models.hardware import profile_from_dict
     rank = {"peak": 7e14, "shaped": [5e14, 6e14], "attention": 4e14, "bw": 3e12, "dispatch": 5e-6,
-            "dtensor": 1e-4, "hooks": 2e-4, "collectives": [], "p2p": []}
+            "dtensor": 1e-4, "hooks": 2e-4, "tp_linear": 3e-4, "tp_loss": 2e-3, "collectives": [], "p2p": []}
     alone = build_profile([rank], 1, 16, "cpu", "bf16", "one", "autopar profile --ranks 1 --links dgx-h100")
     assert "intra_node" not in alone and "intra_node" not in alone["notes"]  # nothing measured, nothing said
     shipped = links_profile("dgx-h100")

@@ -4,8 +4,9 @@ Every microsecond a rank's training thread spends inside an operator is the self
 exactly one profiler event, so summing self times by operator kind splits the step:
 
 - ``gemm``: weight and batched matrix products (``aten::mm``, ``addmm``, ``bmm`` ...), with the
-  FLOPs the profiler counts for them (``with_flops``): their rate is the GEMM throughput the
-  rank reached inside the real program, at its shapes, with its neighbours running;
+  FLOPs the profiler counts for them (``with_flops``; a DTensor's GEMM once, on its shard): their
+  rate is the GEMM throughput the rank reached inside the real program, at its shapes, with its
+  neighbours running;
 - ``attention``: the fused attention kernels (``scaled_dot_product_*``);
 - ``optimizer``: the optimizer step, its children included (``Optimizer.step#…``);
 - ``comm``: collective calls on the training thread (``c10d::…``: enqueue, or the whole
@@ -137,11 +138,24 @@ def summary(prof: profile, steps: int, device: torch.device) -> dict[str, float]
             continue
         kind = _kind(evt.name)
         out[kind] += (evt.self_device_time_total if cuda else evt.self_cpu_time_total) * 1e-6
-        if kind == "gemm":
+        if kind == "gemm" and not _wraps_gemm(evt):
             out["gemm_flops"] += float(evt.flops or 0)
     out["other"] = max(0.0, out["other"] - nested)
     per_step = {k: v / steps for k, v in out.items()}
     return {**per_step, "peak_delta_bytes": 0.0 if cuda else _peak_delta(prof)}
+
+
+def _wraps_gemm(evt) -> bool:
+    """Whether a GEMM runs beneath ``evt``: a DTensor's ``aten::mm`` dispatches the same
+    ``aten::mm`` on its local shard, and the profiler counts the FLOPs of both (the self time
+    lands on the inner one)."""
+    stack = list(getattr(evt, "cpu_children", ()))
+    while stack:
+        child = stack.pop()
+        if child.name in GEMM_OPS:
+            return True
+        stack.extend(getattr(child, "cpu_children", ()))
+    return False
 
 
 def _walk(nodes: Iterable) -> Iterator:

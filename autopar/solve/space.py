@@ -152,7 +152,7 @@ def _lead_modes(model: ModelProfile, modes: tuple[int, ...]) -> tuple[str, ...]:
 def _no_better(a: Group, b: Group) -> bool:
     """Group ``a`` is nowhere faster than ``b`` (every collective takes at least as long)."""
     return a.bw_bytes_s <= b.bw_bytes_s and a.p2p_bytes_s <= b.p2p_bytes_s \
-        and a.latency_s >= b.latency_s
+        and a.latency_s >= b.latency_s and a.call_s >= b.call_s
 
 
 def axis_orders(hw: HardwareProfile, degrees: Degrees,
@@ -201,7 +201,8 @@ def order_free_hardware(hw: HardwareProfile, degrees: Degrees) -> tuple[Hardware
         best_p2p = max(wide.p2p_bw_gbps * wide.efficiency,
                        (intra.p2p_bw_gbps or intra.bw_gbps) * intra.efficiency) / wide.efficiency
         wide = replace(wide, bw_gbps=best, p2p_bw_gbps=best_p2p,
-                       latency_us=min(wide.latency_us, intra.latency_us))
+                       latency_us=min(wide.latency_us, intra.latency_us),
+                       call_latency_us=min(wide.call_latency_us, intra.call_latency_us))
     nodes = math.prod(degrees[ax] for ax in small)
     return replace(hw, devices_per_node=nodes, inter_node=wide), order
 
