@@ -86,6 +86,7 @@ def test_nanoGPT_prices_as_the_builtin_gpt_of_its_shape():
     builtin = profile_spec(spec)
     recipe = {f.name for f in dataclasses.fields(user) if f.name.startswith("block_act_bytes")}
     assert (user.block_param_tensors, builtin.block_param_tensors) == (12, 16)
+    assert (user.block_tp_linears, builtin.block_tp_linears) == (4, 6)  # c_attn holds q, k and v
     # Under autocast both keep their two norms' inputs in fp32 (4 h); the built-in's separate
     # q, k, v each keep a bf16 cast of the norm's output (2 more: 4 h), nanoGPT's c_attn one.
     assert (user.autocast_act_bytes_per_token, builtin.autocast_act_bytes_per_token) == (4 * 64, 8 * 64)
@@ -100,7 +101,8 @@ def test_nanoGPT_prices_as_the_builtin_gpt_of_its_shape():
         2 * 5 * h * h, 2 * 6 * h * h)
     op = {"op_kept_sharded_bytes_per_token", "op_recompute_flops_per_token"}
     for f in dataclasses.fields(user):
-        if f.name not in recipe | op | {"name", "block_param_tensors", "autocast_act_bytes_per_token"}:
+        if f.name not in recipe | op | {"name", "block_param_tensors", "block_tp_linears",
+                                        "autocast_act_bytes_per_token"}:
             assert getattr(user, f.name) == getattr(builtin, f.name), f.name
 
 
