@@ -10,11 +10,12 @@ sees while the others run. Each rank times (medians of repeats):
 - the host time of a tiny built-in block's forward and backward, per kernel the cost model
   counts for it (``kernels_per_block``: the per-kernel dispatch floor; on CPU ranks it adds to
   every pass, ``host_overlaps_device`` false), and what a DTensor parameter adds to an AdamW
-  step (``dtensor_optimizer_us``), and what FSDP2's hooks add per parameter group and
-  micro-batch (``fsdp_hook_us``);
-- all-reduce, reduce-scatter and all-gather over the whole group at message sizes from 4 B to
-  16 MiB (on CPU ranks each right after a block's worth of GEMMs, as a step meets it), and
-  point-to-point send/recv between pairs.
+  step (``dtensor_optimizer_us``), what FSDP2's hooks add per parameter group and
+  micro-batch (``fsdp_hook_us``), and what DTensor tensor parallelism adds per split Linear
+  and to the vocab-parallel head and loss (``tp_linear_us``, ``tp_loss_us``);
+- all-reduce, reduce-scatter and all-gather over the whole group, and over pairs side by side
+  (4 or more ranks), at message sizes from 4 B to 16 MiB (on CPU ranks each right after a
+  block's worth of GEMMs, as a step meets it), and point-to-point send/recv between pairs.
 
 Then a reference transformer (``REFERENCE``: a small GPT, data-parallel over every rank) trains
 a few steps under the new profile and ``autopar.calibrate`` refits its efficiencies to it (the
@@ -23,9 +24,10 @@ host time of small operators lands): micro-benchmarks miss what a real step does
 GEMMs. The user's own plans are out of sample; ``autopar calibrate PLAN`` fits one of them.
 
 The all-reduces and all-gathers are fitted, by non-negative least squares over every size at
-once, to the cost model's own α-β formulas (``cost_models.comm``): t = a(n, bytes)·α +
+once, to the cost model's own formulas (``cost_models.comm``): t = c + a(n, bytes)·α +
 b(n, bytes)/β, where a and b are what those formulas give for α = 1 s, β = ∞ and for α = 0,
-β = 1 B/s; the reduce-scatters give the tier's ``reduce_scatter_factor`` over that law. The
+β = 1 B/s, and c the fixed cost of a call (fitted where two group sizes tell it from the
+steps'); the reduce-scatters give the tier's ``reduce_scatter_factor`` over that law. The
 point-to-point bandwidth is the slope of send/recv time over bytes. Rank 0 writes the profile
 (the shipped format, ``cost_models.hardware``) with each figure's source in its notes.
 """
