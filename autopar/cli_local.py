@@ -71,6 +71,9 @@ def profile(ranks: int = typer.Option(4, "--ranks", help="Processes to measure a
                            ("optimizer efficiency (reference run)", round(result["optimizer_memory_efficiency"], 4)),
                            ("dispatch us/op", result["kernel_dispatch_us"]),
                            ("TP host us per split Linear", result["tp_linear_us"]),
+                           ("FSDP2 hooks us per group", result["fsdp_hook_us"]),
+                           ("pipeline host us per chunk (zero-bubble: per block)",
+                            f"{result['pp_chunk_us']} ({result['zb_block_us']})"),
                            ("collective us per call", tier.get("call_latency_us", 0.0)),
                            ("collective alpha us/step", tier["latency_us"]), ("bus GB/s", tier["bw_gbps"]),
                            ("p2p GB/s", tier["p2p_bw_gbps"])):

@@ -11,8 +11,10 @@ sees while the others run. Each rank times (medians of repeats):
   counts for it (``kernels_per_block``: the per-kernel dispatch floor; on CPU ranks it adds to
   every pass, ``host_overlaps_device`` false), and what a DTensor parameter adds to an AdamW
   step (``dtensor_optimizer_us``), what FSDP2's hooks add per parameter group and
-  micro-batch (``fsdp_hook_us``), and what DTensor tensor parallelism adds per split Linear
-  and to the vocab-parallel head and loss (``tp_linear_us``, ``tp_loss_us``);
+  micro-batch (``fsdp_hook_us``), what DTensor tensor parallelism adds per split Linear
+  and to the vocab-parallel head and loss (``tp_linear_us``, ``tp_loss_us``), and what
+  ``torch.distributed.pipelining``'s schedules add per model chunk and, under zero-bubble,
+  per block (``pp_chunk_us``, ``zb_block_us``);
 - all-reduce, reduce-scatter and all-gather over the whole group, and over pairs side by side
   (4 or more ranks), at message sizes from 4 B to 16 MiB (on CPU ranks each right after a
   block's worth of GEMMs, as a step meets it), and point-to-point send/recv between pairs.
@@ -49,14 +51,15 @@ import numpy as np
 
 from autopar.errors import UserError
 from autopar.profile_bench import (ADD_ELEMENTS, ATTENTION, BURST_GEMMS, DISPATCH_BLOCK, DISPATCH_RECIPE,
-                                   HOOK_GROUPS, OPTIMIZER_TENSORS, SHAPES, TP_DEPTHS, measure)
+                                   HOOK_GROUPS, HOOK_SECONDS, OPTIMIZER_TENSORS, PIPE_DEPTH, PIPE_MICROBATCHES,
+                                   PIPE_SECONDS, SHAPES, TP_DEPTHS, TP_SECONDS, measure)
 from cost_models.recipe import load_recipe
 
 if TYPE_CHECKING:
     from autopar.plan import Plan
     from cost_models import HardwareProfile
 
-PHASES = ("gemm", "memory", "dispatch", "collectives", "p2p", "reference")
+PHASES = ("gemm", "memory", "dispatch", "collectives", "p2p", "pipeline", "reference")
 REFERENCE = {"cpu": ("gpt:layers=4,hidden=256,heads=4,vocab=1024,seq=128,tied=0", 4),
              "cuda": ("gpt:layers=8,hidden=2048,heads=16,vocab=32000,seq=2048,tied=0", 2)}
 """The reference transformer per device type and its micro-batch per rank (one micro-batch)."""
@@ -176,6 +179,8 @@ def build_profile(results: list[dict], world: int, threads: int, device: str, dt
         "fsdp_hook_us": round(med("hooks") * 1e6, 2),
         "tp_linear_us": round(med("tp_linear") * 1e6, 2),
         "tp_loss_us": round(med("tp_loss") * 1e6, 2),
+        "pp_chunk_us": round(med("pp_chunk") * 1e6, 2),
+        "zb_block_us": round(med("zb_block") * 1e6, 2),
         "host_overlaps_device": device == "cuda",
         "ranks_per_core": 1.0 if device == "cuda" else round(max(1.0, world * threads / (os.cpu_count() or 1)), 3),
         "launcher": "nccl" if device == "cuda" else "gloo",
@@ -194,14 +199,23 @@ def build_profile(results: list[dict], world: int, threads: int, device: str, dt
             "kernel_dispatch_us": (f"median host time of a forward and backward of {DISPATCH_BLOCK!r}'s block "
                                    f"over 3 x the {DISPATCH_RECIPE} recipe's kernels_per_block"),
             "host_overlaps_device": "CUDA kernels run behind the host; CPU operators on the thread dispatching them",
-            "fsdp_hook_us": (f"median over ranks of (a forward and backward of {HOOK_GROUPS} Linear(8, 8) blocks, "
-                             "each an FSDP2 fully_shard group over the rank alone, weights kept gathered and "
-                             "gradients unsynchronised - the same unwrapped) / "
-                             f"{HOOK_GROUPS + 1} groups (autopar.profile_bench._fsdp_hook_s)"),
+            "fsdp_hook_us": (f"median over ranks of (a forward and backward of {HOOK_GROUPS} {DISPATCH_BLOCK!r} "
+                             "blocks, each an FSDP2 fully_shard group over the rank alone, weights kept gathered and "
+                             "gradients unsynchronised - the same unwrapped, alternated for "
+                             f"{HOOK_SECONDS:g} s on every rank at once) / {HOOK_GROUPS + 1} groups "
+                             "(autopar.profile_bench._fsdp_hook_s)"),
+            "pp_chunk_us": (f"median over ranks of (ScheduleInterleaved1F1B over two chunks of {PIPE_DEPTH} "
+                            f"{DISPATCH_BLOCK!r} blocks, a pipeline over the rank alone, at {PIPE_MICROBATCHES} "
+                            "micro-batches - the same passes looped, alternated for "
+                            f"{PIPE_SECONDS:g} s on every rank at once) per chunk and micro-batch "
+                            "(autopar.profile_bench._pipeline_host_s)"),
+            "zb_block_us": ("the same of ScheduleInterleavedZeroBubble over ScheduleInterleaved1F1B, per block and "
+                            "micro-batch"),
             "ranks_per_core": "ranks x threads each over the machine's cores (os.cpu_count), at least 1; 1 on GPUs",
             "tp_linear_us": (f"median over ranks of what autopar.runtime.parallelize.apply_tensor_parallel adds to "
                              f"a forward and backward of {DISPATCH_BLOCK!r} at {TP_DEPTHS[0]} and {TP_DEPTHS[-1]} "
-                             "blocks (split over a mesh of the rank alone, against the same unsplit, alternated): "
+                             "blocks (split over a mesh of the rank alone, against the same unsplit, alternated for "
+                             f"{TP_SECONDS:g} s per depth on every rank at once): "
                              "the slope per block over its split Linears (autopar.profile_bench._tp_host_s)"),
             "tp_loss_us": ("the same at no block less one split module (the embedding): the vocab-parallel head "
                            "and loss_parallel's cross-entropy"),

@@ -1,7 +1,8 @@
 """What each rank of ``autopar profile`` times (``autopar.profile`` starts the ranks, fits and
 writes the profile): GEMMs, fused attention, an element-wise add, the host time per kernel, a
-DTensor optimizer step, FSDP2's hooks, tensor parallelism's DTensor modules, collectives (over
-every rank, and over pairs side by side) and point-to-point transfers. Seconds, bytes and
+DTensor optimizer step, FSDP2's hooks, tensor parallelism's DTensor modules, the pipeline
+schedules' own host time, collectives (over every rank, and over pairs side by side) and
+point-to-point transfers. Seconds, bytes and
 FLOP/s; medians of repeats."""
 
 from __future__ import annotations
@@ -29,12 +30,23 @@ ATTENTION = {"cpu": (4, 4, 512, 32), "cuda": (2, 16, 4096, 128)}
 fused attention kernel's efficiency (``_attention_rate``)."""
 TP_DEPTHS = (2, 6)
 """Blocks of the two tiny models whose split and unsplit passes time ``tp_linear_us``."""
-TP_REPEATS = 40
-"""Alternated split / unsplit passes timed per depth for ``tp_linear_us``."""
+TP_SECONDS = 3.0
+TP_INNER = 4
+"""Seconds of alternated samples of split and unsplit passes per depth, and passes per
+sample, that time ``tp_linear_us`` (``_excess``)."""
 HOOK_GROUPS = 8
 """Blocks, each an FSDP2 group, of the model whose passes time ``fsdp_hook_us``."""
-HOOK_REPEATS = 200
-"""Alternated wrapped / plain passes timed for ``fsdp_hook_us``."""
+HOOK_SECONDS = 4.0
+HOOK_INNER = 10
+"""Seconds of alternated samples of wrapped and plain passes, and passes per sample, that time
+``fsdp_hook_us`` (``_excess``)."""
+PIPE_DEPTH = 2
+"""Blocks per model chunk of the tiny pipelines that time ``pp_chunk_us`` and ``zb_block_us``."""
+PIPE_MICROBATCHES = 4
+PIPE_SECONDS = 4.0
+PIPE_INNER = 4
+"""Seconds of alternated samples per schedule, and steps per sample, that time ``pp_chunk_us``
+and ``zb_block_us`` (``_excess``)."""
 SHAPES = {"cpu": ((512, 128, 384), (512, 128, 512), (512, 512, 128), (2048, 512, 2048), (2048, 2048, 512)),
           "cuda": ((8192, 2048, 6144), (8192, 2048, 8192), (8192, 8192, 2048), (8192, 4096, 16384),
                    (8192, 16384, 4096))}
@@ -105,42 +117,103 @@ def _dtensor_step_s(device, world: int, sync: Callable[[], None]) -> float:
     return max(0.0, step_s(True) - step_s(False)) / OPTIMIZER_TENSORS
 
 
+def _excess(fn: Callable[[], object], base: Callable[[], object], seconds: float, inner: int,
+            sync: Callable[[], None]) -> float:
+    """Median over samples of what ``inner`` calls of ``fn`` take over as many of ``base``, per
+    call, s. The two alternate, so that both meet the same contention from the peers on shared
+    cores, and every rank samples for the same ``seconds`` from a barrier, so that all ranks
+    stay busy to the end (a rank done early would leave its share of the cores to the rest).
+    Several calls a sample: one call of a few ms, preempted or not by luck, spread the figure
+    3x. Collective: every rank calls it."""
+    import torch.distributed as dist
+
+    def run(f: Callable[[], object]) -> float:
+        t = time.perf_counter()
+        for _ in range(inner):
+            f()
+        sync()
+        return (time.perf_counter() - t) / inner
+
+    run(fn), run(base)
+    dist.barrier()
+    end, samples = time.perf_counter() + seconds, list[float]()
+    while time.perf_counter() < end or len(samples) < 3:
+        samples.append(run(fn) - run(base))
+    return statistics.median(samples)
+
+
+def _tiny_blocks(depth: int, device):
+    """``depth`` tiny built-in Llama blocks (``DISPATCH_BLOCK``) in a ``Sequential``."""
+    import torch
+    from autopar.model import Block
+    from autopar.spec import parse_model_spec
+    spec = parse_model_spec(DISPATCH_BLOCK)
+    return torch.nn.Sequential(*(Block(spec) for _ in range(depth))).to(device)
+
+
 def _fsdp_hook_s(device, world: int, sync: Callable[[], None]) -> float:
     """Host time of FSDP2's hooks per parameter group and micro-batch (forward and backward), s:
-    ``HOOK_GROUPS`` tiny blocks each wrapped by ``fully_shard``, weights kept gathered and
+    ``HOOK_GROUPS`` tiny Llama blocks (``DISPATCH_BLOCK``: a group's tensors and the hooks on
+    its inputs as the runtime's) each wrapped by ``fully_shard``, weights kept gathered and
     gradients unsynchronised (a pipeline's or an accumulation's inner micro-batch: no
-    collective runs), against the same blocks unwrapped, over one more group (the root). Each
-    rank shards over a group of its own, so the figure is the hooks' and not the peers'.
-    Collective: every rank calls it."""
+    collective runs), against the same blocks unwrapped (``_excess``), over one more group
+    (the root). Each rank shards over a group of its own, so the figure is the hooks' and not
+    the peers'. Collective: every rank calls it."""
     import torch
     import torch.distributed as dist
     from torch.distributed.device_mesh import DeviceMesh
     from torch.distributed.fsdp import fully_shard
     groups = [dist.new_group([r]) for r in range(world)]
     mesh = DeviceMesh.from_group(groups[dist.get_rank()], device.type)
-    x = torch.randn(2, 8, device=device)
-
-    def blocks() -> torch.nn.Sequential:
-        return torch.nn.Sequential(*(torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.ReLU())
-                                     for _ in range(HOOK_GROUPS))).to(device)
-
-    plain, wrapped = blocks(), blocks()
+    x = torch.randn(1, 4, 8, device=device)
+    plain, wrapped = _tiny_blocks(HOOK_GROUPS, device), _tiny_blocks(HOOK_GROUPS, device)
     for block in wrapped:
         fully_shard(block, mesh=mesh, reshard_after_forward=False)
     root = fully_shard(wrapped, mesh=mesh, reshard_after_forward=False)
     root.set_requires_gradient_sync(False)
     root.set_reshard_after_backward(False)
+    extra = _excess(lambda: wrapped(x).sum().backward(), lambda: plain(x).sum().backward(), HOOK_SECONDS,
+                    HOOK_INNER, sync)
+    return max(0.0, extra) / (HOOK_GROUPS + 1)
 
-    def once(m: torch.nn.Module) -> float:
-        t = time.perf_counter()
-        m(x).sum().backward()
-        sync()
-        return time.perf_counter() - t
 
-    once(plain), once(wrapped)
-    # alternated, so both see the same contention from the peers on shared cores
-    extra = [once(wrapped) - once(plain) for _ in range(HOOK_REPEATS)]
-    return max(0.0, statistics.median(extra)) / (HOOK_GROUPS + 1)
+def _pipeline_host_s(device, world: int, sync: Callable[[], None]) -> tuple[float, float]:
+    """(per model chunk, per block under the zero-bubble schedule) host time per micro-batch
+    that ``torch.distributed.pipelining`` adds to a forward and backward, s: two chunks of
+    ``PIPE_DEPTH`` tiny Llama blocks as the two stages of a pipeline over this rank alone (no
+    transfer crosses ranks, so the figure is the schedule's and not the links'), run by
+    ``ScheduleInterleaved1F1B`` and ``ScheduleInterleavedZeroBubble`` over
+    ``PIPE_MICROBATCHES`` micro-batches, against the same chunks' passes looped
+    (``_excess``). The interleaved schedule's excess per chunk and micro-batch is the first
+    figure (its bookkeeping: stage inputs and outputs, the actions); the zero-bubble's excess
+    over it per block and micro-batch the second (its split backward walks each micro-batch's
+    autograd graph in Python: ``stage_backward_input``, ``stage_backward_weight``).
+    Collective: every rank calls it."""
+    import torch
+    import torch.distributed as dist
+    from torch.distributed.pipelining import PipelineStage, ScheduleInterleaved1F1B, ScheduleInterleavedZeroBubble
+    groups = [dist.new_group([r]) for r in range(world)]
+    group = groups[dist.get_rank()]
+    m = PIPE_MICROBATCHES
+    x, y = torch.randn(m, 4, 8, device=device), torch.zeros(m, 4, 8, device=device)
+    chunks = [_tiny_blocks(PIPE_DEPTH, device) for _ in range(2)]
+
+    def loss(out: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+        return (out - target).pow(2).mean()
+
+    def looped() -> None:
+        for xi, yi in zip(x.chunk(m), y.chunk(m)):
+            loss(chunks[1](chunks[0](xi)), yi).backward()
+
+    def schedule(kind: type) -> Callable[[], object]:
+        stages = [PipelineStage(c, i, 2, device, group=group) for i, c in enumerate(chunks)]
+        run = kind(stages, m, loss_fn=loss)
+        return lambda: run.step(x, target=y)
+
+    interleaved, zero_bubble = schedule(ScheduleInterleaved1F1B), schedule(ScheduleInterleavedZeroBubble)
+    chunk = _excess(interleaved, looped, PIPE_SECONDS, PIPE_INNER, sync) / (2 * m)
+    block = _excess(zero_bubble, interleaved, PIPE_SECONDS, PIPE_INNER, sync) / (2 * PIPE_DEPTH * m)
+    return max(0.0, chunk), max(0.0, block)
 
 
 def _tp_host_s(device, world: int, sync: Callable[[], None]) -> tuple[float, float]:
@@ -148,7 +221,7 @@ def _tp_host_s(device, world: int, sync: Callable[[], None]) -> tuple[float, flo
     tensor parallelism adds to a forward and backward, s: tiny built-in Llamas of
     ``TP_DEPTHS`` blocks (``DISPATCH_BLOCK``'s widths) split by ``apply_tensor_parallel`` over a
     mesh of this rank alone (DTensor dispatches as over many, no collective runs), each against
-    the same model unsplit, alternated; the slope over the depths per block's split Linears is
+    the same model unsplit (``_excess``); the slope over the depths per block's split Linears is
     the first figure, the rest at depth 0 less the embedding's one split module the second.
     Collective: every rank calls it."""
     import torch
@@ -172,15 +245,11 @@ def _tp_host_s(device, world: int, sync: Callable[[], None]) -> tuple[float, flo
                               (spec.heads, spec.kv_heads))
         ids = torch.zeros(1, spec.seq, dtype=torch.long, device=device)
 
-        def once(m: torch.nn.Module, tp: bool) -> float:
-            t = time.perf_counter()
+        def once(m: torch.nn.Module, tp: bool) -> None:
             with loss_parallel() if tp else contextlib.nullcontext():
                 cross_entropy(m(ids), ids).backward()
-            sync()
-            return time.perf_counter() - t
 
-        once(plain, False), once(split, True)
-        extra.append(statistics.median(once(split, True) - once(plain, False) for _ in range(TP_REPEATS)))
+        extra.append(_excess(lambda: once(split, True), lambda: once(plain, False), TP_SECONDS, TP_INNER, sync))
     per_block = max(0.0, (extra[-1] - extra[0]) / (TP_DEPTHS[-1] - TP_DEPTHS[0]))
     per_linear = per_block / max(1, linears)
     return per_linear, max(0.0, extra[0] - TP_DEPTHS[0] * per_block - per_linear)
@@ -253,6 +322,9 @@ def measure(rank: int, world: int, device, dtype, say: Callable[[str], None]) ->
     # 1.5-2x slower (in-step all-reduce over 4 ranks 8-9 ms, then 11-14 ms).
     dist.barrier()
     out["tp_linear"], out["tp_loss"] = _tp_host_s(device, world, sync)
+    say("pipeline")
+    dist.barrier()
+    out["pp_chunk"], out["zb_block"] = _pipeline_host_s(device, world, sync)
     return out
 
 

@@ -112,7 +112,7 @@ def _parts(model: ModelProfile, hw: HardwareProfile, strat: Strategy, cache: dic
             lead.append(pieces.block_piece(model.lead, _block_times(model.lead, hw, s, cache, lead=True),
                                      blockcomm.block_comm(model.lead, hw, s, groups, experts=False), hw, s, rep))
     return _Parts(layers=tuple(layers), passes=tuple(passes), first=first, last=last,
-                  p2p_s=blockcomm.p2p_s(model, strat, groups), lead=tuple(lead))
+                  p2p_s=blockcomm.p2p_s(model, strat, groups) + pipeline.host_s(hw, strat)[0], lead=tuple(lead))
 
 
 def parts_key(strat: Strategy) -> tuple:
@@ -211,9 +211,10 @@ def stage_costs(model: ModelProfile, hw: HardwareProfile, strat: Strategy,
     sum_w, max_w = pipeline.schedule_weights(strat, pipeline.zb_fill_fraction(
         passes.forward_s, passes.recompute_s, passes.backward_s), hw.ranks_per_core)
     first = _first_with_lead(model, parts, strat)
+    zb = pipeline.host_s(hw, strat)[1]
     return StageCosts(
         pp=strat.mesh.pp, nominal=RECOMPUTE.index(strat.recompute),
-        mode_time_s=tuple(p.time_s for p in parts.layers), first_time_s=first.time_s,
+        mode_time_s=tuple(p.time_s + zb for p in parts.layers), first_time_s=first.time_s,
         last_time_s=parts.last.time_s, p2p_time_s=parts.p2p_s,
         mode_dp_time_s=tuple(p.tail_s for p in parts.layers), first_dp_time_s=first.tail_s,
         last_dp_time_s=parts.last.tail_s,
@@ -322,7 +323,7 @@ def stage_details(model: ModelProfile, hw: HardwareProfile, strat: Strategy) -> 
     c = stage_costs(model, hw, strat)
     parts = _parts(model, hw, strat)
     first = _first_with_lead(model, parts, strat)
-    out = []
+    zb, out = pipeline.host_s(hw, strat)[1], []
     for s, load in enumerate(strat.stage_loads(model.layers)):
         counts = c.counts(load)
         pieces = _stage_pieces(parts, s, counts, strat.mesh.pp, first)
@@ -331,7 +332,7 @@ def stage_details(model: ModelProfile, hw: HardwareProfile, strat: Strategy) -> 
         out.append(StageDetail(
             forward_s=fwd, recompute_s=rc,
             backward_s=c.stage_time_s(s, counts) - c.p2p_time_s - fwd - rc, p2p_s=c.p2p_time_s,
-            compute_s=sum(k * p.compute_s for k, p in pieces),
+            compute_s=sum(k * p.compute_s for k, p in pieces) + sum(counts) * zb,
             tp_comm_s=sum(k * p.tp_s for k, p in pieces),
             dp_comm_s=sum(k * p.dp_exposed_s for k, p in pieces),
             dp_tail_s=sum(k * p.dp_tail_s for k, p in pieces),
@@ -372,7 +373,7 @@ def estimate(model: ModelProfile, hw: HardwareProfile, strat: Strategy, *,
     sd = max(range(strat.mesh.pp), key=tails.__getitem__)
     crit = _stage_pieces(parts, st, layers[st], strat.mesh.pp, first)
     tail = _stage_pieces(parts, sd, layers[sd], strat.mesh.pp, first)
-    compute_s = m * sum(k * p.compute_s for k, p in crit)
+    compute_s = m * (sum(k * p.compute_s for k, p in crit) + sum(layers[st]) * pipeline.host_s(hw, strat)[1])
     tp_s = m * sum(k * p.tp_s for k, p in crit)
     pp_s = m * c.p2p_time_s
     dp_s = m * sum(k * p.dp_exposed_s for k, p in crit) + sum(k * p.dp_tail_s for k, p in tail)

@@ -126,6 +126,15 @@ class HardwareProfile:
     to the passes where the host runs the operators (``host_overlaps_device`` false); 0: not
     measured. The autopar runtime wraps each block, the embedding and the head in a group
     under ZeRO 1-3, and under FSDP2's ``replicate`` when ZeRO 0 meets tp, pp or ep."""
+    pp_chunk_us: float = 0.0
+    """Host time ``torch.distributed.pipelining``'s schedule adds to one model chunk's forward
+    and backward per micro-batch (the stage's input and output bookkeeping, the schedule's
+    actions; the transfers excluded), µs; it adds to a stage's time per micro-batch where the
+    host runs the operators (``host_overlaps_device`` false). 0: not measured."""
+    zb_block_us: float = 0.0
+    """Host time the zero-bubble schedule's split backward adds per block and micro-batch
+    (``stage_backward_input`` and ``stage_backward_weight`` walk the micro-batch's autograd
+    graph in Python), µs; as ``pp_chunk_us``. 0: not measured."""
     ranks_per_core: float = 1.0
     """Ranks sharing one compute unit (CPU ranks outnumbering the cores: 2 for 4 ranks on 2
     cores; 1 on GPUs). The compute rates are measured with every rank busy, so a rank idle in a
@@ -250,6 +259,8 @@ _RANGES: dict[str, tuple[float, float, str]] = {
     "fsdp_hook_us": (0.0, 1e6, "µs"),
     "tp_linear_us": (0.0, 1e6, "µs"),
     "tp_loss_us": (0.0, 1e6, "µs"),
+    "pp_chunk_us": (0.0, 1e6, "µs"),
+    "zb_block_us": (0.0, 1e6, "µs"),
     "host_memory_gib": (0.0, 1 << 20, "GiB"),
     "host_link_bw_gbps": (0.0, 1e6, "GB/s"),
     "host_optimizer_gbps": (0.0, 1e6, "GB/s"),

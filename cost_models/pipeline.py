@@ -26,6 +26,7 @@ exact for uniform stages, and the bubble is not charged where the busy time cove
 
 from __future__ import annotations
 
+from cost_models.hardware import HardwareProfile
 from cost_models.strategy import Strategy
 
 
@@ -70,6 +71,18 @@ def torch_pipelining(strat: Strategy) -> bool:
     """The pipeline runs on ``torch.distributed.pipelining`` (the recipes whose FSDP stages
     accumulate unsharded through it, ``ExecutionRecipe.pp_unsharded_accumulation``)."""
     return strat.mesh.pp > 1 and strat.recipe.pp_unsharded_accumulation
+
+
+def host_s(hw: HardwareProfile, strat: Strategy) -> tuple[float, float]:
+    """(per model chunk, per block) host time per micro-batch that ``torch.distributed.pipelining``
+    adds to a stage's forward and backward where the host runs the operators
+    (``host_overlaps_device`` false), s: the schedule's bookkeeping of each chunk
+    (``HardwareProfile.pp_chunk_us``), and under the zero-bubble schedule the split backward's
+    walk of each block's autograd graph (``zb_block_us``). (0, 0) without a torch pipeline."""
+    if not torch_pipelining(strat) or hw.host_overlaps_device:
+        return 0.0, 0.0
+    block = hw.zb_block_us * 1e-6 if strat.schedule == "zero-bubble" else 0.0
+    return hw.pp_chunk_us * 1e-6, block
 
 
 def inflight(strat: Strategy) -> tuple[float, ...]:

@@ -1067,6 +1067,34 @@ def test_dtensor_tensor_parallelism_adds_its_host_time_per_split_linear_and_loss
         assert step(slow, other) == step(base, other)
 
 
+def test_a_torch_pipeline_adds_its_schedules_host_time_per_chunk_and_zero_bubble_per_block():
+    """Where the host runs the operators, ``torch.distributed.pipelining`` adds ``pp_chunk_us``
+    per model chunk and micro-batch to every stage (with the sends), and the zero-bubble
+    schedule's split backward ``zb_block_us`` per block and micro-batch; nothing without a
+    pipeline, on CUDA (the host runs ahead of the device) or under Megatron's own pipeline."""
+    model = profile_spec(parse_model_spec("gpt:layers=8,hidden=128,heads=4,vocab=512,seq=64,tied=0"))
+    base = dataclasses.replace(CPU, pp_chunk_us=0.0, zb_block_us=0.0)
+    slow = dataclasses.replace(CPU, pp_chunk_us=700.0, zb_block_us=1500.0)
+    pp = Strategy(recipe=load_recipe("autopar"), mesh=Degrees(dp=2, pp=2), micro_batch=1, num_microbatches=16,
+                  dtype="fp32")
+    for sched, v, block in (("1f1b", 1, 0.0), ("interleaved", 2, 0.0), ("zero-bubble", 1, 1.5e-3)):
+        st = dataclasses.replace(pp, schedule=sched, virtual_stages=v)
+        fast, more = (stage_costs(model, hw, st) for hw in (base, slow))
+        assert more.p2p_time_s - fast.p2p_time_s == pytest.approx(v * 7e-4)
+        assert all(b - a == pytest.approx(block) for a, b in zip(fast.mode_time_s, more.mode_time_s))
+        assert (more.first_time_s, more.last_time_s) == (fast.first_time_s, fast.last_time_s)
+        details = estimate(model, slow, dataclasses.replace(st, stage_layers=(4, 4)),
+                           global_batch=32)
+        assert details.time.compute_s + details.time.tp_comm_s + details.time.dp_comm_s + details.time.pp_comm_s \
+            + details.time.bubble_s + details.time.optimizer_s == pytest.approx(details.step_time_s)
+    zb = dataclasses.replace(pp, schedule="zero-bubble")
+    for hw, st in ((dataclasses.replace(slow, host_overlaps_device=True), zb),
+                   (slow, dataclasses.replace(zb, mesh=Degrees(dp=4), num_microbatches=8)),
+                   (slow, dataclasses.replace(zb, recipe=MC))):
+        off = dataclasses.replace(base, host_overlaps_device=hw.host_overlaps_device)
+        assert stage_costs(model, hw, st) == stage_costs(model, off, st)
+
+
 def test_a_collective_pays_its_call_latency_once_whatever_its_steps():
     """``call_latency_us`` adds once to every collective (ring or tree all-reduce, all-gather,
     reduce-scatter, all-to-all), never to a send."""

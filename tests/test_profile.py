@@ -90,6 +90,7 @@ def test_profile_writes_a_profile_the_cost_model_uses(tmp_path):
     assert 0 < hw.attention_efficiency["sdpa"] <= 1  # the autopar recipe's SDPA, measured
     assert hw.ranks_per_core >= 1  # 2 ranks of 1 thread over the machine's cores
     assert hw.fsdp_hook_us > 0  # FSDP2 hooks per group and micro-batch, measured
+    assert hw.zb_block_us > 0  # the zero-bubble schedule's split backward per block, measured
     assert 0 < hw.optimizer_memory_efficiency <= 1
     est = runner.invoke(app, ["estimate", "--model", "gpt:layers=2,hidden=64,heads=4,vocab=128,seq=16",
                               "--cluster", str(out), "--gpus", "2", "--global-batch", "4", "--dtype", "fp32",
@@ -156,7 +157,8 @@ def test_one_rank_profile_takes_its_links_from_the_named_profile():
     from autopar.profile import build_profile, links_profile, with_links
     from cost_models.hardware import profile_from_dict
     rank = {"peak": 7e14, "shaped": [5e14, 6e14], "attention": 4e14, "bw": 3e12, "dispatch": 5e-6,
-            "dtensor": 1e-4, "hooks": 2e-4, "tp_linear": 3e-4, "tp_loss": 2e-3, "collectives": [], "p2p": []}
+            "dtensor": 1e-4, "hooks": 2e-4, "tp_linear": 3e-4, "tp_loss": 2e-3, "pp_chunk": 4e-4, "zb_block": 7e-4,
+            "collectives": [], "p2p": []}
     alone = build_profile([rank], 1, 16, "cpu", "bf16", "one", "autopar profile --ranks 1 --links dgx-h100")
     assert "intra_node" not in alone and "intra_node" not in alone["notes"]  # nothing measured, nothing said
     shipped = links_profile("dgx-h100")
