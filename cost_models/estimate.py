@@ -50,6 +50,8 @@ class _Parts:
     first: pieces.Piece
     last: pieces.Piece
     p2p_s: float
+    """Pipeline sends per micro-batch on a stage's critical path (one chunk), with the
+    schedule's host time per chunk (``pipeline.host_s``)."""
     lead: tuple[pieces.Piece, ...] = ()
     """One leading block of another kind in each recompute mode (``ModelProfile.lead``;
     empty without them): the first stage runs ``lead_layers`` of them."""
@@ -146,7 +148,7 @@ class TimeFloor:
     last_time_s: float
     last_dp_time_s: float
     p2p_chunk_s: float
-    """Pipeline sends per micro-batch and model chunk."""
+    """Pipeline sends and the schedule's host time per micro-batch and model chunk."""
     zb_fill: tuple[float, ...]
     """The zero-bubble fill fraction with each nominal recompute mode (``RECOMPUTE`` order)."""
 

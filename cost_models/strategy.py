@@ -189,6 +189,7 @@ class TimeBreakdown:
     field for both keeps the estimate JSON as it was before context parallelism."""
     dp_comm_s: float
     pp_comm_s: float
+    """Pipeline sends, and the pipeline schedule's own host time per chunk (``pipeline.host_s``)."""
     bubble_s: float
     optimizer_s: float
 
