@@ -88,9 +88,7 @@ def _block_host_s(device, sync: Callable[[], None]) -> float:
     """Forward and backward of one tiny built-in Llama block (``DISPATCH_BLOCK``): host time
     only, its kernels move a few hundred bytes; s."""
     import torch
-    from autopar.model import Block
-    from autopar.spec import parse_model_spec
-    block = Block(parse_model_spec(DISPATCH_BLOCK)).to(device)
+    block = _tiny_blocks(1, device)
     x = torch.randn(1, 4, 8, device=device, requires_grad=True)
     return _median_time(lambda: block(x).sum().backward(), 50, sync)
 
