@@ -74,6 +74,8 @@ def profile(ranks: int = typer.Option(4, "--ranks", help="Processes to measure a
                            ("FSDP2 hooks us per group", result["fsdp_hook_us"]),
                            ("pipeline host us per chunk (zero-bubble: per block)",
                             f"{result['pp_chunk_us']} ({result['zb_block_us']})"),
+                           ("checkpoint host us per block (" + ", ".join(result["checkpoint_us"]) + ")",
+                            ", ".join(str(v) for v in result["checkpoint_us"].values())),
                            ("collective us per call", tier.get("call_latency_us", 0.0)),
                            ("collective alpha us/step", tier["latency_us"]), ("bus GB/s", tier["bw_gbps"]),
                            ("p2p GB/s", tier["p2p_bw_gbps"])):

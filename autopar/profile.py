@@ -14,7 +14,8 @@ sees while the others run. Each rank times (medians of repeats):
   micro-batch (``fsdp_hook_us``), what DTensor tensor parallelism adds per split Linear
   and to the vocab-parallel head and loss (``tp_linear_us``, ``tp_loss_us``), and what
   ``torch.distributed.pipelining``'s schedules add per model chunk and, under zero-bubble,
-  per block (``pp_chunk_us``, ``zb_block_us``);
+  per block (``pp_chunk_us``, ``zb_block_us``), and what activation checkpointing's machinery
+  adds per block in each recompute mode (``checkpoint_us``);
 - all-reduce, reduce-scatter and all-gather over the whole group, and over pairs side by side
   (4 or more ranks), at message sizes from 4 B to 16 MiB (on CPU ranks each right after a
   block's worth of GEMMs, as a step meets it), and point-to-point send/recv between pairs.
@@ -50,8 +51,8 @@ from typing import TYPE_CHECKING, Callable
 import numpy as np
 
 from autopar.errors import UserError
-from autopar.profile_bench import (ADD_ELEMENTS, ATTENTION, BURST_GEMMS, DISPATCH_BLOCK, DISPATCH_RECIPE,
-                                   HOOK_GROUPS, HOOK_SECONDS, OPTIMIZER_TENSORS, PIPE_DEPTH, PIPE_MICROBATCHES,
+from autopar.profile_bench import (ADD_ELEMENTS, ATTENTION, BURST_GEMMS, CHECKPOINT_DEPTH, CHECKPOINT_SECONDS,
+                                   DISPATCH_BLOCK, DISPATCH_RECIPE, HOOK_GROUPS, HOOK_SECONDS, OPTIMIZER_TENSORS, PIPE_DEPTH, PIPE_MICROBATCHES,
                                    PIPE_SECONDS, SHAPES, TP_DEPTHS, TP_SECONDS, measure)
 from cost_models.recipe import load_recipe
 
@@ -59,7 +60,7 @@ if TYPE_CHECKING:
     from autopar.plan import Plan
     from cost_models import HardwareProfile
 
-PHASES = ("gemm", "memory", "dispatch", "collectives", "p2p", "pipeline", "reference")
+PHASES = ("gemm", "memory", "dispatch", "collectives", "p2p", "recompute", "pipeline", "reference")
 REFERENCE = {"cpu": ("gpt:layers=4,hidden=256,heads=4,vocab=1024,seq=128,tied=0", 4),
              "cuda": ("gpt:layers=8,hidden=2048,heads=16,vocab=32000,seq=2048,tied=0", 2)}
 """The reference transformer per device type and its micro-batch per rank (one micro-batch)."""
@@ -181,6 +182,8 @@ def build_profile(results: list[dict], world: int, threads: int, device: str, dt
         "tp_loss_us": round(med("tp_loss") * 1e6, 2),
         "pp_chunk_us": round(med("pp_chunk") * 1e6, 2),
         "zb_block_us": round(med("zb_block") * 1e6, 2),
+        "checkpoint_us": {mode: round(statistics.median(r["checkpoint"][mode] for r in results) * 1e6, 2)
+                          for mode in results[0]["checkpoint"]},
         "host_overlaps_device": device == "cuda",
         "ranks_per_core": 1.0 if device == "cuda" else round(max(1.0, world * threads / (os.cpu_count() or 1)), 3),
         "launcher": "nccl" if device == "cuda" else "gloo",
@@ -211,6 +214,12 @@ def build_profile(results: list[dict], world: int, threads: int, device: str, dt
                             "(autopar.profile_bench._pipeline_host_s)"),
             "zb_block_us": ("the same of ScheduleInterleavedZeroBubble over ScheduleInterleaved1F1B, per block and "
                             "micro-batch"),
+            "checkpoint_us": (f"per recompute mode, median over ranks of (a forward and backward of "
+                              f"{DISPATCH_BLOCK!r} at {CHECKPOINT_DEPTH} blocks wrapped by "
+                              "autopar.runtime.parallelize.apply_recompute - the same unwrapped, alternated for "
+                              f"{CHECKPOINT_SECONDS:g} s on every rank at once) per block, less a block's forward "
+                              "dispatch (kernel_dispatch_us x kernels_per_block) for full and op, whose recomputed "
+                              "forward the cost model prices (autopar.profile_bench._checkpoint_host_s)"),
             "ranks_per_core": "ranks x threads each over the machine's cores (os.cpu_count), at least 1; 1 on GPUs",
             "tp_linear_us": (f"median over ranks of what autopar.runtime.parallelize.apply_tensor_parallel adds to "
                              f"a forward and backward of {DISPATCH_BLOCK!r} at {TP_DEPTHS[0]} and {TP_DEPTHS[-1]} "

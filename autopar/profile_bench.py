@@ -1,7 +1,7 @@
 """What each rank of ``autopar profile`` times (``autopar.profile`` starts the ranks, fits and
 writes the profile): GEMMs, fused attention, an element-wise add, the host time per kernel, a
-DTensor optimizer step, FSDP2's hooks, tensor parallelism's DTensor modules, the pipeline
-schedules' own host time, collectives (over every rank, and over pairs side by side) and
+DTensor optimizer step, FSDP2's hooks, tensor parallelism's DTensor modules, activation
+checkpointing's machinery, the pipeline schedules' own host time, collectives (over every rank, and over pairs side by side) and
 point-to-point transfers. Seconds, bytes and
 FLOP/s; medians of repeats."""
 
@@ -40,6 +40,11 @@ HOOK_SECONDS = 4.0
 HOOK_INNER = 10
 """Seconds of alternated samples of wrapped and plain passes, and passes per sample, that time
 ``fsdp_hook_us`` (``_excess``)."""
+CHECKPOINT_DEPTH = 8
+CHECKPOINT_SECONDS = 3.0
+CHECKPOINT_INNER = 4
+"""Blocks of the tiny model whose passes time ``checkpoint_us``; seconds of alternated samples
+per recompute mode, and passes per sample (``_excess``)."""
 PIPE_DEPTH = 2
 """Blocks per model chunk of the tiny pipelines that time ``pp_chunk_us`` and ``zb_block_us``."""
 PIPE_MICROBATCHES = 4
@@ -214,6 +219,35 @@ def _pipeline_host_s(device, world: int, sync: Callable[[], None]) -> tuple[floa
     return max(0.0, chunk), max(0.0, block)
 
 
+def _checkpoint_host_s(device, forward_host_s: float, sync: Callable[[], None]) -> dict[str, float]:
+    """Per recompute mode that runs under ``torch.utils.checkpoint`` (``CHECKPOINTED``), the
+    host time its machinery adds to one block's forward and backward per micro-batch beyond
+    the recomputed kernels' dispatch, s: a tiny built-in Llama of ``CHECKPOINT_DEPTH`` blocks
+    (``DISPATCH_BLOCK``) wrapped by the runtime's ``apply_recompute`` in that mode, against the
+    same model unwrapped (``_excess``), per block, less the recomputed forward's dispatch that
+    the cost model already prices for ``full`` and ``op`` (``forward_host_s``: a block's
+    forward kernels at the measured dispatch time). Collective: every rank calls it."""
+    import torch
+    from cost_models.hardware import CHECKPOINTED
+    from autopar.model import build_model, cross_entropy
+    from autopar.runtime.parallelize import apply_recompute
+    from autopar.runtime.train import _traced_layout
+    from autopar.spec import parse_model_spec
+    spec = parse_model_spec(DISPATCH_BLOCK.replace("layers=1", f"layers={CHECKPOINT_DEPTH}"))
+    anat = _traced_layout(spec)
+    ids = torch.zeros(1, spec.seq, dtype=torch.long, device=device)
+    plain = build_model(spec, device=device.type, seed=0)
+    out = {}
+    for mode in CHECKPOINTED:
+        wrapped = build_model(spec, device=device.type, seed=0)
+        apply_recompute(wrapped, (mode,) * CHECKPOINT_DEPTH, anat)
+        extra = _excess(lambda: cross_entropy(wrapped(ids), ids).backward(),
+                        lambda: cross_entropy(plain(ids), ids).backward(), CHECKPOINT_SECONDS, CHECKPOINT_INNER, sync)
+        priced = 0.0 if mode == "selective" else forward_host_s
+        out[mode] = max(0.0, extra / CHECKPOINT_DEPTH - priced)
+    return out
+
+
 def _tp_host_s(device, world: int, sync: Callable[[], None]) -> tuple[float, float]:
     """(per split Linear, for the vocab-parallel head and loss) host time that the runtime's
     tensor parallelism adds to a forward and backward, s: tiny built-in Llamas of
@@ -320,6 +354,10 @@ def measure(rank: int, world: int, device, dtype, say: Callable[[str], None]) ->
     # 1.5-2x slower (in-step all-reduce over 4 ranks 8-9 ms, then 11-14 ms).
     dist.barrier()
     out["tp_linear"], out["tp_loss"] = _tp_host_s(device, world, sync)
+    say("recompute")
+    dist.barrier()
+    out["checkpoint"] = _checkpoint_host_s(device, out["dispatch"] * load_recipe(DISPATCH_RECIPE).kernels_per_block,
+                                           sync)
     say("pipeline")
     dist.barrier()
     out["pp_chunk"], out["zb_block"] = _pipeline_host_s(device, world, sync)

@@ -444,18 +444,20 @@ def block_times(model: ModelProfile, hw: HardwareProfile, strat: Strategy) -> Pa
     moe = moe_traffic_bytes(model, strat)
     cast_fwd, cast_bwd = cast_fwd + moe, cast_bwd + moe
     host = dispatch_s(hw, strat) + tp_host_s(strat, model.block_tp_linears * hw.tp_linear_us) / 3
-    fwd = with_host(host, weights_s + core_s + memory_s(fwd_rest + fwd_core + cast_fwd, hw), hw)
+    fwd_device = weights_s + core_s + memory_s(fwd_rest + fwd_core + cast_fwd, hw)
+    fwd = with_host(host, fwd_device, hw)
     bwd = with_host(2 * host, weights_bwd + core_bwd + memory_s(bwd_rest + bwd_core + cast_bwd, hw), hw)
     mode = strat.recompute_run()
+    checkpoint = hw.checkpoint_us.get(mode, 0.0) * 1e-6
     if mode == "full":
-        rc = fwd
+        rc = with_host(host + checkpoint, fwd_device, hw)
     elif mode == "selective":
-        rc = core_s + memory_s(fwd_core, hw)
+        rc = with_host(checkpoint, core_s + memory_s(fwd_core, hw), hw)
     elif mode == "op":
         # The weight GEMMs it did not keep (at the block's mean GEMM efficiency), their Float8
         # casts, and every element-wise kernel; the attention kernel's output is kept.
         share = model.op_recompute_flops_per_token / model.block_matmul_flops_per_token
-        rc = with_host(host, share * (weights_s + memory_s(cast_fwd, hw)) + memory_s(fwd_rest, hw), hw)
+        rc = with_host(host + checkpoint, share * (weights_s + memory_s(cast_fwd, hw)) + memory_s(fwd_rest, hw), hw)
     else:
         rc = 0.0
     return PassTimes(forward_s=fwd, recompute_s=rc, backward_s=bwd)

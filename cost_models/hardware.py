@@ -135,6 +135,14 @@ class HardwareProfile:
     """Host time the zero-bubble schedule's split backward adds per block and micro-batch
     (``stage_backward_input`` and ``stage_backward_weight`` walk the micro-batch's autograd
     graph in Python), µs; as ``pp_chunk_us``. 0: not measured."""
+    checkpoint_us: dict[str, float] = field(default_factory=dict)
+    """Host time ``torch.utils.checkpoint``'s machinery (non-reentrant: a saved-tensor hook
+    per saved tensor, the recompute's frame and replay; under per-op recompute its policy's
+    dispatch mode around every operator) adds to one block's forward and backward per
+    micro-batch, beyond the recomputed kernels' own dispatch, µs, per recompute mode
+    (``selective``, ``full``, ``op``) as the autopar runtime wraps the block; it adds to the
+    recompute pass where the host runs the operators (``host_overlaps_device`` false) and
+    bounds it from below where it does not. A mode not listed: 0, not measured."""
     ranks_per_core: float = 1.0
     """Ranks sharing one compute unit (CPU ranks outnumbering the cores: 2 for 4 ranks on 2
     cores; 1 on GPUs). The compute rates are measured with every rank busy, so a rank idle in a
@@ -233,6 +241,8 @@ MAX_PROFILE_BYTES = 16 << 20
 DTYPE_KEYS = ("bf16", "fp16", "fp32", "fp8")
 """The dtypes a profile may give a peak for."""
 LAUNCHERS = ("nccl", "gloo")
+CHECKPOINTED = ("selective", "full", "op")
+"""The recompute modes that run under ``torch.utils.checkpoint`` (``checkpoint_us``'s keys)."""
 _LO = 1e-6
 """Least rate, size or peak in its unit: a profile figure below it is a wrong unit, and the
 cost model's times stay finite above it."""
@@ -375,6 +385,12 @@ def profile_from_dict(data: Any) -> HardwareProfile:
             halves = _object(value, key, where)
             out[key] = {k: _number(f"attention_half_seq[{_shown(k)}]", where, v, (0.0, 1e7, "tokens"))
                         for k, v in halves.items()}
+        elif key == "checkpoint_us":
+            modes = _object(value, key, where)
+            if any(k not in CHECKPOINTED for k in modes):
+                raise ProfileError(f"profile {where}: checkpoint_us must map recompute modes "
+                                   f"({', '.join(CHECKPOINTED)}) to µs, got keys {_shown(sorted(map(str, modes)))}")
+            out[key] = {k: _number(f"checkpoint_us.{k}", where, v, (0.0, 1e6, "µs")) for k, v in modes.items()}
         elif key == "notes":
             notes = _object(value, key, where)
             if any(not isinstance(v, str) for v in notes.values()):

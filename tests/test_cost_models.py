@@ -1095,6 +1095,38 @@ def test_a_torch_pipeline_adds_its_schedules_host_time_per_chunk_and_zero_bubble
         assert stage_costs(model, hw, st) == stage_costs(model, off, st)
 
 
+def test_activation_checkpointing_adds_its_machinery_per_block_in_each_recompute_mode():
+    """``checkpoint_us[mode]`` adds to a block's recompute pass per micro-batch where the host
+    runs the operators (every block, every micro-batch: the compute grows by blocks x
+    micro-batches x the figure, of which the backward hides more of DDP's reduction), nothing to
+    a block kept whole; where the device runs behind the host it is
+    a floor the recomputed kernels hide."""
+    model = profile_spec(parse_model_spec("gpt:layers=4,hidden=128,heads=4,vocab=512,seq=64,tied=0"))
+    figures = {"selective": 400.0, "full": 1000.0, "op": 3000.0}
+    base, slow = dataclasses.replace(CPU, checkpoint_us={}), dataclasses.replace(CPU, checkpoint_us=figures)
+    st = Strategy(recipe=load_recipe("autopar"), mesh=Degrees(dp=4), micro_batch=2, num_microbatches=2,
+                  dtype="fp32")
+    for mode in ("none", *figures):
+        run = dataclasses.replace(st, recompute=mode)
+        fast, more = (compute.block_times(model, hw, run) for hw in (base, slow))
+        assert (more.forward_s, more.backward_s) == (fast.forward_s, fast.backward_s)
+        assert more.recompute_s - fast.recompute_s == pytest.approx(figures.get(mode, 0.0) * 1e-6)
+        fast_step, slow_step = (estimate(model, hw, run, global_batch=16) for hw in (base, slow))
+        assert slow_step.time.compute_s - fast_step.time.compute_s == pytest.approx(
+            4 * 2 * figures.get(mode, 0.0) * 1e-6, rel=1e-6)
+        assert slow_step.step_time_s > fast_step.step_time_s or mode == "none"
+    from cost_models.hardware import PROFILE_DIR, profile_from_dict
+    data = json.loads((PROFILE_DIR / "cpu-local.json").read_text())
+    for bad in ({"none": 1.0}, {"full": -1.0}):
+        with pytest.raises(ProfileError, match="checkpoint_us"):
+            profile_from_dict({**data, "checkpoint_us": bad})
+    streams = dataclasses.replace(slow, host_overlaps_device=True)
+    full = dataclasses.replace(st, recompute="full")
+    hidden = compute.block_times(model, dataclasses.replace(base, host_overlaps_device=True), full)
+    assert compute.block_times(model, streams, full).recompute_s == pytest.approx(
+        max(hidden.recompute_s, compute.dispatch_s(streams, full) + 1e-3))
+
+
 def test_a_collective_pays_its_call_latency_once_whatever_its_steps():
     """``call_latency_us`` adds once to every collective (ring or tree all-reduce, all-gather,
     reduce-scatter, all-to-all), never to a send."""

@@ -91,6 +91,8 @@ def test_profile_writes_a_profile_the_cost_model_uses(tmp_path):
     assert hw.ranks_per_core >= 1  # 2 ranks of 1 thread over the machine's cores
     assert hw.fsdp_hook_us > 0  # FSDP2 hooks per group and micro-batch, measured
     assert hw.zb_block_us > 0  # the zero-bubble schedule's split backward per block, measured
+    assert set(hw.checkpoint_us) == {"selective", "full", "op"}  # checkpointing's machinery, per mode
+    assert hw.checkpoint_us["op"] > hw.checkpoint_us["selective"] > 0  # the per-op policy wraps every operator
     assert 0 < hw.optimizer_memory_efficiency <= 1
     est = runner.invoke(app, ["estimate", "--model", "gpt:layers=2,hidden=64,heads=4,vocab=128,seq=16",
                               "--cluster", str(out), "--gpus", "2", "--global-batch", "4", "--dtype", "fp32",
@@ -158,11 +160,12 @@ def test_one_rank_profile_takes_its_links_from_the_named_profile():
     from cost_models.hardware import profile_from_dict
     rank = {"peak": 7e14, "shaped": [5e14, 6e14], "attention": 4e14, "bw": 3e12, "dispatch": 5e-6,
             "dtensor": 1e-4, "hooks": 2e-4, "tp_linear": 3e-4, "tp_loss": 2e-3, "pp_chunk": 4e-4, "zb_block": 7e-4,
-            "collectives": [], "p2p": []}
+            "checkpoint": {"selective": 4e-4, "full": 1e-3, "op": 3e-3}, "collectives": [], "p2p": []}
     alone = build_profile([rank], 1, 16, "cpu", "bf16", "one", "autopar profile --ranks 1 --links dgx-h100")
     assert "intra_node" not in alone and "intra_node" not in alone["notes"]  # nothing measured, nothing said
     shipped = links_profile("dgx-h100")
     hw = profile_from_dict(with_links(alone, shipped, "dgx-h100"))
     assert hw.intra_node == shipped.intra_node and hw.inter_node == shipped.inter_node
     assert hw.peak_tflops["bf16"] == 700.0 and hw.devices_per_node == 1 and hw.hbm_bw_gbps == 3000.0
+    assert hw.checkpoint_us == {"selective": 400.0, "full": 1000.0, "op": 3000.0}
     assert "--links dgx-h100" in hw.notes["intra_node"] and "not measured" in hw.notes["inter_node"]
