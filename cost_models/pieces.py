@@ -151,32 +151,6 @@ def runs_ddp(strat: Strategy) -> bool:
     return strat.zero == 0 and strat.mesh.tp == 1 and strat.mesh.pp == 1 and strat.mesh.ep == 1
 
 
-def ddp_exposed_s(pieces: list[tuple[float, float]], rep: comm.Group) -> float:
-    """Seconds torch DDP's gradient all-reduce runs past the end of the last micro-batch's
-    backward (the earlier ones run under ``no_sync``): ``pieces`` are (gradient bytes,
-    backward seconds) in backward order (head, blocks from the last, embedding). DDP fills
-    its buckets in that order (the first ``DDP_FIRST_BUCKET_BYTES``, then
-    ``DDP_BUCKET_BYTES`` each), a piece's gradients ready when its backward ends; each
-    bucket's all-reduce starts once it is full and the one before it is done (one stream,
-    one gloo thread). A model of a bucket or two reduces almost all of it after the backward;
-    a large one hides all but its last bucket."""
-    full_s = comm.best_all_reduce_s(states.DDP_BUCKET_BYTES, rep)
-    clock, end, filled, cap = 0.0, 0.0, 0.0, states.DDP_FIRST_BUCKET_BYTES
-    for nbytes, seconds in pieces:
-        clock += seconds
-        take = min(nbytes, cap - filled)
-        filled += take
-        if filled < cap:
-            continue
-        end = max(end, clock) + comm.best_all_reduce_s(filled, rep)
-        whole, filled = divmod(nbytes - take, states.DDP_BUCKET_BYTES)
-        end += whole * full_s
-        cap = states.DDP_BUCKET_BYTES
-    if filled > 0:
-        end = max(end, clock) + comm.best_all_reduce_s(filled, rep)
-    return max(0.0, end - clock)
-
-
 def dtensor_step_s(tensors: int, hw: HardwareProfile, strat: Strategy) -> float:
     """Host time DTensor parameters add to the optimizer step of ``tensors`` parameter tensors
     (``ExecutionRecipe.dtensor_parameters``: under FSDP2 or tp; not under DDP or on one

@@ -1203,26 +1203,3 @@ def test_one_gpu_peak_memory_is_what_an_h100_measured():
                          recipe=load_recipe("autopar"))
         peak = estimate(model, hw, strat, global_batch=16).memory.peak_bytes / 2**30
         assert peak == pytest.approx(measured, rel=0.05)
-
-
-def test_torch_ddp_reduces_its_buckets_after_they_fill():
-    """torch DDP all-reduces a 1 MiB first bucket, then 25 MB ones, each once full and after
-    the one before: gradients that fill one bucket at the end of the backward are reduced
-    after it, whatever the blocks that make them (one call, not one per block); a long
-    backward of many buckets hides all but the last."""
-    rep = comm.Group(size=4, bw_bytes_s=1e9, p2p_bytes_s=1e9, latency_s=1e-3, inter_node=False)
-    ar = lambda n: comm.best_all_reduce_s(n, rep)  # noqa: E731
-    mib, cap = states.DDP_FIRST_BUCKET_BYTES, states.DDP_BUCKET_BYTES
-    assert pieces.ddp_exposed_s([(3 * mib, 1.0)], rep) == pytest.approx(ar(mib) + ar(2 * mib))
-    assert pieces.ddp_exposed_s([(mib, 1.0), (mib, 1.0), (mib, 1.0)], rep) == pytest.approx(ar(2 * mib))
-    many = [(mib, 1.0)] + [(cap, 10.0)] * 5 + [(cap / 2, 1.0)]
-    assert pieces.ddp_exposed_s(many, rep) == pytest.approx(ar(cap / 2))
-    model = profile_spec(parse_model_spec("gpt:layers=8,hidden=128,heads=4,vocab=512,seq=64,tied=0"))
-    ddp = Strategy(recipe=load_recipe("autopar"), mesh=Degrees(dp=4), micro_batch=8, dtype="fp32")
-    est = estimate(model, CPU, ddp, global_batch=32)
-    grads = model.params * 4
-    assert grads < mib + cap  # the first bucket (the head and a block) hides, the rest is one call
-    group = comm.replica_group(CPU, ddp)
-    assert est.time.dp_comm_s == pytest.approx(comm.best_all_reduce_s(grads - mib, group), rel=1e-6)
-    fsdp = estimate(model, CPU, dataclasses.replace(ddp, zero=1), global_batch=32)
-    assert fsdp.time.dp_comm_s > 0  # FSDP2 prices its own collectives per group
