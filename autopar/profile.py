@@ -52,8 +52,8 @@ import numpy as np
 
 from autopar.errors import UserError
 from autopar.profile_bench import (ADD_ELEMENTS, ATTENTION, BURST_GEMMS, CHECKPOINT_DEPTH, CHECKPOINT_SECONDS,
-                                   DISPATCH_BLOCK, DISPATCH_RECIPE, HOOK_GROUPS, HOOK_SECONDS, OPTIMIZER_TENSORS, PIPE_DEPTH, PIPE_MICROBATCHES,
-                                   PIPE_SECONDS, SHAPES, TP_DEPTHS, TP_SECONDS, measure)
+                                   DISPATCH_BLOCK, DISPATCH_RECIPE, HOOK_GROUPS, HOOK_SECONDS, OPTIMIZER_TENSORS,
+                                   PIPE_DEPTH, PIPE_MICROBATCHES, PIPE_SECONDS, SHAPES, TP_DEPTHS, TP_SECONDS, measure)
 from cost_models.recipe import load_recipe
 
 if TYPE_CHECKING:

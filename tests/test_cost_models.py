@@ -1098,9 +1098,9 @@ def test_a_torch_pipeline_adds_its_schedules_host_time_per_chunk_and_zero_bubble
 def test_activation_checkpointing_adds_its_machinery_per_block_in_each_recompute_mode():
     """``checkpoint_us[mode]`` adds to a block's recompute pass per micro-batch where the host
     runs the operators (every block, every micro-batch: the compute grows by blocks x
-    micro-batches x the figure, of which the backward hides more of DDP's reduction), nothing to
-    a block kept whole; where the device runs behind the host it is
-    a floor the recomputed kernels hide."""
+    micro-batches x the figure, of which the backward hides more of DDP's reduction), nothing
+    to a block kept whole; where the device runs behind the host it is a floor the recomputed
+    kernels hide."""
     model = profile_spec(parse_model_spec("gpt:layers=4,hidden=128,heads=4,vocab=512,seq=64,tied=0"))
     figures = {"selective": 400.0, "full": 1000.0, "op": 3000.0}
     base, slow = dataclasses.replace(CPU, checkpoint_us={}), dataclasses.replace(CPU, checkpoint_us=figures)
