@@ -54,6 +54,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from cost_models.hardware import HardwareProfile, ProfileError
+from cost_models.host import dispatch_s, tp_host_s, with_host
 from cost_models.model_profile import ModelProfile
 from cost_models.recipe import ContextParallel, Fp8WeightCast
 from cost_models.strategy import Strategy
@@ -394,27 +395,6 @@ def cp_merge_bytes(model: ModelProfile, strat: Strategy) -> tuple[float, float]:
     fwd = o * (6 * c + 10 * (c - 1) + 6) + 2 * kv * 4 * (c - 1)
     bwd = o * (10 * c + 6) + 2 * kv * (18 * c + 6 + 4 * (c - 1))
     return fwd, bwd
-
-
-def dispatch_s(hw: HardwareProfile, strat: Strategy) -> float:
-    """Host time to dispatch one block's forward kernels, s."""
-    return strat.recipe.kernels_per_block * hw.kernel_dispatch_us * 1e-6
-
-
-def tp_host_s(strat: Strategy, us: float) -> float:
-    """``us`` µs of host time that tensor parallelism adds to a forward and backward per
-    micro-batch where its modules are DTensor modules (``recipe.dtensor_parameters``), s; 0
-    without tp. The passes take a third in the forward, two in the backward, as
-    ``dispatch_s``'s kernels."""
-    if strat.mesh.tp == 1 or not strat.recipe.dtensor_parameters:
-        return 0.0
-    return us * 1e-6
-
-
-def with_host(host_s: float, device_s: float, hw: HardwareProfile) -> float:
-    """A pass of ``device_s`` of kernels dispatched in ``host_s``: the larger where the device
-    runs behind the host (``host_overlaps_device``), their sum where it runs on the host, s."""
-    return max(host_s, device_s) if hw.host_overlaps_device else host_s + device_s
 
 
 def pass_key(strat: Strategy) -> tuple:

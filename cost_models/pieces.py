@@ -14,7 +14,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, replace
 
-from cost_models import comm, compute, memory, states
+from cost_models import comm, compute, host, memory, states
 from cost_models.hardware import HardwareProfile
 from cost_models.model_profile import ModelProfile
 from cost_models.strategy import Strategy
@@ -226,7 +226,7 @@ def piece(params: float, passes: compute.PassTimes, tp: compute.PassTimes, act: 
         else:
             tail += down
     else:
-        opt = compute.with_host(dtensor_step_s(tensors, hw, strat),
+        opt = host.with_host(dtensor_step_s(tensors, hw, strat),
                                 compute.optimizer_memory_s(sharded * optimizer_bytes_per_param(rec), hw,
                                                            strat.recipe.fused_optimizer), hw)
     accum = compute.memory_s(params * (grad_accum_bytes_per_param(rec, strat)

@@ -10,7 +10,7 @@ import torch
 
 from cost_models import (Axis, Degrees, ModelProfile, ProfileError, Strategy, estimate, even_stage_layers, load_profile,
                          model_flops_per_step, stage_costs)
-from cost_models import blockcomm, comm, compute, memory, pieces, pipeline, states
+from cost_models import blockcomm, comm, compute, host, memory, pieces, pipeline, states
 from cost_models.axes import parse_order
 from cost_models.states import STATE_LAYOUTS, state_bytes
 from autopar.profiles import profile_spec
@@ -910,13 +910,13 @@ def test_host_time_adds_to_a_pass_where_operators_run_on_the_host():
     model, strat = gpt(2, 256, 4, vocab=512, seq=128), Strategy(recipe=load_recipe("autopar"), mesh=Degrees(dp=1),
                                                           dtype="fp32")
     cpu = dataclasses.replace(load_profile("cpu-local"), kernel_dispatch_us=20.0)
-    host = compute.dispatch_s(cpu, strat)
+    dispatch = host.dispatch_s(cpu, strat)
     none = compute.block_times(model, dataclasses.replace(cpu, kernel_dispatch_us=0.0), strat)
     sync = compute.block_times(model, dataclasses.replace(cpu, host_overlaps_device=False), strat)
     async_ = compute.block_times(model, dataclasses.replace(cpu, host_overlaps_device=True), strat)
-    assert sync.forward_s == pytest.approx(none.forward_s + host)
-    assert sync.backward_s == pytest.approx(none.backward_s + 2 * host)
-    assert async_.forward_s == pytest.approx(max(none.forward_s, host))
+    assert sync.forward_s == pytest.approx(none.forward_s + dispatch)
+    assert sync.backward_s == pytest.approx(none.backward_s + 2 * dispatch)
+    assert async_.forward_s == pytest.approx(max(none.forward_s, dispatch))
 
 
 def test_moe_terms_experts_over_ep_all_to_all_over_its_tier():
@@ -1016,9 +1016,9 @@ def test_fsdp_collectives_are_exposed_where_the_host_runs_the_operators():
     """On CPU ranks FSDP2's all-gathers and reduce-scatters are synchronous: ZeRO 2 costs
     its collectives on top of DDP; behind CUDA streams they would hide."""
     streams = dataclasses.replace(CPU, host_overlaps_device=True, dtensor_optimizer_us=0.0)
-    host = dataclasses.replace(CPU, dtensor_optimizer_us=0.0)
-    assert _cpu_step(host, 2) - _cpu_step(host, 0) > 4 * 2 * 3 * CPU.intra_node.latency_us * 1e-6
-    assert _cpu_step(streams, 2) - _cpu_step(streams, 0) < 0.5 * (_cpu_step(host, 2) - _cpu_step(host, 0))
+    on_host = dataclasses.replace(CPU, dtensor_optimizer_us=0.0)
+    assert _cpu_step(on_host, 2) - _cpu_step(on_host, 0) > 4 * 2 * 3 * CPU.intra_node.latency_us * 1e-6
+    assert _cpu_step(streams, 2) - _cpu_step(streams, 0) < 0.5 * (_cpu_step(on_host, 2) - _cpu_step(on_host, 0))
 
 
 def test_dtensor_parameters_add_their_dispatch_to_the_optimizer_step():
@@ -1124,7 +1124,7 @@ def test_activation_checkpointing_adds_its_machinery_per_block_in_each_recompute
     full = dataclasses.replace(st, recompute="full")
     hidden = compute.block_times(model, dataclasses.replace(base, host_overlaps_device=True), full)
     assert compute.block_times(model, streams, full).recompute_s == pytest.approx(
-        max(hidden.recompute_s, compute.dispatch_s(streams, full) + 1e-3))
+        max(hidden.recompute_s, host.dispatch_s(streams, full) + 1e-3))
 
 
 def test_a_collective_pays_its_call_latency_once_whatever_its_steps():
