@@ -54,7 +54,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from cost_models.hardware import HardwareProfile, ProfileError
-from cost_models.host import dispatch_s, tp_host_s, with_host
+from cost_models.host import checkpoint_s, dispatch_s, tp_host_s, with_host
 from cost_models.model_profile import ModelProfile
 from cost_models.recipe import ContextParallel, Fp8WeightCast
 from cost_models.strategy import Strategy
@@ -428,7 +428,7 @@ def block_times(model: ModelProfile, hw: HardwareProfile, strat: Strategy) -> Pa
     fwd = with_host(host, fwd_device, hw)
     bwd = with_host(2 * host, weights_bwd + core_bwd + memory_s(bwd_rest + bwd_core + cast_bwd, hw), hw)
     mode = strat.recompute_run()
-    checkpoint = hw.checkpoint_us.get(mode, 0.0) * 1e-6
+    checkpoint = checkpoint_s(hw, mode)
     if mode == "full":
         rc = with_host(host + checkpoint, fwd_device, hw)
     elif mode == "selective":

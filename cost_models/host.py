@@ -1,5 +1,6 @@
 """Host time of a pass: dispatching its kernels from eager PyTorch, what DTensor tensor
-parallelism adds around its modules, and how that time meets the kernels' own (seconds).
+parallelism adds around its modules, what activation checkpointing's machinery adds to a
+recompute, and how that time meets the kernels' own (seconds).
 ``compute`` adds them to the passes it prices."""
 
 from __future__ import annotations
@@ -21,6 +22,13 @@ def tp_host_s(strat: Strategy, us: float) -> float:
     if strat.mesh.tp == 1 or not strat.recipe.dtensor_parameters:
         return 0.0
     return us * 1e-6
+
+
+def checkpoint_s(hw: HardwareProfile, mode: str) -> float:
+    """Host time ``torch.utils.checkpoint``'s machinery adds to one block's passes per
+    micro-batch in recompute ``mode`` (``HardwareProfile.checkpoint_us``; 0 where not
+    measured or not checkpointed), s."""
+    return hw.checkpoint_us.get(mode, 0.0) * 1e-6
 
 
 def with_host(host_s: float, device_s: float, hw: HardwareProfile) -> float:
