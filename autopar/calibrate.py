@@ -1,8 +1,8 @@
 """``autopar calibrate PLAN.json``: run a plan, see where its step time went, refit the
 cluster profile's efficiency constants to it, and write the refitted profile.
 
-The run is profiled on every rank after warm-up (``runtime.phases``). Its phases are set
-against the estimate's (``TimeBreakdown``):
+The run is profiled on every rank after warm-up (``runtime.phases``: each phase the median of
+the profiled steps). Its phases are set against the estimate's (``TimeBreakdown``):
 
 - **compute** (time inside GEMMs, attention, element-wise operators) against ``compute_s``;
   **optimizer** against ``optimizer_s``; what the step spends **outside operators** on its
@@ -18,15 +18,15 @@ by bisection on the estimate itself, so the cost model's own formulas decide wha
    rate above the peak raises the plan's dtype's ``peak_tflops`` instead (efficiency 1), and
    with it every rate the profile states as a fraction of the peak (fused attention);
 2. ``optimizer_memory_efficiency``: so that the predicted optimizer step equals measured;
-3. ``memory_efficiency`` (element-wise throughput): on CPU ranks so that the predicted step
-   equals measured. There element-wise operators are not memory-bound (GELU's tanh, softmax
-   and normalisation run at a fraction of a streaming add's rate), so this fit is what prices
-   them; the host time per kernel is measured alone by ``autopar profile`` (a tiny block's
-   pass) and is not refitted: one run cannot tell it from element-wise time. On GPUs so that
-   the predicted compute equals the kernels' measured device time: the GPU's idle gaps (the
-   host launching after each step's synchronisation) are no element-wise throughput, and a
-   short reference step would otherwise spread them over every plan's element-wise bytes
-   (an H100's 50 ms reference step fitted 0.41, a 0.42 s step of a 1B GPT 0.61).
+3. ``memory_efficiency`` (element-wise throughput): so that the predicted compute equals the
+   time measured inside operators (a GPU's device time; a CPU rank's operators, where their
+   dispatch lands too). On CPU ranks element-wise operators are not memory-bound (GELU's tanh,
+   softmax and normalisation run at a tenth of a streaming add's rate), so this fit is what
+   prices them. It was once fitted to the whole step there, which made it the step's residual:
+   the reference step is ~6 % element-wise, so a step's noise of a few per cent moved it 0.06
+   to 0.82 over five runs; against the operators' time it moved 0.08 to 0.12 in six runs (2026-11-28). The time outside
+   operators (a GPU idle around the step's synchronisation, a CPU rank waiting for its peers or
+   running Python) is the model's to predict, not this constant's to absorb.
 
 The links' α and β are not refitted: they come from ``autopar profile``'s collective
 benchmarks, which time them alone, while a training step's time outside operators mixes
@@ -181,12 +181,9 @@ def refit(plan: Plan, model: ModelProfile, hw: HardwareProfile, run: Measured) -
                 lambda e: replace(base, optimizer_memory_efficiency=e), lambda x: x.time.optimizer_s,
                 run.optimizer_s, "optimizer step")
     base = hw
-    if hw.host_overlaps_device:  # GPU: the kernels' own time, not the host's gaps between them
-        hw = fitted("memory_efficiency", hw.memory_efficiency, lambda e: replace(base, memory_efficiency=e),
-                    lambda x: x.time.compute_s, run.compute_s, "compute (device time)")
-    else:
-        hw = fitted("memory_efficiency", hw.memory_efficiency, lambda e: replace(base, memory_efficiency=e),
-                    lambda x: x.step_time_s, run.step_s, "step")
+    hw = fitted("memory_efficiency", hw.memory_efficiency, lambda e: replace(base, memory_efficiency=e),
+                lambda x: x.time.compute_s, run.compute_s,
+                "compute (device time)" if hw.host_overlaps_device else "compute (time in operators)")
     return hw, tuple(fits)
 
 

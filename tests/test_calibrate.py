@@ -69,28 +69,27 @@ def test_gemms_faster_than_the_peak_raise_the_peak():
     assert [f.name for f in fits][:2] == ["peak_tflops.fp32", "matmul_efficiency"] and "above the peak" in fits[0].why
 
 
-def test_on_a_gpu_the_element_wise_fit_explains_the_kernels_not_the_idle_gaps():
-    """On a GPU profile (kernels behind the host) the element-wise efficiency is fitted to the
-    measured compute (device time): idle gaps around the step's synchronisation, which a short
-    reference step has proportionally more of, do not move it."""
+@pytest.mark.parametrize("gpu", [True, False])
+def test_the_element_wise_fit_explains_the_operators_not_the_time_between_them(gpu):
+    """The element-wise efficiency is fitted to the measured compute (a GPU's device time, a
+    CPU rank's time inside operators): time outside them (a GPU idle around the step's
+    synchronisation, a CPU rank waiting for its peers or running Python), which a short
+    reference step has proportionally more of, does not move it."""
     plan = Plan(model="gpt:layers=4,hidden=1024,heads=8,vocab=32000,seq=1024,tied=0", cluster="dgx-h100", gpus=1,
                 global_batch=8, seq_len=1024, dtype="bf16", mesh=Mesh(dp=1), zero_stage=0, micro_batch_size=8,
                 num_microbatches=1, schedule="1f1b", stage_layers=(4,), recompute=("none",) * 4)
     model = profile_spec(parse_model_spec(plan.model))
-    start = load_profile("dgx-h100")
+    start = dataclasses.replace(load_profile("dgx-h100"), host_overlaps_device=gpu)
     truth = dataclasses.replace(start, memory_efficiency=0.3, optimizer_memory_efficiency=0.4)
     est = estimate(model, truth, plan.strategy(), global_batch=plan.global_batch)
-    idle = 0.5 * est.step_time_s  # the host launching after each synchronisation
-    run = Measured(step_s=est.step_time_s + idle, compute_s=est.time.compute_s, optimizer_s=est.time.optimizer_s,
+    outside = 0.5 * est.step_time_s
+    run = Measured(step_s=est.step_time_s + outside, compute_s=est.time.compute_s, optimizer_s=est.time.optimizer_s,
                    gemm_tflops=_gemm_tflops(model, truth, plan), peak_bytes=1.0)
     new, fits = refit(plan, model, start, run)
-    assert "device time" in fits[-1].why and new.memory_efficiency == pytest.approx(0.3, rel=0.02)
+    assert ("device time" if gpu else "time in operators") in fits[-1].why
+    assert new.memory_efficiency == pytest.approx(0.3, rel=0.02)
     after = estimate(model, new, plan.strategy(), global_batch=plan.global_batch)
-    assert after.time.compute_s == pytest.approx(est.time.compute_s, rel=1e-6)  # passes floored by the host
-    cpu = dataclasses.replace(truth, host_overlaps_device=False)  # on CPU ranks the step is what is fitted
-    cpu_est = estimate(model, cpu, plan.strategy(), global_batch=plan.global_batch)
-    cpu_run = dataclasses.replace(run, step_s=cpu_est.step_time_s * 1.5, compute_s=cpu_est.time.compute_s)
-    assert refit(plan, model, dataclasses.replace(start, host_overlaps_device=False), cpu_run)[0].memory_efficiency < 0.3
+    assert after.time.compute_s == pytest.approx(est.time.compute_s, rel=1e-6)
 
 
 def test_a_phase_no_efficiency_can_explain_keeps_the_constant():
@@ -113,8 +112,8 @@ def test_calibrate_command_profiles_the_run_and_writes_a_profile_that_prices_it(
     info = json.loads(res.output)
     phases = {p["name"]: p for p in info["phases"]}
     assert phases["step"]["measured_s"] > 0 and phases["compute"]["measured_s"] > 0
-    assert phases["step"]["after_s"] == pytest.approx(phases["step"]["measured_s"], rel=1e-3) or \
-        any("set to 1" in f["why"] for f in info["fits"])
+    assert phases["compute"]["after_s"] == pytest.approx(phases["compute"]["measured_s"], rel=1e-3) or \
+        any("set to 1" in f["why"] or "kept" in f["why"] for f in info["fits"])
     assert info["gemm_tflops"] > 0 and info["peak_measured_bytes"] > 0
     hw = load_profile(str(out))
     assert "autopar calibrate" in hw.notes["calibrated"]
@@ -184,6 +183,30 @@ def test_a_dtensor_gemm_counts_its_flops_once():
     prof = SimpleNamespace(events=lambda: [outer, python, inner, plain])
     got = phases.summary(prof, 1, torch.device("cuda"))  # type: ignore[arg-type]
     assert got["gemm_flops"] == 10e9 and got["gemm"] == pytest.approx(510e-6)
+
+
+def test_a_step_slowed_by_the_machine_moves_no_phase():
+    """Each profiled step's end is marked (``phases.step_ended``) and every phase is the
+    median over the steps: one step with a burst of extra operators (the machine's slow
+    moment, seen on the 1128d grid) leaves the phases of the other two."""
+    import torch
+
+    from autopar.runtime import phases
+
+    a, b = torch.randn(128, 128), torch.randn(128, 128)
+    with phases.recording(torch.device("cpu")) as prof:
+        for step in range(3):
+            for _ in range(4):
+                torch.mm(a, b)
+            torch.add(a, b)
+            for _ in range(300 if step == 1 else 0):
+                torch.add(a, b)
+            phases.step_ended()
+    got = phases.summary(prof, 3, torch.device("cpu"))
+    assert got["gemm_flops"] == pytest.approx(4 * 2 * 128 ** 3) and got["gemm"] > 0
+    unmarked = phases.summary(prof, 1, torch.device("cpu"))  # marks that do not match the steps: the sum
+    assert unmarked["gemm_flops"] == pytest.approx(3 * 4 * 2 * 128 ** 3)
+    assert unmarked["other"] > 50 * got["other"]  # 303 adds against the median step's one
 
 
 def test_plan_quality_reports_how_well_its_rounds_agree():

@@ -18,7 +18,8 @@ What no operator covers (Python between ops, waiting for another rank's data, ba
 ``step - (sum of the above)``: the exposed communication and imbalance. On CUDA the operator
 times are device times: each kernel counted once, under the operator that launched it (the
 profiler also lists every kernel as an event of its own, which is skipped). Times are seconds
-per optimizer step; FLOPs per step.
+per optimizer step (the median over the profiled steps, whose ends the worker marks: one step
+slowed by the machine moves none); FLOPs per step.
 
 Peak memory on CPU, which has no allocator statistics: what was live when profiling began
 (``live_bytes``: weights, gradients, optimizer state and every other tensor Python holds, such as
@@ -36,8 +37,10 @@ allocator's ``max_memory_allocated``.
 
 from __future__ import annotations
 
+import bisect
 import ctypes
 import gc
+import statistics
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Iterable, Iterator
@@ -45,11 +48,13 @@ from typing import Iterable, Iterator
 import torch
 from torch._C._profiler import _EventType
 from torch.autograd import DeviceType
-from torch.profiler import ProfilerActivity, profile
+from torch.profiler import ProfilerActivity, profile, record_function
 
 GEMM_OPS = frozenset({"aten::mm", "aten::addmm", "aten::bmm", "aten::baddbmm", "aten::_addmm_activation",
                       "aten::addbmm"})
 PHASES = ("gemm", "attention", "optimizer", "comm", "other")
+STEP_END = "autopar.step_end"
+"""The profiler mark ``step_ended`` leaves after each profiled step."""
 
 
 def _kind(name: str) -> str:
@@ -121,27 +126,40 @@ def recording(device: torch.device) -> Iterator[profile]:
             flag.value = was
 
 
+def step_ended() -> None:
+    """Mark the end of a profiled step (``summary`` splits the profile there)."""
+    with record_function(STEP_END):
+        pass
+
+
 def summary(prof: profile, steps: int, device: torch.device) -> dict[str, float]:
     """Seconds per step of each phase (``PHASES``), the GEMM FLOPs per step (``gemm_flops``)
-    and, on CPU, the most bytes allocated at once beyond the live ones (``peak_delta_bytes``)."""
+    and, on CPU, the most bytes allocated at once beyond the live ones (``peak_delta_bytes``).
+    Where each step's end was marked (``step_ended``), each figure is the median over the
+    steps (one step slowed by the machine moves none); else the mean."""
     cuda = device.type == "cuda"
-    out = dict.fromkeys(PHASES, 0.0)
-    out["gemm_flops"] = 0.0
-    nested = 0.0  # operator time inside the optimizer step, counted there
-    for evt in prof.events():
-        if evt.device_type != DeviceType.CPU:
-            continue  # a kernel (or a GPU-side annotation): its time is its launching operator's too
+    events = [e for e in prof.events() if e.device_type == DeviceType.CPU]  # a kernel's time is its operator's too
+    ends = sorted(e.time_range.start for e in events if e.name == STEP_END)
+    split = len(ends) == steps
+    out = [dict.fromkeys((*PHASES, "gemm_flops"), 0.0) for _ in range(steps if split else 1)]
+    nested = [0.0] * len(out)  # operator time inside the optimizer step, counted there
+    for evt in events:
+        if evt.name == STEP_END:
+            continue
+        i = min(bisect.bisect_left(ends, evt.time_range.start), steps - 1) if split else 0
         if evt.name.startswith("Optimizer.step#"):
             inclusive = evt.device_time_total if cuda else evt.cpu_time_total
-            out["optimizer"] += inclusive * 1e-6
-            nested += (inclusive - (evt.self_device_time_total if cuda else evt.self_cpu_time_total)) * 1e-6
+            out[i]["optimizer"] += inclusive * 1e-6
+            nested[i] += (inclusive - (evt.self_device_time_total if cuda else evt.self_cpu_time_total)) * 1e-6
             continue
         kind = _kind(evt.name)
-        out[kind] += (evt.self_device_time_total if cuda else evt.self_cpu_time_total) * 1e-6
+        out[i][kind] += (evt.self_device_time_total if cuda else evt.self_cpu_time_total) * 1e-6
         if kind == "gemm" and not _wraps_gemm(evt):
-            out["gemm_flops"] += float(evt.flops or 0)
-    out["other"] = max(0.0, out["other"] - nested)
-    per_step = {k: v / steps for k, v in out.items()}
+            out[i]["gemm_flops"] += float(evt.flops or 0)
+    for step, inner in zip(out, nested):
+        step["other"] = max(0.0, step["other"] - inner)
+    per_step = ({k: statistics.median(s[k] for s in out) for k in out[0]} if split
+                else {k: v / steps for k, v in out[0].items()})
     return {**per_step, "peak_delta_bytes": 0.0 if cuda else _peak_delta(prof)}
 
 

@@ -138,8 +138,11 @@ def _profiled(prog: Program, steps: int, cfg: TrainConfig, step: int, sample: in
     if cuda:
         torch.cuda.reset_peak_memory_stats()
     live = phases.live_bytes(prog.modules, prog.optimizers)
+    def marked(done: int, loss: float, seconds: float) -> None:
+        phases.step_ended()
+        after(done, loss, seconds)
     with phases.recording(prog.ctx.device) as prof:
-        train(prog.plan, steps, prog.ctx, cfg, program=prog, start_step=step, start_sample=sample, on_step=after)
+        train(prog.plan, steps, prog.ctx, cfg, program=prog, start_step=step, start_sample=sample, on_step=marked)
     mine = phases.summary(prof, steps, prog.ctx.device)
     mine.update(rank=rank, peak_bytes=float(torch.cuda.max_memory_allocated()) if cuda
                 else live + mine["peak_delta_bytes"])
