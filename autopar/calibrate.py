@@ -7,8 +7,8 @@ the profiled steps). Its phases are set against the estimate's (``TimeBreakdown`
 - **compute** (time inside GEMMs, attention, element-wise operators) against ``compute_s``;
   **optimizer** against ``optimizer_s``; what the step spends **outside operators** on its
   slowest rank (waiting for collectives, the pipeline bubble, Python between operators)
-  against the rest of ``step_time_s``. Ranks differ (pipeline stages): compute and
-  optimizer are the slowest rank's.
+  against the rest of ``step_time_s``. Compute and optimizer are the slowest pipeline stage's,
+  each the median over the stage's ranks.
 
 The constants are refitted in the order that isolates each (every fit is one number, found
 by bisection on the estimate itself, so the cost model's own formulas decide what it means):
@@ -50,6 +50,7 @@ from typing import Callable
 from autopar.errors import UserError
 from autopar.plan import Plan
 from cost_models import HardwareProfile, ModelProfile, estimate
+from cost_models.axes import Axis
 from cost_models.compute import block_gemms, elem_bytes, gemm_s
 from cost_models.strategy import Estimate
 
@@ -109,17 +110,34 @@ class Measured:
         return max(0.0, self.step_s - self.compute_s - self.optimizer_s)
 
 
-def measured(step_times_s: list[float], warmup: int, ranks: tuple[dict[str, float], ...]) -> Measured:
+def stages(plan: Plan) -> tuple[int, ...]:
+    """Each rank's pipeline stage (ranks ordered by the plan's ``axis_order``)."""
+    stride = plan.mesh.strides(plan.axis_order)[Axis.PP]
+    return tuple((r // stride) % plan.mesh.pp for r in range(plan.mesh.size))
+
+
+def measured(step_times_s: list[float], warmup: int, ranks: tuple[dict[str, float], ...],
+             stage_of: tuple[int, ...] = ()) -> Measured:
     """The run's phases: its step time (the median of the steps after ``warmup`` and before the
-    ``PROFILED`` last) and every rank's profiler summary of the last steps."""
+    ``PROFILED`` last) and every rank's profiler summary of the last steps. Compute and
+    optimizer are the slowest stage's (``stage_of``: each rank's; default one stage), each the
+    median over its ranks, which run the same program: their maximum would be the rank the
+    machine descheduled most (4 ranks on 2 cores: 192-285 ms of one DDP step's operators)."""
     if not ranks:
         raise UserError("the run returned no profile; run `autopar calibrate` again")
-    compute = [r["gemm"] + r["attention"] + r["other"] for r in ranks]
     rates = [r["gemm_flops"] / r["gemm"] for r in ranks if r["gemm"] > 0 and r["gemm_flops"] > 0]
     if not rates:
         raise UserError("the profiler saw no GEMM in the run; calibrate a plan of a transformer")
-    return Measured(step_s=statistics.median(step_times_s[warmup:-PROFILED]), compute_s=max(compute),
-                    optimizer_s=max(r["optimizer"] for r in ranks), gemm_tflops=statistics.median(rates) / 1e12,
+    of = {int(r.get("rank", i)): i for i, r in enumerate(ranks)}
+    groups: dict[int, list[dict[str, float]]] = {}
+    for rank, i in sorted(of.items()):
+        groups.setdefault(stage_of[rank] if rank < len(stage_of) else 0, []).append(ranks[i])
+
+    def slowest(phase: Callable[[dict[str, float]], float]) -> float:
+        return max(statistics.median(phase(r) for r in group) for group in groups.values())
+    return Measured(step_s=statistics.median(step_times_s[warmup:-PROFILED]),
+                    compute_s=slowest(lambda r: r["gemm"] + r["attention"] + r["other"]),
+                    optimizer_s=slowest(lambda r: r["optimizer"]), gemm_tflops=statistics.median(rates) / 1e12,
                     peak_bytes=max(r["peak_bytes"] for r in ranks))
 
 
@@ -205,7 +223,7 @@ def calibrate(plan: Plan, model: ModelProfile, hw: HardwareProfile, warmup: int,
     """Run the plan (``run_fn``: its step times and every rank's phase summary), refit ``hw``
     to it; the new profile's notes say what was fitted, from what run (``source``) and when."""
     times, ranks = run_fn()
-    run = measured(times, warmup, ranks)
+    run = measured(times, warmup, ranks, stages(plan))
     strat = plan.strategy()
     before = estimate(model, hw, strat, global_batch=plan.global_batch)
     new, fits = refit(plan, model, hw, run)

@@ -45,7 +45,7 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from autopar.calibrate import PROFILED, measured, refit  # noqa: E402
+from autopar.calibrate import PROFILED, measured, refit, stages  # noqa: E402
 from autopar.plan import Mesh, Plan, plan_from_dict  # noqa: E402
 from autopar.profiles import profile_spec  # noqa: E402
 from autopar.runtime import RunResult, RunSpec, run_job  # noqa: E402
@@ -157,7 +157,7 @@ def replayed(path: str) -> dict[str, tuple[list[Plan], list]]:
 
 
 def report(label: str, plans: list[Plan], runs: list, hw: HardwareProfile, model, pick: str,
-           ddp: str, fsdp: str, top: int) -> None:
+           ddp: str, fsdp: str, top: int, table: bool = True) -> None:
     pred = [estimate(model, hw, p.strategy(), global_batch=p.global_batch) for p in plans]
     meas = [t for t, *_ in runs]
     errs = [abs(e.step_time_s / m - 1) for e, m in zip(pred, meas)]
@@ -165,8 +165,9 @@ def report(label: str, plans: list[Plan], runs: list, hw: HardwareProfile, model
     oracle = min(meas)
     order = sorted(range(len(plans)), key=lambda i: meas[i])
     by_key = {key(p): i for i, p in enumerate(plans)}
-    print(f"  {'plan':58s} {'predicted s':>11s} {'measured s':>10s} {'error':>7s} {'peak pred/meas MiB':>19s}")
-    for i in order:
+    if table:
+        print(f"  {'plan':58s} {'predicted s':>11s} {'measured s':>10s} {'error':>7s} {'peak pred/meas MiB':>19s}")
+    for i in order if table else ():
         flag = " <- pick" if key(plans[i]) == pick else ""
         print(f"  {key(plans[i])[:58]:58s} {pred[i].step_time_s:11.4f} {meas[i]:10.4f} "
               f"{pred[i].step_time_s / meas[i] - 1:+7.1%} "
@@ -225,19 +226,36 @@ def main() -> None:
     for label, job, prof, plans, runs, pick, ddp_key, fsdp_key in cases:
         print(f"\n{label} ({job.spec.name}, global batch {job.global_batch})")
         report(label, plans, runs, hw, prof, pick, ddp_key, fsdp_key, args.keep)
-    # Refit on one run: the first model's pick.
-    label, job, prof, plans, runs, pick, _, _ = cases[0]
+    # Refit on one run: the first model's pick, for every model; then each model on its own pick.
+    first = calibrated(cases[0], hw)
+    print(f"\n== calibrated on {cases[0][0]}'s pick ({cases[0][5]}): {first[1]}")
+    for n, case in enumerate(cases):
+        recalibrated(case, first[0], args, "in-sample" if n == 0 else "out-of-sample")
+    print("\n== each model calibrated on its own pick's run (the way `autopar calibrate PLAN` is used)")
+    for case in cases:
+        own, fits = calibrated(case, hw)
+        print(f"\n{case[0]}: {fits}")
+        recalibrated(case, own, args, "", table=False)
+
+
+def calibrated(case: tuple, hw: HardwareProfile) -> tuple[HardwareProfile, str]:
+    """``hw`` refitted to the run of ``case``'s pick, and what moved."""
+    label, job, prof, plans, runs, pick, _, _ = case
     i = [key(p) for p in plans].index(pick)
-    run = replace(measured(runs[i][2].step_times_s, WARMUP, runs[i][2].phases), step_s=runs[i][0])
+    run = replace(measured(runs[i][2].step_times_s, WARMUP, runs[i][2].phases, stages(plans[i])), step_s=runs[i][0])
     cal, fits = refit(plans[i], prof, hw, run)
-    print(f"\n== calibrated on {label}'s pick ({pick}): "
-          + "; ".join(f"{f.name} {f.old:.3g} -> {f.new:.3g}" for f in fits))
-    for n, (label, job, prof, plans, runs, pick, ddp_key, fsdp_key) in enumerate(cases):
-        new = plan_from_strategy(job, search(prof, cal, args.ranks, job.global_batch, "fp32").strategy, None)
-        if key(new) not in [key(p) for p in plans] and not args.replay:
-            plans, runs = plans + [new], runs + measure([new], args.steps, args.rounds)
-        print(f"\n{label} ({'in-sample' if n == 0 else 'out-of-sample'})")
-        report(label, plans, runs, cal, prof, key(new), ddp_key, fsdp_key, args.keep)
+    return cal, "; ".join(f"{f.name} {f.old:.3g} -> {f.new:.3g}" for f in fits)
+
+
+def recalibrated(case: tuple, cal: HardwareProfile, args: argparse.Namespace, what: str, table: bool = True) -> None:
+    """``case`` reported under ``cal``, its new pick measured where it is new (not on replay)."""
+    label, job, prof, plans, runs, pick, ddp_key, fsdp_key = case
+    new = plan_from_strategy(job, search(prof, cal, args.ranks, job.global_batch, "fp32").strategy, None)
+    if key(new) not in [key(p) for p in plans] and not args.replay:
+        plans, runs = plans + [new], runs + measure([new], args.steps, args.rounds)
+    if what:
+        print(f"\n{label} ({what})")
+    report(label, plans, runs, cal, prof, key(new), ddp_key, fsdp_key, args.keep, table)
 
 
 if __name__ == "__main__":

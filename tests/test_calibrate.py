@@ -92,6 +92,24 @@ def test_the_element_wise_fit_explains_the_operators_not_the_time_between_them(g
     assert after.time.compute_s == pytest.approx(est.time.compute_s, rel=1e-6)
 
 
+def test_measured_compute_is_the_slowest_stage_of_its_ranks_medians():
+    """Ranks of one stage run one program: their median, not the rank the machine descheduled
+    most; stages differ: the slowest. Ranks follow the plan's axis order (pp outermost by
+    default: ranks 0-1 stage 0, 2-3 stage 1 at dp 2 x pp 2)."""
+    from autopar.calibrate import measured, stages
+
+    def rank(i: int, compute: float, optimizer: float = 0.01) -> dict[str, float]:
+        return {"rank": i, "gemm": compute / 2, "attention": 0.0, "other": compute / 2, "optimizer": optimizer,
+                "gemm_flops": 1e9, "peak_bytes": 1.0}
+    assert stages(_plan(2, 2)) == (0, 0, 1, 1) and stages(_plan(2, 1)) == (0, 0)
+    steps = [1.0] * 10
+    ddp = measured(steps, 2, (rank(0, 0.19), rank(1, 0.29), rank(2, 0.23), rank(3, 0.24)), (0, 0, 0, 0))
+    assert ddp.compute_s == pytest.approx(0.235)
+    pipe = measured(steps, 2, (rank(0, 0.2), rank(1, 0.3), rank(2, 0.5), rank(3, 0.7, optimizer=0.05)),
+                    stages(_plan(2, 2)))
+    assert pipe.compute_s == pytest.approx(0.6) and pipe.optimizer_s == pytest.approx(0.03)
+
+
 def test_a_phase_no_efficiency_can_explain_keeps_the_constant():
     plan = _plan()
     model = profile_spec(parse_model_spec(MODEL))
