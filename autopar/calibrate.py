@@ -24,9 +24,10 @@ by bisection on the estimate itself, so the cost model's own formulas decide wha
    softmax and normalisation run at a tenth of a streaming add's rate), so this fit is what
    prices them. It was once fitted to the whole step there, which made it the step's residual:
    the reference step is ~6 % element-wise, so a step's noise of a few per cent moved it 0.06
-   to 0.82 over five runs; against the operators' time it moved 0.08 to 0.12 in six runs (2026-11-28). The time outside
-   operators (a GPU idle around the step's synchronisation, a CPU rank waiting for its peers or
-   running Python) is the model's to predict, not this constant's to absorb.
+   to 0.82 over one profile's five reference runs; against the operators' time, 0.095 to
+   0.153. The time outside operators (a GPU idle around the step's synchronisation, a CPU
+   rank waiting for its peers or running Python) is the model's to predict, not this
+   constant's to absorb.
 
 The links' α and β are not refitted: they come from ``autopar profile``'s collective
 benchmarks, which time them alone, while a training step's time outside operators mixes
@@ -128,10 +129,10 @@ def measured(step_times_s: list[float], warmup: int, ranks: tuple[dict[str, floa
     rates = [r["gemm_flops"] / r["gemm"] for r in ranks if r["gemm"] > 0 and r["gemm_flops"] > 0]
     if not rates:
         raise UserError("the profiler saw no GEMM in the run; calibrate a plan of a transformer")
-    of = {int(r.get("rank", i)): i for i, r in enumerate(ranks)}
     groups: dict[int, list[dict[str, float]]] = {}
-    for rank, i in sorted(of.items()):
-        groups.setdefault(stage_of[rank] if rank < len(stage_of) else 0, []).append(ranks[i])
+    for i, r in enumerate(ranks):
+        rank = int(r.get("rank", i))
+        groups.setdefault(stage_of[rank] if rank < len(stage_of) else 0, []).append(r)
 
     def slowest(phase: Callable[[dict[str, float]], float]) -> float:
         return max(statistics.median(phase(r) for r in group) for group in groups.values())

@@ -138,6 +138,7 @@ def _profiled(prog: Program, steps: int, cfg: TrainConfig, step: int, sample: in
     if cuda:
         torch.cuda.reset_peak_memory_stats()
     live = phases.live_bytes(prog.modules, prog.optimizers)
+
     def marked(done: int, loss: float, seconds: float) -> None:
         phases.step_ended()
         after(done, loss, seconds)
