@@ -22,7 +22,9 @@ Printed per model: predicted against measured step time for every plan (mean and
 measured (the oracle), plain DDP's and FSDP's over the oracle, and peak memory predicted
 against measured. Then the profile is refitted (``autopar.calibrate``) on ONE run, the first
 model's pick, and everything is re-predicted with it: the first model's rows are in-sample,
-the others out-of-sample. The calibrated planner's pick is measured too if it is new.
+the others out-of-sample; then each model again under the profile refitted on its own pick's
+run (one summary line each), as `autopar calibrate PLAN` is used. The calibrated planner's pick
+is measured too if it is new.
 
 ``--save`` writes every measured run (plan, step times, rank summaries); ``--replay`` prices
 those same runs again under ``--profile`` without running anything (the plans measured are
