@@ -25,9 +25,9 @@ by bisection on the estimate itself, so the cost model's own formulas decide wha
    prices them. It was once fitted to the whole step there, which made it the step's residual:
    the reference step is ~6 % element-wise, so a step's noise of a few per cent moved it 0.06
    to 0.82 over one profile's five reference runs; against the operators' time, 0.095 to
-   0.153 and 0.236 to 0.356 in two profiles. The time outside operators (a GPU idle around the step's synchronisation, a CPU
-   rank waiting for its peers or running Python) is the model's to predict, not this
-   constant's to absorb.
+   0.153 and 0.236 to 0.356 in two profiles. The time outside operators (a GPU idle around
+   the step's synchronisation, a CPU rank waiting for its peers or running Python) is the
+   model's to predict, not this constant's to absorb.
 
 The links' α and β are not refitted: they come from ``autopar profile``'s collective
 benchmarks, which time them alone, while a training step's time outside operators mixes
