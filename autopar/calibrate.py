@@ -5,7 +5,7 @@ The run is profiled on every rank after warm-up (``runtime.phases``: each phase 
 the profiled steps). Its phases are set against the estimate's (``TimeBreakdown``):
 
 - **compute** (time inside GEMMs, attention, element-wise operators) against ``compute_s``;
-  **optimizer** against ``optimizer_s``; what the step spends **outside operators** on its
+  **optimizer** (on CPU ranks timed in the unprofiled steps) against ``optimizer_s``; what the step spends **outside operators** on its
   slowest rank (waiting for collectives, the pipeline bubble, Python between operators)
   against the rest of ``step_time_s``. Compute and optimizer are the slowest pipeline stage's,
   each the median over the stage's ranks.
@@ -17,7 +17,9 @@ by bisection on the estimate itself, so the cost model's own formulas decide wha
    GEMM time, median over ranks) over the rate the profile predicts at the plan's shapes; a
    rate above the peak raises the plan's dtype's ``peak_tflops`` instead (efficiency 1), and
    with it every rate the profile states as a fraction of the peak (fused attention);
-2. ``optimizer_memory_efficiency``: so that the predicted optimizer step equals measured;
+2. ``optimizer_memory_efficiency``: so that the predicted optimizer step equals measured (its
+   host time per parameter tensor, ``optimizer_tensor_us``, comes from ``autopar profile``
+   and stays: the efficiency prices the bytes the step moves);
 3. ``memory_efficiency`` (element-wise throughput): so that the predicted compute equals the
    time measured inside operators (a GPU's device time; a CPU rank's operators, where their
    dispatch lands too). On CPU ranks element-wise operators are not memory-bound (GELU's tanh,
@@ -123,7 +125,10 @@ def measured(step_times_s: list[float], warmup: int, ranks: tuple[dict[str, floa
     ``PROFILED`` last) and every rank's profiler summary of the last steps. Compute and
     optimizer are the slowest stage's (``stage_of``: each rank's; default one stage), each the
     median over its ranks, which run the same program: their maximum would be the rank the
-    machine descheduled most (4 ranks on 2 cores: 192-285 ms of one DDP step's operators)."""
+    machine descheduled most (4 ranks on 2 cores: 192-285 ms of one DDP step's operators).
+    The optimizer step is a rank's timed steps' where it reports them (``optimizer_timed``: CPU
+    ranks), else the profiled one: the profiler's time per event doubles a step of many small
+    tensors."""
     if not ranks:
         raise UserError("the run returned no profile; run `autopar calibrate` again")
     rates = [r["gemm_flops"] / r["gemm"] for r in ranks if r["gemm"] > 0 and r["gemm_flops"] > 0]
@@ -138,7 +143,7 @@ def measured(step_times_s: list[float], warmup: int, ranks: tuple[dict[str, floa
         return max(statistics.median(phase(r) for r in group) for group in groups.values())
     return Measured(step_s=statistics.median(step_times_s[warmup:-PROFILED]),
                     compute_s=slowest(lambda r: r["gemm"] + r["attention"] + r["other"]),
-                    optimizer_s=slowest(lambda r: r["optimizer"]), gemm_tflops=statistics.median(rates) / 1e12,
+                    optimizer_s=slowest(lambda r: r.get("optimizer_timed", r["optimizer"])), gemm_tflops=statistics.median(rates) / 1e12,
                     peak_bytes=max(r["peak_bytes"] for r in ranks))
 
 

@@ -9,8 +9,8 @@ sees while the others run. Each rank times (medians of repeats):
 - an element-wise add over 32 MiB arrays (memory bandwidth);
 - the host time of a tiny built-in block's forward and backward, per kernel the cost model
   counts for it (``kernels_per_block``: the per-kernel dispatch floor; on CPU ranks it adds to
-  every pass, ``host_overlaps_device`` false), and what a DTensor parameter adds to an AdamW
-  step (``dtensor_optimizer_us``), what FSDP2's hooks add per parameter group and
+  every pass, ``host_overlaps_device`` false), an AdamW step's host time per parameter tensor
+  and what a DTensor parameter adds to it (``optimizer_tensor_us``, ``dtensor_optimizer_us``), what FSDP2's hooks add per parameter group and
   micro-batch (``fsdp_hook_us``), what DTensor tensor parallelism adds per split Linear
   and to the vocab-parallel head and loss (``tp_linear_us``, ``tp_loss_us``), and what
   ``torch.distributed.pipelining``'s schedules add per model chunk and, under zero-bubble,
@@ -176,6 +176,7 @@ def build_profile(results: list[dict], world: int, threads: int, device: str, dt
         "memory_efficiency": 1.0,
         "reserve_gib": 0.0,
         "kernel_dispatch_us": round(med("dispatch") * 1e6, 2),
+        "optimizer_tensor_us": round(med("optimizer_tensor") * 1e6, 2),
         "dtensor_optimizer_us": round(med("dtensor") * 1e6, 2),
         "fsdp_hook_us": round(med("hooks") * 1e6, 2),
         "tp_linear_us": round(med("tp_linear") * 1e6, 2),
@@ -228,6 +229,9 @@ def build_profile(results: list[dict], world: int, threads: int, device: str, dt
                              "the slope per block over its split Linears (autopar.profile_bench._tp_host_s)"),
             "tp_loss_us": ("the same at no block less one split module (the embedding): the vocab-parallel head "
                            "and loss_parallel's cross-entropy"),
+            "optimizer_tensor_us": (f"median over ranks of an AdamW step of {OPTIMIZER_TENSORS} plain parameter "
+                                    f"tensors of 64 elements (host time: their operators move 2 KiB) / "
+                                    f"{OPTIMIZER_TENSORS}, every rank at once"),
             "dtensor_optimizer_us": (f"median over ranks of (an AdamW step of {OPTIMIZER_TENSORS} DTensor parameters "
                                      f"sharded over the {world} ranks - the same of plain tensors) / {OPTIMIZER_TENSORS}"),
         },

@@ -21,7 +21,8 @@ DISPATCH_RECIPE = "autopar"
 SIZES = tuple(4 ** k for k in range(1, 13))
 """Collective message sizes, bytes: 4 B to 16 MiB."""
 OPTIMIZER_TENSORS = 48
-"""Parameter tensors of the optimizer steps timed for ``dtensor_optimizer_us``."""
+"""Parameter tensors of the optimizer steps timed for ``optimizer_tensor_us`` and
+``dtensor_optimizer_us``."""
 BURST_GEMMS = 16
 """256^3 GEMMs each CPU rank runs before a timed collective (``_in_step``): about 10 ms with 4
 ranks on 2 cores, the order of one block's pass of the small models CPU ranks train."""
@@ -98,10 +99,10 @@ def _block_host_s(device, sync: Callable[[], None]) -> float:
     return _median_time(lambda: block(x).sum().backward(), 50, sync)
 
 
-def _dtensor_step_s(device, world: int, sync: Callable[[], None]) -> float:
-    """What a DTensor parameter adds to an AdamW step over a plain tensor, s per parameter
-    tensor: ``OPTIMIZER_TENSORS`` small tensors (the step's host time dominates), sharded over
-    every rank, against the same as plain tensors. Collective: every rank calls it."""
+def _optimizer_step_s(device, world: int, sync: Callable[[], None]) -> tuple[float, float]:
+    """An AdamW step's host time per plain parameter tensor, and what a DTensor parameter adds
+    to it, s per parameter tensor: ``OPTIMIZER_TENSORS`` small tensors (the step's host time
+    dominates) as plain tensors, and sharded over every rank. Collective: every rank calls it."""
     import torch
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor import Shard, distribute_tensor
@@ -117,7 +118,8 @@ def _dtensor_step_s(device, world: int, sync: Callable[[], None]) -> float:
         opt = torch.optim.AdamW(params, lr=1e-3)
         return _median_time(opt.step, 10, sync)
 
-    return max(0.0, step_s(True) - step_s(False)) / OPTIMIZER_TENSORS
+    plain = step_s(False)
+    return plain / OPTIMIZER_TENSORS, max(0.0, step_s(True) - plain) / OPTIMIZER_TENSORS
 
 
 def _excess(fn: Callable[[], object], base: Callable[[], object], seconds: float, inner: int,
@@ -344,7 +346,7 @@ def measure(rank: int, world: int, device, dtype, say: Callable[[str], None]) ->
     dist.barrier()
     out["dispatch"] = _block_host_s(device, sync) / (3 * load_recipe(DISPATCH_RECIPE).kernels_per_block)
     dist.barrier()
-    out["dtensor"] = _dtensor_step_s(device, world, sync)
+    out["optimizer_tensor"], out["dtensor"] = _optimizer_step_s(device, world, sync)
     dist.barrier()
     out["hooks"] = _fsdp_hook_s(device, world, sync)
     out["collectives"], out["p2p"] = [], []

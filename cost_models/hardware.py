@@ -107,6 +107,10 @@ class HardwareProfile:
     kernel_dispatch_us: float = 0.0
     """Host time to dispatch one kernel from eager PyTorch (Python, dispatcher, launch), µs:
     a pass of k kernels takes at least k times this (0: never host-bound)."""
+    optimizer_tensor_us: float = 0.0
+    """Host time of the optimizer step per parameter tensor, µs: the per-tensor operators'
+    dispatch where the step loops over tensors (torch's AdamW on CPU: about ten operators a
+    tensor; 0: not measured, or multi-tensor kernels whose host time the device hides)."""
     dtensor_optimizer_us: float = 0.0
     """Host time a DTensor parameter adds to the optimizer step over a plain tensor's, µs per
     parameter tensor (DTensor's dispatch of each of the step's operators; 0: not measured).
@@ -265,6 +269,7 @@ _RANGES: dict[str, tuple[float, float, str]] = {
     "allocator_headroom": (0.0, 0.99, "(a fraction)"),
     "overlap_penalty": (0.0, 1.0, "(a fraction)"),
     "kernel_dispatch_us": (0.0, 1e6, "µs"),
+    "optimizer_tensor_us": (0.0, 1e6, "µs"),
     "dtensor_optimizer_us": (0.0, 1e6, "µs"),
     "fsdp_hook_us": (0.0, 1e6, "µs"),
     "tp_linear_us": (0.0, 1e6, "µs"),

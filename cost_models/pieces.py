@@ -151,12 +151,14 @@ def runs_ddp(strat: Strategy) -> bool:
     return strat.zero == 0 and strat.mesh.tp == 1 and strat.mesh.pp == 1 and strat.mesh.ep == 1
 
 
-def dtensor_step_s(tensors: int, hw: HardwareProfile, strat: Strategy) -> float:
-    """Host time DTensor parameters add to the optimizer step of ``tensors`` parameter tensors
-    (``ExecutionRecipe.dtensor_parameters``: under FSDP2 or tp; not under DDP or on one
-    device), s."""
+def optimizer_host_s(tensors: int, hw: HardwareProfile, strat: Strategy) -> float:
+    """Host time of the optimizer step of ``tensors`` parameter tensors, s: each tensor's
+    operators (``optimizer_tensor_us``), and what DTensor parameters add to them
+    (``dtensor_optimizer_us``; ``ExecutionRecipe.dtensor_parameters``: under FSDP2 or tp; not
+    under DDP or on one device)."""
     split = strat.mesh.tp > 1 or (strat.replicas > 1 and not runs_ddp(strat)) or strat.mesh.ep > 1
-    return tensors * hw.dtensor_optimizer_us * 1e-6 if strat.recipe.dtensor_parameters and split else 0.0
+    dtensor = hw.dtensor_optimizer_us if strat.recipe.dtensor_parameters and split else 0.0
+    return tensors * (hw.optimizer_tensor_us + dtensor) * 1e-6
 
 
 def hooks_s(hw: HardwareProfile, strat: Strategy) -> float:
@@ -181,7 +183,7 @@ def piece(params: float, passes: compute.PassTimes, tp: compute.PassTimes, act: 
     ready); the all-gather of updated weights (ZeRO 1/2) behind the next forward. Every
     data-parallel collective runs over ``rep``, the dp x cp group (``comm.replica_group``);
     where nothing can hide them, ``dp_hides``. The optimizer step of its ``tensors`` parameter
-    tensors adds their DTensor dispatch (``dtensor_step_s``) on the host, and each micro-batch
+    tensors adds their host time (``optimizer_host_s``), and each micro-batch
     the hooks of its FSDP2 group (``hooks_s``, a third of them in the forward).
     """
     rec = states.state_layout(strat)
@@ -226,7 +228,7 @@ def piece(params: float, passes: compute.PassTimes, tp: compute.PassTimes, act: 
         else:
             tail += down
     else:
-        opt = host.with_host(dtensor_step_s(tensors, hw, strat),
+        opt = host.with_host(optimizer_host_s(tensors, hw, strat),
                                 compute.optimizer_memory_s(sharded * optimizer_bytes_per_param(rec), hw,
                                                            strat.recipe.fused_optimizer), hw)
     accum = compute.memory_s(params * (grad_accum_bytes_per_param(rec, strat)

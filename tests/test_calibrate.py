@@ -109,6 +109,9 @@ def test_measured_compute_is_the_slowest_stage_of_its_ranks_medians():
     pipe = measured(steps, 2, (rank(0, 0.2), rank(1, 0.3), rank(2, 0.5), rank(3, 0.7, optimizer=0.05)),
                     stages(_plan(2, 2)))
     assert pipe.compute_s == pytest.approx(0.6) and pipe.optimizer_s == pytest.approx(0.03)
+    # CPU ranks time their optimizer step in the unprofiled steps: that, not the profiled one
+    timed = tuple({**rank(i, 0.2, optimizer=0.05), "optimizer_timed": 0.02 + 0.01 * i} for i in range(4))
+    assert measured(steps, 2, timed, (0, 0, 0, 0)).optimizer_s == pytest.approx(0.035)
 
 
 def test_a_phase_no_efficiency_can_explain_keeps_the_constant():

@@ -1032,6 +1032,23 @@ def test_dtensor_parameters_add_their_dispatch_to_the_optimizer_step():
     assert _cpu_step(slow, 0, tp=2) > _cpu_step(base, 0, tp=2) + 0.5 * tensors * 1e-3
 
 
+def test_every_parameter_tensor_adds_its_host_time_to_the_optimizer_step():
+    """torch's AdamW on CPU steps each parameter tensor with its own operators: every plan
+    pays ``optimizer_tensor_us`` per tensor it steps, on top of the bytes the step moves, so
+    a model of many small tensors steps slower than its bytes say; behind CUDA streams the
+    host time hides under the kernels' (the larger of the two)."""
+    base = dataclasses.replace(CPU, optimizer_tensor_us=0.0, dtensor_optimizer_us=0.0)
+    slow = dataclasses.replace(base, optimizer_tensor_us=1000.0)
+    tensors = 4 * 16 + 2 + 3
+    for zero in (0, 3):
+        assert _cpu_step(slow, zero) - _cpu_step(base, zero) == pytest.approx(tensors * 1e-3, rel=0.01)
+    both = dataclasses.replace(slow, dtensor_optimizer_us=500.0)
+    assert _cpu_step(both, 1) - _cpu_step(base, 1) == pytest.approx(tensors * 1.5e-3, rel=0.01)
+    streams = dataclasses.replace(slow, host_overlaps_device=True)
+    quiet = dataclasses.replace(base, host_overlaps_device=True)
+    assert _cpu_step(streams, 0) - _cpu_step(quiet, 0) < tensors * 1e-3
+
+
 def test_fsdp_hooks_add_per_group_and_micro_batch_where_the_host_runs_the_operators():
     """Each FSDP2 group (4 blocks, the embedding, the head) pays ``fsdp_hook_us`` per
     micro-batch under ZeRO 1-3 and under FSDP2's replicate (ZeRO 0 with tp); DDP has no

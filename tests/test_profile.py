@@ -159,7 +159,8 @@ def test_one_rank_profile_takes_its_links_from_the_named_profile():
     from autopar.profile import build_profile, links_profile, with_links
     from cost_models.hardware import profile_from_dict
     rank = {"peak": 7e14, "shaped": [5e14, 6e14], "attention": 4e14, "bw": 3e12, "dispatch": 5e-6,
-            "dtensor": 1e-4, "hooks": 2e-4, "tp_linear": 3e-4, "tp_loss": 2e-3, "pp_chunk": 4e-4, "zb_block": 7e-4,
+            "optimizer_tensor": 5e-5, "dtensor": 1e-4, "hooks": 2e-4, "tp_linear": 3e-4, "tp_loss": 2e-3,
+            "pp_chunk": 4e-4, "zb_block": 7e-4,
             "checkpoint": {"selective": 4e-4, "full": 1e-3, "op": 3e-3}, "collectives": [], "p2p": []}
     alone = build_profile([rank], 1, 16, "cpu", "bf16", "one", "autopar profile --ranks 1 --links dgx-h100")
     assert "intra_node" not in alone and "intra_node" not in alone["notes"]  # nothing measured, nothing said
@@ -168,4 +169,5 @@ def test_one_rank_profile_takes_its_links_from_the_named_profile():
     assert hw.intra_node == shipped.intra_node and hw.inter_node == shipped.inter_node
     assert hw.peak_tflops["bf16"] == 700.0 and hw.devices_per_node == 1 and hw.hbm_bw_gbps == 3000.0
     assert hw.checkpoint_us == {"selective": 400.0, "full": 1000.0, "op": 3000.0}
+    assert hw.optimizer_tensor_us == 50.0 and hw.dtensor_optimizer_us == 100.0
     assert "--links dgx-h100" in hw.notes["intra_node"] and "not measured" in hw.notes["inter_node"]

@@ -99,6 +99,9 @@ class RunResult:
     step_times_s: list[float] = field(default_factory=list)
     start_step: int = 0
     """Optimizer steps already taken when this run began (from a checkpoint)."""
+    optimizer_times_s: list[float] = field(default_factory=list)
+    """This rank's optimizer step per step, wall time on CPU ranks (where the host runs its
+    operators; unprofiled, unlike ``phases``), s; empty on CUDA, where it runs behind the host."""
     phases: tuple[dict[str, float], ...] = ()
     """Per rank, where a profiled run's step time went (``runtime.phases.summary``, with
     ``rank`` and ``peak_bytes``); empty unless the run was profiled."""
@@ -323,10 +326,13 @@ def step_on_batch(prog: Program, tokens: torch.Tensor, targets: torch.Tensor) ->
     return _reduce_step(prog, _local_step(prog, tokens, targets), 0.0)[0]
 
 
-def _local_step(prog: Program, tokens: torch.Tensor, targets: torch.Tensor) -> float:
+def _local_step(prog: Program, tokens: torch.Tensor, targets: torch.Tensor,
+                optimizer_s: list[float] | None = None) -> float:
     """``step_on_batch`` up to the optimizer step; returns this rank's share of the sum of the
     micro-batch losses, each (dp rank, cp rank, micro-batch) loss counted once: last stage, tp
-    rank 0 (a cp rank's loss is the mean over its tokens, as many on every cp rank)."""
+    rank 0 (a cp rank's loss is the mean over its tokens, as many on every cp rank).
+    ``optimizer_s`` gets the optimizer step's wall time, s (its time on CPU ranks, where the
+    host runs the operators)."""
     plan, ctx = prog.plan, prog.ctx
     if tuple(tokens.shape) != (plan.global_batch, plan.seq_len) or tokens.shape != targets.shape:
         raise ValueError(f"a step takes tokens and targets of shape [{plan.global_batch}, {plan.seq_len}] "
@@ -337,8 +343,11 @@ def _local_step(prog: Program, tokens: torch.Tensor, targets: torch.Tensor) -> f
     local = _step_pipeline(prog, x, y) if prog.schedule is not None else _step_no_pipeline(prog, x, y)
     if prog.tied_group is not None:
         _sync_tied_grads(prog)
+    start = time.perf_counter()
     for opt in prog.optimizers:
         opt.step()
+    if optimizer_s is not None:
+        optimizer_s.append(time.perf_counter() - start)
     return local if ctx.rank(Axis.TP) == 0 else 0.0
 
 
@@ -368,11 +377,12 @@ def train(plan: Plan, steps: int, ctx: ParallelContext, cfg: TrainConfig = Train
     corpus = open_corpus(cfg.data, plan.seq_len) if cfg.data is not None else None
     first = start_step * plan.global_batch if start_sample is None else start_sample
     losses, times = [], []
+    optimizer_s: list[float] | None = [] if ctx.device.type == "cpu" else None
     for i, step in enumerate(range(start_step, start_step + steps)):
         if ctx.mesh is not None:
             dist.barrier()
         start = time.perf_counter()
-        counted = _local_step(prog, *_step_batch(prog, step, cfg, corpus, first + i * plan.global_batch))
+        counted = _local_step(prog, *_step_batch(prog, step, cfg, corpus, first + i * plan.global_batch), optimizer_s)
         if ctx.device.type == "cuda":
             torch.cuda.synchronize(ctx.device)  # the optimizer step's kernels belong to this step
         loss, seconds = _reduce_step(prog, counted, time.perf_counter() - start)
@@ -380,4 +390,4 @@ def train(plan: Plan, steps: int, ctx: ParallelContext, cfg: TrainConfig = Train
         times.append(seconds)
         if on_step is not None:
             on_step(step, losses[-1], times[-1])
-    return RunResult(losses=losses, step_times_s=times, start_step=start_step)
+    return RunResult(losses=losses, step_times_s=times, start_step=start_step, optimizer_times_s=optimizer_s or [])
