@@ -251,6 +251,7 @@ def test_a_step_slowed_by_the_machine_moves_no_phase():
     unmarked = phases.summary(prof, 1, torch.device("cpu"))  # marks that do not match the steps: the sum
     assert unmarked["gemm_flops"] == pytest.approx(3 * 4 * 2 * 128 ** 3)
     assert unmarked["other"] > 50 * got["other"]  # 303 adds against the median step's one
+    assert got["events"] >= 5 and unmarked["events"] == 3 * got["events"] + 300  # operators, not allocations
 
 
 def test_plan_quality_reports_how_well_its_rounds_agree():

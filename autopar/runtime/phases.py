@@ -142,15 +142,17 @@ def step_ended() -> None:
 
 
 def summary(prof: profile, steps: int, device: torch.device) -> dict[str, float]:
-    """Seconds per step of each phase (``PHASES``), the GEMM FLOPs per step (``gemm_flops``)
-    and, on CPU, the most bytes allocated at once beyond the live ones (``peak_delta_bytes``).
+    """Seconds per step of each phase (``PHASES``), the GEMM FLOPs per step (``gemm_flops``),
+    the profiler events outside the optimizer step per step (``events``: each adds the
+    profiler's own time) and, on CPU, the most bytes allocated at once beyond the live ones
+    (``peak_delta_bytes``).
     Where each step's end was marked (``step_ended``), each figure is the median over the
     steps (one step slowed by the machine moves none); else the mean."""
     cuda = device.type == "cuda"
     events = [e for e in prof.events() if e.device_type == DeviceType.CPU]  # a kernel's time is its operator's too
     ends = sorted(e.time_range.start for e in events if e.name == STEP_END)
     split = len(ends) == steps
-    out = [dict.fromkeys((*PHASES, "gemm_flops"), 0.0) for _ in range(steps if split else 1)]
+    out = [dict.fromkeys((*PHASES, "gemm_flops", "events"), 0.0) for _ in range(steps if split else 1)]
     nested = [0.0] * len(out)  # operator time inside the optimizer step, counted there
     for evt in events:
         if evt.name == STEP_END:
@@ -160,7 +162,9 @@ def summary(prof: profile, steps: int, device: torch.device) -> dict[str, float]
             inclusive = evt.device_time_total if cuda else evt.cpu_time_total
             out[i]["optimizer"] += inclusive * 1e-6
             nested[i] += (inclusive - (evt.self_device_time_total if cuda else evt.self_cpu_time_total)) * 1e-6
+            out[i]["events"] -= _descendants(evt)
             continue
+        out[i]["events"] += evt.name != "[memory]"  # allocations are records, not operators
         kind = _kind(evt.name)
         out[i][kind] += (evt.self_device_time_total if cuda else evt.self_cpu_time_total) * 1e-6
         if kind == "gemm" and not _wraps_gemm(evt):
@@ -170,6 +174,15 @@ def summary(prof: profile, steps: int, device: torch.device) -> dict[str, float]
     per_step = ({k: statistics.median(s[k] for s in out) for k in out[0]} if split
                 else {k: v / steps for k, v in out[0].items()})
     return {**per_step, "peak_delta_bytes": 0.0 if cuda else _peak_delta(prof)}
+
+
+def _descendants(evt) -> int:
+    """Events beneath ``evt`` in the profiler's tree."""
+    stack, n = list(getattr(evt, "cpu_children", ())), 0
+    while stack:
+        n += 1
+        stack.extend(getattr(stack.pop(), "cpu_children", ()))
+    return n
 
 
 def _wraps_gemm(evt) -> bool:
