@@ -5,10 +5,10 @@ The run is profiled on every rank after warm-up (``runtime.phases``: each phase 
 the profiled steps). Its phases are set against the estimate's (``TimeBreakdown``):
 
 - **compute** (time inside GEMMs, attention, element-wise operators) against ``compute_s``;
-  **optimizer** (on CPU ranks timed in the unprofiled steps) against ``optimizer_s``; what the step spends **outside operators** on its
-  slowest rank (waiting for collectives, the pipeline bubble, Python between operators)
-  against the rest of ``step_time_s``. Compute and optimizer are the slowest pipeline stage's,
-  each the median over the stage's ranks.
+  **optimizer** (on CPU ranks timed in the unprofiled steps) against ``optimizer_s``; what
+  the step spends **outside operators** on its slowest rank (waiting for collectives, the
+  pipeline bubble, Python between operators) against the rest of ``step_time_s``. Compute and
+  optimizer are the slowest pipeline stage's, each the median over the stage's ranks.
 
 The constants are refitted in the order that isolates each (every fit is one number, found
 by bisection on the estimate itself, so the cost model's own formulas decide what it means):
@@ -143,7 +143,8 @@ def measured(step_times_s: list[float], warmup: int, ranks: tuple[dict[str, floa
         return max(statistics.median(phase(r) for r in group) for group in groups.values())
     return Measured(step_s=statistics.median(step_times_s[warmup:-PROFILED]),
                     compute_s=slowest(lambda r: r["gemm"] + r["attention"] + r["other"]),
-                    optimizer_s=slowest(lambda r: r.get("optimizer_timed", r["optimizer"])), gemm_tflops=statistics.median(rates) / 1e12,
+                    optimizer_s=slowest(lambda r: r.get("optimizer_timed", r["optimizer"])),
+                    gemm_tflops=statistics.median(rates) / 1e12,
                     peak_bytes=max(r["peak_bytes"] for r in ranks))
 
 

@@ -10,9 +10,10 @@ sees while the others run. Each rank times (medians of repeats):
 - the host time of a tiny built-in block's forward and backward, per kernel the cost model
   counts for it (``kernels_per_block``: the per-kernel dispatch floor; on CPU ranks it adds to
   every pass, ``host_overlaps_device`` false), an AdamW step's host time per parameter tensor
-  and what a DTensor parameter adds to it (``optimizer_tensor_us``, ``dtensor_optimizer_us``), what FSDP2's hooks add per parameter group and
-  micro-batch (``fsdp_hook_us``), what DTensor tensor parallelism adds per split Linear
-  and to the vocab-parallel head and loss (``tp_linear_us``, ``tp_loss_us``), and what
+  and what a DTensor parameter adds to it (``optimizer_tensor_us``, ``dtensor_optimizer_us``),
+  what FSDP2's hooks add per parameter group and micro-batch (``fsdp_hook_us``), what DTensor
+  tensor parallelism adds per split Linear and to the vocab-parallel head and loss
+  (``tp_linear_us``, ``tp_loss_us``), and what
   ``torch.distributed.pipelining``'s schedules add per model chunk and, under zero-bubble,
   per block (``pp_chunk_us``, ``zb_block_us``), and what activation checkpointing's machinery
   adds per block in each recompute mode (``checkpoint_us``);
