@@ -162,7 +162,7 @@ def summary(prof: profile, steps: int, device: torch.device) -> dict[str, float]
             inclusive = evt.device_time_total if cuda else evt.cpu_time_total
             out[i]["optimizer"] += inclusive * 1e-6
             nested[i] += (inclusive - (evt.self_device_time_total if cuda else evt.self_cpu_time_total)) * 1e-6
-            out[i]["events"] -= _descendants(evt)
+            out[i]["events"] -= sum(1 for _ in _beneath(evt))
             continue
         out[i]["events"] += evt.name != "[memory]"  # allocations are records, not operators
         kind = _kind(evt.name)
@@ -176,26 +176,20 @@ def summary(prof: profile, steps: int, device: torch.device) -> dict[str, float]
     return {**per_step, "peak_delta_bytes": 0.0 if cuda else _peak_delta(prof)}
 
 
-def _descendants(evt) -> int:
-    """Events beneath ``evt`` in the profiler's tree."""
-    stack, n = list(getattr(evt, "cpu_children", ())), 0
+def _beneath(evt) -> Iterator:
+    """Every event beneath ``evt`` in the profiler's tree."""
+    stack = list(getattr(evt, "cpu_children", ()))
     while stack:
-        n += 1
-        stack.extend(getattr(stack.pop(), "cpu_children", ()))
-    return n
+        child = stack.pop()
+        yield child
+        stack.extend(getattr(child, "cpu_children", ()))
 
 
 def _wraps_gemm(evt) -> bool:
     """Whether a GEMM runs beneath ``evt``: a DTensor's ``aten::mm`` dispatches the same
     ``aten::mm`` on its local shard, and the profiler counts the FLOPs of both (the self time
     lands on the inner one)."""
-    stack = list(getattr(evt, "cpu_children", ()))
-    while stack:
-        child = stack.pop()
-        if child.name in GEMM_OPS:
-            return True
-        stack.extend(getattr(child, "cpu_children", ()))
-    return False
+    return any(child.name in GEMM_OPS for child in _beneath(evt))
 
 
 def _walk(nodes: Iterable) -> Iterator:
