@@ -19,6 +19,7 @@ import os
 import statistics
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 from typing import Any
 
@@ -31,6 +32,8 @@ from autopar.runtime import RunSpec, run_job  # noqa: E402
 MODEL = "gpt:layers=8,hidden=256,heads=8,vocab=2048,seq=128,tied=0"
 BATCH, WORLD, LAYERS = 16, 4, 8
 WARMUP = 2
+TIMEOUT_S = 900
+"""Longest one torchrun job may take, s."""
 
 
 def plan_for(kind: str) -> Plan:
@@ -49,16 +52,25 @@ def plan_for(kind: str) -> Plan:
 def handwritten(kind: str, steps: int) -> list[float]:
     """The hand-written job's step times. Its rank 0 prints them once every step is done; a rank
     that then aborts in torch 2.13's interpreter teardown (SIGABRT, "terminate called without an
-    active exception": the worker leaves with ``os._exit`` for that reason) fails the job after
-    the measurement, so printed times count whatever the exit status."""
-    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone",
-                           f"--nproc-per-node={WORLD}", str(ROOT / "benchmarks" / "handwritten.py"), kind, MODEL,
-                           str(BATCH), str(steps)], capture_output=True, text=True, timeout=900,
-                          env={**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore"})
-    lines = [line for line in proc.stdout.splitlines() if line.startswith("[")]
+    active exception") fails the job after the measurement, so printed times count whatever the
+    exit status. The job writes to a file, not a pipe: a worker torchrun leaves behind would hold
+    a pipe open and keep this process waiting after the timeout killed torchrun."""
+    with tempfile.TemporaryFile(mode="w+") as out:
+        proc = subprocess.Popen([sys.executable, "-m", "torch.distributed.run", "--standalone",
+                                 f"--nproc-per-node={WORLD}", str(ROOT / "benchmarks" / "handwritten.py"), kind,
+                                 MODEL, str(BATCH), str(steps)], stdout=out, stderr=subprocess.STDOUT, text=True,
+                                env={**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore"})
+        try:
+            code = proc.wait(timeout=TIMEOUT_S)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            code = proc.wait()
+        out.seek(0)
+        text = out.read()
+    lines = [line for line in text.splitlines() if line.startswith("[")]
     if not lines:
-        raise RuntimeError(f"hand-written {kind} printed no step times (exit {proc.returncode}): "
-                           f"{(proc.stderr.strip().splitlines() or ['no output'])[-1]}")
+        raise RuntimeError(f"hand-written {kind} printed no step times (exit {code}): "
+                           f"{(text.strip().splitlines() or ['no output'])[-1]}")
     return json.loads(lines[-1])
 
 
@@ -75,7 +87,7 @@ def main() -> None:
         for k in kinds:  # one job each, like the hand-written runs: no state left by another plan
             for autopar_turn in (r % 2 == 0, r % 2 == 1):  # autopar first in even rounds, hand-written in odd
                 if autopar_turn:
-                    ours[k].append(run_job([RunSpec(plan=plan_for(k), steps=args.steps)], timeout_s=900)[0]
+                    ours[k].append(run_job([RunSpec(plan=plan_for(k), steps=args.steps)], timeout_s=TIMEOUT_S)[0]
                                    .step_times_s[WARMUP:])
                 else:
                     theirs[k].append(handwritten(k, args.steps)[WARMUP:])
