@@ -32,9 +32,10 @@ def test_refit_recovers_the_constants_that_made_the_phases(dp, pp):
     efficiencies back (GEMM exactly, the others to the bisection's precision)."""
     plan = _plan(dp, pp)
     model = profile_spec(parse_model_spec(MODEL))
-    # as ``autopar profile`` measures it, before its reference run refits the efficiencies
+    # as ``autopar profile`` measures it, before its reference run refits the efficiencies; a
+    # core per rank (a pipeline on shared cores is fitted to its step: below)
     start = dataclasses.replace(load_profile("cpu-local"), matmul_efficiency=1.0, memory_efficiency=1.0,
-                                optimizer_memory_efficiency=1.0)
+                                optimizer_memory_efficiency=1.0, ranks_per_core=1.0)
     truth = dataclasses.replace(start, matmul_efficiency=0.4, optimizer_memory_efficiency=0.2,
                                 memory_efficiency=0.3)
     est = estimate(model, truth, plan.strategy(), global_batch=plan.global_batch)
@@ -57,7 +58,7 @@ def test_gemms_faster_than_the_peak_raise_the_peak():
     model = profile_spec(parse_model_spec(MODEL))
     # bandwidth enough that this tiny model's GEMMs stay compute-bound at 1.5x the peak
     start = dataclasses.replace(load_profile("cpu-local"), matmul_efficiency=1.0, memory_efficiency=1.0,
-                                optimizer_memory_efficiency=1.0, hbm_bw_gbps=1e3)
+                                optimizer_memory_efficiency=1.0, hbm_bw_gbps=1e3, ranks_per_core=1.0)
     peak = start.peak_tflops["fp32"]
     truth = dataclasses.replace(start, peak_tflops={"fp32": peak * 1.5}, optimizer_memory_efficiency=0.2,
                                 memory_efficiency=0.3)
@@ -68,6 +69,32 @@ def test_gemms_faster_than_the_peak_raise_the_peak():
     assert new.peak_tflops["fp32"] == pytest.approx(peak * 1.5, rel=1e-9) and new.matmul_efficiency == 1.0
     assert new.memory_efficiency == pytest.approx(0.3, rel=1e-6)
     assert [f.name for f in fits][:2] == ["peak_tflops.fp32", "matmul_efficiency"] and "above the peak" in fits[0].why
+
+
+def test_a_pipeline_on_shared_cores_scales_the_peak_to_its_step():
+    """Ranks sharing cores (cpu-local: 4 ranks on 2) run a pipeline's operators faster than the
+    profile's every-rank-busy rates while a stage waits: its GEMM rate and operator times are
+    not used (a GEMM rate 1.5x the profile's moves nothing); the optimizer is fitted as ever,
+    then the peak is scaled until the predicted step is the measured one."""
+    plan = _plan(2, 2)
+    model = profile_spec(parse_model_spec(MODEL))
+    start = load_profile("cpu-local")
+    assert start.ranks_per_core > 1
+    peak = start.peak_tflops["fp32"]
+    truth = dataclasses.replace(start, peak_tflops={"fp32": peak * 0.7}, optimizer_memory_efficiency=0.3)
+    est = estimate(model, truth, plan.strategy(), global_batch=plan.global_batch)
+    run = Measured(step_s=est.step_time_s, compute_s=0.5 * est.time.compute_s, optimizer_s=est.time.optimizer_s,
+                   gemm_tflops=1.5 * _gemm_tflops(model, start, plan), peak_bytes=1.0)
+    new, fits = refit(plan, model, start, run)
+    assert [f.name for f in fits] == ["optimizer_memory_efficiency", "peak_tflops.fp32"]
+    assert new.optimizer_memory_efficiency == pytest.approx(0.3, rel=1e-6)
+    assert new.peak_tflops["fp32"] == pytest.approx(peak * 0.7, rel=1e-6) and "sharing cores" in fits[-1].why
+    assert (new.matmul_efficiency, new.memory_efficiency) == (start.matmul_efficiency, start.memory_efficiency)
+    after = estimate(model, new, plan.strategy(), global_batch=plan.global_batch)
+    assert after.step_time_s == pytest.approx(est.step_time_s, rel=1e-6)
+    # a step no peak within STEP_SCALES explains keeps the peak and says so
+    kept, fits = refit(plan, model, start, dataclasses.replace(run, step_s=est.step_time_s * 1e-3))
+    assert kept.peak_tflops["fp32"] == peak and "kept" in fits[-1].why
 
 
 @pytest.mark.parametrize("gpu", [True, False])
