@@ -19,7 +19,11 @@ sees while the others run. Each rank times (medians of repeats):
   adds per block in each recompute mode (``checkpoint_us``);
 - all-reduce, reduce-scatter and all-gather over the whole group, and over pairs side by side
   (4 or more ranks), at message sizes from 4 B to 16 MiB (on CPU ranks each right after a
-  block's worth of GEMMs, as a step meets it), and point-to-point send/recv between pairs.
+  block's worth of GEMMs, as a step meets it), and point-to-point send/recv between pairs;
+- all-reduces of 1, 4 and 16 MiB issued asynchronously beside GEMMs that last about twice
+  their time: what each adds to the GEMMs over its time alone is the share of an overlapped
+  collective compute does not hide (``overlap_penalty``: on CPU ranks about 1, gloo's thread
+  taking the cores the compute runs on; 0 would be a collective on engines of its own).
 
 Then a reference transformer (``REFERENCE``: a small GPT, data-parallel over every rank) trains
 a few steps under the new profile and ``autopar.calibrate`` refits its efficiencies to it (the
@@ -54,7 +58,7 @@ import numpy as np
 from autopar.errors import UserError
 from autopar.profile_bench import (ADD_ELEMENTS, ATTENTION, BURST_GEMMS, CHECKPOINT_DEPTH, CHECKPOINT_SECONDS,
                                    DISPATCH_BLOCK, DISPATCH_RECIPE, HOOK_GROUPS, HOOK_SECONDS, OPTIMIZER_TENSORS,
-                                   PIPE_DEPTH, PIPE_MICROBATCHES, PIPE_SECONDS, SHAPES, TP_DEPTHS, TP_SECONDS, measure)
+                                   OVERLAP_SIZES, PIPE_DEPTH, PIPE_MICROBATCHES, PIPE_SECONDS, SHAPES, TP_DEPTHS, TP_SECONDS, measure)
 from cost_models.recipe import load_recipe
 
 if TYPE_CHECKING:
@@ -171,7 +175,7 @@ def build_profile(results: list[dict], world: int, threads: int, device: str, dt
         "memory_gib": round(_device_memory_gib(device) / (1 if device == "cuda" else world), 2),
         "peak_tflops": {dtype: round(peak / 1e12, 5)},
         "hbm_bw_gbps": round(med("bw") / 1e9, 3),
-        **({"intra_node": tier, "inter_node": tier} if tier else {}),
+        **({"intra_node": tier, "inter_node": tier, "overlap_penalty": _overlap_penalty(results)} if tier else {}),
         "matmul_efficiency": round(min(1.0, shaped / peak), 3),
         "attention_efficiency": {load_recipe(DISPATCH_RECIPE).attention_kernel: round(min(1.0, med("attention") / peak), 3)},
         "memory_efficiency": 1.0,
@@ -200,6 +204,11 @@ def build_profile(results: list[dict], world: int, threads: int, device: str, dt
                                      f"cost_models.compute counts the fused kernel's, over the peak; under the "
                                      f"{DISPATCH_RECIPE} recipe's kernel family"),
             **links_note,
+            **({"overlap_penalty": (
+                f"median over ranks and all-reduces of {', '.join(f'{n >> 20} MiB' for n in OVERLAP_SIZES)} over "
+                f"every rank of what one adds to GEMMs it runs beside (issued asynchronously before "
+                f"them, waited for after; the GEMMs about twice its time), over its time alone; at most "
+                f"1 (autopar.profile_bench._overlap)")} if tier else {}),
             "memory_gib": "device memory (GPU) or host memory divided by the ranks (CPU)",
             "kernel_dispatch_us": (f"median host time of a forward and backward of {DISPATCH_BLOCK!r}'s block "
                                    f"over 3 x the {DISPATCH_RECIPE} recipe's kernels_per_block"),
@@ -239,6 +248,13 @@ def build_profile(results: list[dict], world: int, threads: int, device: str, dt
     }
 
 
+def _overlap_penalty(results: list[dict]) -> float:
+    """The share of a collective's time that compute beside it does not hide: the median over
+    ranks of each rank's median over ``OVERLAP_SIZES``, within [0, 1]."""
+    share = statistics.median(statistics.median(r["overlap"]) for r in results)
+    return round(min(1.0, max(0.0, share)), 3)
+
+
 def _tier(results: list[dict], world: int) -> dict:
     """The measured tier of the ranks' collectives and point-to-point transfers."""
     timed: dict[tuple, list[float]] = {}
@@ -269,8 +285,8 @@ def with_links(profile: dict, source: "HardwareProfile", links: str) -> dict:
     note = (f"not measured (one rank has no peer): {source.name}'s tiers (--links {links}), for plans of more "
             "devices than this one")
     return {**profile, "intra_node": dataclasses.asdict(source.intra_node),
-            "inter_node": dataclasses.asdict(source.inter_node),
-            "notes": {**profile["notes"], "intra_node": note, "inter_node": note}}
+            "inter_node": dataclasses.asdict(source.inter_node), "overlap_penalty": source.overlap_penalty,
+            "notes": {**profile["notes"], "intra_node": note, "inter_node": note, "overlap_penalty": note}}
 
 
 def cuda_devices() -> int:

@@ -2,7 +2,7 @@
 writes the profile): GEMMs, fused attention, an element-wise add, the host time per kernel, a
 DTensor optimizer step, FSDP2's hooks, tensor parallelism's DTensor modules, activation
 checkpointing's machinery, the pipeline schedules' own host time, collectives (over every
-rank, and over pairs side by side) and point-to-point transfers. Seconds, bytes and FLOP/s;
+rank, and over pairs side by side; an all-reduce beside compute) and point-to-point transfers. Seconds, bytes and FLOP/s;
 medians of repeats."""
 
 from __future__ import annotations
@@ -58,6 +58,8 @@ SHAPES = {"cpu": ((512, 128, 384), (512, 128, 512), (512, 512, 128), (2048, 512,
                    (8192, 16384, 4096))}
 """(tokens, in, out) of the transformer-shaped GEMMs per device type (b·s through h -> 3h,
 h -> 4h, 4h -> h)."""
+OVERLAP_SIZES = (2 ** 20, 2 ** 22, 2 ** 24)
+"""All-reduce sizes, bytes, whose cost beside compute gives ``overlap_penalty`` (``_overlap``)."""
 ADD_ELEMENTS = {"cpu": 2 ** 23, "cuda": 2 ** 27}
 """fp32 elements of each array of the timed element-wise add: 32 MiB on CPU, 512 MiB on GPU
 (ten times an H100's 50 MB L2)."""
@@ -321,6 +323,47 @@ def _in_step(device, dtype, sync: Callable[[], None]) -> Callable[[Callable[[], 
     return timed
 
 
+def _overlap(nbytes: int, device, dtype, sync: Callable[[], None], repeats: int = 5) -> float:
+    """What an all-reduce of ``nbytes`` over every rank adds to compute it runs beside, over its
+    own time alone: (GEMMs with the all-reduce issued asynchronously before them and waited for
+    after - the same GEMMs alone) / the all-reduce alone, medians of ``repeats``; the GEMMs last
+    about twice the all-reduce, so the whole of it could hide. 0: it hides completely (a
+    device whose collectives run on engines of their own); 1: it hides nothing (CPU ranks,
+    whose collective threads take the cores the compute runs on). Collective: every rank calls
+    it."""
+    import torch
+    import torch.distributed as dist
+    big = 256 if device.type == "cpu" else 4096
+    a, b = torch.randn(big, big, device=device, dtype=dtype), torch.randn(big, big, device=device, dtype=dtype)
+    buf = torch.zeros(nbytes // 4, device=device)
+
+    def timed(fn: Callable[[], object]) -> float:
+        samples = []
+        for _ in range(repeats):
+            dist.barrier()
+            sync()
+            start = time.perf_counter()
+            fn()
+            sync()
+            samples.append(time.perf_counter() - start)
+        return statistics.median(samples)
+
+    alone = timed(lambda: dist.all_reduce(buf))
+    gemm = timed(lambda: torch.mm(a, b))
+    n = max(1, round(2 * alone / max(gemm, 1e-9)))
+
+    def gemms() -> None:
+        for _ in range(n):
+            torch.mm(a, b)
+
+    def beside() -> None:
+        work = dist.all_reduce(buf, async_op=True)
+        gemms()
+        assert work is not None
+        work.wait()
+    return max(0.0, timed(beside) - timed(gemms)) / alone
+
+
 def measure(rank: int, world: int, device, dtype, say: Callable[[str], None]) -> dict:
     """This rank's timings (seconds, bytes, FLOP/s)."""
     import torch
@@ -390,6 +433,7 @@ def _links(out: dict, rank: int, world: int, device, dtype, sync: Callable[[], N
             rows.append(("all_gather", size, numel * 4,
                          in_step(lambda: dist.all_gather_into_tensor(t, shard, group=group), reps)))
     out["collectives"] = rows
+    out["overlap"] = [_overlap(nbytes, device, dtype, sync) for nbytes in OVERLAP_SIZES]
     say("p2p")
     p2p = []
     peer = rank ^ 1

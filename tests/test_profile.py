@@ -94,6 +94,7 @@ def test_profile_writes_a_profile_the_cost_model_uses(tmp_path):
     assert set(hw.checkpoint_us) == {"selective", "full", "op"}  # checkpointing's machinery, per mode
     assert hw.checkpoint_us["op"] > hw.checkpoint_us["selective"] > 0  # the per-op policy wraps every operator
     assert 0 < hw.optimizer_memory_efficiency <= 1
+    assert 0 <= hw.overlap_penalty <= 1 and "asynchronously" in data["notes"]["overlap_penalty"]
     est = runner.invoke(app, ["estimate", "--model", "gpt:layers=2,hidden=64,heads=4,vocab=128,seq=16",
                               "--cluster", str(out), "--gpus", "2", "--global-batch", "4", "--dtype", "fp32",
                               "--tp", "1", "--pp", "1", "--json"])
@@ -167,7 +168,19 @@ def test_one_rank_profile_takes_its_links_from_the_named_profile():
     shipped = links_profile("dgx-h100")
     hw = profile_from_dict(with_links(alone, shipped, "dgx-h100"))
     assert hw.intra_node == shipped.intra_node and hw.inter_node == shipped.inter_node
+    assert hw.overlap_penalty == shipped.overlap_penalty and "not measured" in hw.notes["overlap_penalty"]
     assert hw.peak_tflops["bf16"] == 700.0 and hw.devices_per_node == 1 and hw.hbm_bw_gbps == 3000.0
     assert hw.checkpoint_us == {"selective": 400.0, "full": 1000.0, "op": 3000.0}
     assert hw.optimizer_tensor_us == 50.0 and hw.dtensor_optimizer_us == 100.0
     assert "--links dgx-h100" in hw.notes["intra_node"] and "not measured" in hw.notes["inter_node"]
+
+
+def test_the_overlap_penalty_is_the_median_share_a_collective_adds_beside_compute():
+    """Each rank's median over the all-reduce sizes, then the median over ranks, within [0, 1]:
+    a rank whose collective slowed its GEMMs by more than the collective's own time (a CPU rank
+    descheduled meanwhile) counts as hiding nothing, not as more."""
+    from autopar.profile import _overlap_penalty
+    ranks = [{"overlap": [0.9, 1.1, 0.95]}, {"overlap": [0.6, 0.8, 1.4]}, {"overlap": [1.2, 1.5, 1.3]}]
+    assert _overlap_penalty(ranks) == 0.95
+    assert _overlap_penalty([{"overlap": [1.6, 2.0, 1.2]}]) == 1.0
+    assert _overlap_penalty([{"overlap": [0.0, 0.0, 0.1]}]) == 0.0
