@@ -113,8 +113,35 @@ def _parts(model: ModelProfile, hw: HardwareProfile, strat: Strategy, cache: dic
             s = replace(strat, recompute=mode)
             lead.append(pieces.block_piece(model.lead, _block_times(model.lead, hw, s, cache, lead=True),
                                      blockcomm.block_comm(model.lead, hw, s, groups, experts=False), hw, s, rep))
+    if states.torch_ddp(strat) and pieces.dp_hides(strat, hw):
+        layers, lead, first, last = _ddp_tails(model, hw, strat, rep, layers, lead, first, last)
     return _Parts(layers=tuple(layers), passes=tuple(passes), first=first, last=last,
                   p2p_s=blockcomm.p2p_s(model, strat, groups) + pipeline.host_s(hw, strat)[0], lead=tuple(lead))
+
+
+def _ddp_tails(model: ModelProfile, hw: HardwareProfile, strat: Strategy, rep: comm.Group,
+               layers: list[pieces.Piece], lead: list[pieces.Piece], first: pieces.Piece, last: pieces.Piece):
+    """The pieces with torch DDP's reduction in place of each piece's own all-reduce: per
+    recompute mode, what its buckets add to the step in a model whose blocks all run in that
+    mode (``pieces.ddp_exposed_s``: what runs past the backward, and ``overlap_penalty`` of
+    what runs beside it), spread evenly over the blocks (so a stage's tail stays linear in its
+    blocks per mode, as the solver prices it); the embedding and the head add none of their
+    own."""
+    grad = states.state_layout(strat).grad
+    bwd = lambda p: p.compute_s + p.tp_s - p.forward_s  # noqa: E731  (recompute and accumulation included)
+    blocks = model.layers + (model.lead_layers if lead else 0)
+    out, out_lead = [], []
+    for i, block in enumerate(layers):
+        order = [(states.last_params(model, strat) * grad, bwd(last))]
+        order += [(model.block_params * grad, bwd(block))] * model.layers
+        if lead and model.lead is not None:
+            order += [(model.lead.block_params * grad, bwd(lead[i]))] * model.lead_layers
+        order.append((states.first_params(model, strat) * grad, bwd(first)))
+        share = pieces.ddp_exposed_s(order, rep, hw) / blocks
+        out.append(replace(block, dp_tail_s=share))
+        if lead:
+            out_lead.append(replace(lead[i], dp_tail_s=share))
+    return out, out_lead, replace(first, dp_tail_s=0.0), replace(last, dp_tail_s=0.0)
 
 
 def parts_key(strat: Strategy) -> tuple:

@@ -151,6 +151,38 @@ def runs_ddp(strat: Strategy) -> bool:
     return strat.zero == 0 and strat.mesh.tp == 1 and strat.mesh.pp == 1 and strat.mesh.ep == 1
 
 
+def ddp_exposed_s(pieces: list[tuple[float, float]], rep: comm.Group, hw: HardwareProfile) -> float:
+    """Seconds torch DDP's gradient all-reduce adds to the last micro-batch's backward (the
+    earlier ones run under ``no_sync``): ``pieces`` are (gradient bytes, backward seconds) in
+    backward order (head, blocks from the last, embedding). DDP fills its buckets in that order
+    (the first ``DDP_FIRST_BUCKET_BYTES``, then ``DDP_BUCKET_BYTES`` each), a piece's gradients
+    ready when its backward ends; each bucket's all-reduce starts once it is full and the one
+    before it is done (one stream, one gloo thread). What runs past the backward is exposed,
+    and ``hw.overlap_penalty`` of what runs beside it (``comm.exposed_s``): on CPU ranks, whose
+    gloo thread takes the cores the backward runs on, 1, every bucket's time. A model of a
+    bucket or two reduces almost all of it after the backward; a large one hides all but its
+    last bucket where the penalty is 0."""
+    full_s = comm.best_all_reduce_s(states.DDP_BUCKET_BYTES, rep)
+    clock, end, filled, cap, busy = 0.0, 0.0, 0.0, states.DDP_FIRST_BUCKET_BYTES, 0.0
+    for nbytes, seconds in pieces:
+        clock += seconds
+        take = min(nbytes, cap - filled)
+        filled += take
+        if filled < cap:
+            continue
+        one = comm.best_all_reduce_s(filled, rep)
+        whole, filled = divmod(nbytes - take, states.DDP_BUCKET_BYTES)
+        end = max(end, clock) + one + whole * full_s
+        busy += one + whole * full_s
+        cap = states.DDP_BUCKET_BYTES
+    if filled > 0:
+        one = comm.best_all_reduce_s(filled, rep)
+        end = max(end, clock) + one
+        busy += one
+    tail = max(0.0, end - clock)
+    return tail + hw.overlap_penalty * max(0.0, busy - tail)
+
+
 def optimizer_host_s(tensors: int, hw: HardwareProfile, strat: Strategy) -> float:
     """Host time of the optimizer step of ``tensors`` parameter tensors, s: each tensor's
     operators (``optimizer_tensor_us``), and what DTensor parameters add to them

@@ -36,6 +36,9 @@ DDP_BUCKET_BYTES = 25e6
 filling). Under ZeRO-0 the gradients themselves live in the buckets (Megatron's contiguous
 gradient buffer; torch DDP with ``gradient_as_bucket_view``, as autopar's runtime builds it),
 so the buckets add nothing to the states."""
+DDP_FIRST_BUCKET_BYTES = float(1 << 20)
+"""torch DDP's first bucket (``dist._DEFAULT_FIRST_BUCKET_BYTES``): the last parameters' gradients,
+the first ready in the backward, reduce early in a bucket of their own."""
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)

@@ -1014,9 +1014,10 @@ def _cpu_step(hw, zero: int, tp: int = 1) -> float:
 
 def test_fsdp_collectives_are_exposed_where_the_host_runs_the_operators():
     """On CPU ranks FSDP2's all-gathers and reduce-scatters are synchronous: ZeRO 2 costs
-    its collectives on top of DDP; behind CUDA streams they would hide."""
-    streams = dataclasses.replace(CPU, host_overlaps_device=True, dtensor_optimizer_us=0.0)
-    on_host = dataclasses.replace(CPU, dtensor_optimizer_us=0.0)
+    its collectives on top of DDP; behind CUDA streams they would hide (where overlap is free:
+    the shipped CPU ranks' measured ``overlap_penalty`` is 1)."""
+    streams = dataclasses.replace(CPU, host_overlaps_device=True, dtensor_optimizer_us=0.0, overlap_penalty=0.0)
+    on_host = dataclasses.replace(CPU, dtensor_optimizer_us=0.0, overlap_penalty=0.0)
     assert _cpu_step(on_host, 2) - _cpu_step(on_host, 0) > 4 * 2 * 3 * CPU.intra_node.latency_us * 1e-6
     assert _cpu_step(streams, 2) - _cpu_step(streams, 0) < 0.5 * (_cpu_step(on_host, 2) - _cpu_step(on_host, 0))
 
@@ -1220,3 +1221,32 @@ def test_one_gpu_peak_memory_is_what_an_h100_measured():
                          recipe=load_recipe("autopar"))
         peak = estimate(model, hw, strat, global_batch=16).memory.peak_bytes / 2**30
         assert peak == pytest.approx(measured, rel=0.05)
+
+
+def test_torch_ddp_reduces_its_buckets_after_they_fill():
+    """torch DDP all-reduces a 1 MiB first bucket, then 25 MB ones, each once full and after
+    the one before: gradients that fill one bucket at the end of the backward are reduced
+    after it, whatever the blocks that make them (one call, not one per block); a long
+    backward of many buckets hides all but the last where overlap costs nothing, and hides
+    nothing where it costs the whole collective (``overlap_penalty`` 1: CPU ranks, whose gloo
+    thread takes the cores the backward runs on, as ``autopar profile`` measured it)."""
+    rep = comm.Group(size=4, bw_bytes_s=1e9, p2p_bytes_s=1e9, latency_s=1e-3, inter_node=False)
+    ar = lambda n: comm.best_all_reduce_s(n, rep)  # noqa: E731
+    mib, cap = states.DDP_FIRST_BUCKET_BYTES, states.DDP_BUCKET_BYTES
+    free, full = dataclasses.replace(CPU, overlap_penalty=0.0), dataclasses.replace(CPU, overlap_penalty=1.0)
+    assert pieces.ddp_exposed_s([(3 * mib, 1.0)], rep, free) == pytest.approx(ar(mib) + ar(2 * mib))
+    assert pieces.ddp_exposed_s([(mib, 1.0), (mib, 1.0), (mib, 1.0)], rep, free) == pytest.approx(ar(2 * mib))
+    assert pieces.ddp_exposed_s([(mib, 1.0), (mib, 1.0), (mib, 1.0)], rep, full) == pytest.approx(ar(mib) + ar(2 * mib))
+    many = [(mib, 1.0)] + [(cap, 10.0)] * 5 + [(cap / 2, 1.0)]
+    assert pieces.ddp_exposed_s(many, rep, free) == pytest.approx(ar(cap / 2))
+    assert pieces.ddp_exposed_s(many, rep, full) == pytest.approx(ar(mib) + 5 * ar(cap) + ar(cap / 2))
+    model = profile_spec(parse_model_spec("gpt:layers=8,hidden=128,heads=4,vocab=512,seq=64,tied=0"))
+    ddp = Strategy(recipe=load_recipe("autopar"), mesh=Degrees(dp=4), micro_batch=8, dtype="fp32")
+    grads = model.params * 4
+    assert mib < grads < mib + cap  # two buckets: the first (the head and a block), then the rest
+    group = comm.replica_group(CPU, ddp)
+    for hw, exposed in ((free, comm.best_all_reduce_s(grads - mib, group)),
+                        (full, comm.best_all_reduce_s(mib, group) + comm.best_all_reduce_s(grads - mib, group))):
+        assert estimate(model, hw, ddp, global_batch=32).time.dp_comm_s == pytest.approx(exposed, rel=1e-6)
+    fsdp = estimate(model, CPU, dataclasses.replace(ddp, zero=1), global_batch=32)
+    assert fsdp.time.dp_comm_s > 0  # FSDP2 prices its own collectives per group
