@@ -224,8 +224,7 @@ def refit(plan: Plan, model: ModelProfile, hw: HardwareProfile, run: Measured) -
                 run.optimizer_s, "optimizer step")
     if shared:
         fits.append(_fit_step(plan, hw, run, est))
-        peak = fits[-1].new
-        return replace(hw, peak_tflops={**hw.peak_tflops, plan.dtype: peak}), tuple(fits)
+        return replace(hw, peak_tflops={**hw.peak_tflops, plan.dtype: fits[-1].new}), tuple(fits)
     base = hw
     hw = fitted("memory_efficiency", hw.memory_efficiency, lambda e: replace(base, memory_efficiency=e),
                 lambda x: x.time.compute_s, run.compute_s,

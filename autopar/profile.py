@@ -58,7 +58,8 @@ import numpy as np
 from autopar.errors import UserError
 from autopar.profile_bench import (ADD_ELEMENTS, ATTENTION, BURST_GEMMS, CHECKPOINT_DEPTH, CHECKPOINT_SECONDS,
                                    DISPATCH_BLOCK, DISPATCH_RECIPE, HOOK_GROUPS, HOOK_SECONDS, OPTIMIZER_TENSORS,
-                                   OVERLAP_SIZES, PIPE_DEPTH, PIPE_MICROBATCHES, PIPE_SECONDS, SHAPES, TP_DEPTHS, TP_SECONDS, measure)
+                                   OVERLAP_SIZES, PIPE_DEPTH, PIPE_MICROBATCHES, PIPE_SECONDS, SHAPES, TP_DEPTHS,
+                                   TP_SECONDS, measure)
 from cost_models.recipe import load_recipe
 
 if TYPE_CHECKING:
@@ -175,7 +176,8 @@ def build_profile(results: list[dict], world: int, threads: int, device: str, dt
         "memory_gib": round(_device_memory_gib(device) / (1 if device == "cuda" else world), 2),
         "peak_tflops": {dtype: round(peak / 1e12, 5)},
         "hbm_bw_gbps": round(med("bw") / 1e9, 3),
-        **({"intra_node": tier, "inter_node": tier, "overlap_penalty": _overlap_penalty(results)} if tier else {}),
+        **({"intra_node": tier, "inter_node": tier, "overlap_penalty": _overlap_penalty(results)}
+           if tier else {}),
         "matmul_efficiency": round(min(1.0, shaped / peak), 3),
         "attention_efficiency": {load_recipe(DISPATCH_RECIPE).attention_kernel: round(min(1.0, med("attention") / peak), 3)},
         "memory_efficiency": 1.0,

@@ -2,8 +2,8 @@
 writes the profile): GEMMs, fused attention, an element-wise add, the host time per kernel, a
 DTensor optimizer step, FSDP2's hooks, tensor parallelism's DTensor modules, activation
 checkpointing's machinery, the pipeline schedules' own host time, collectives (over every
-rank, and over pairs side by side; an all-reduce beside compute) and point-to-point transfers. Seconds, bytes and FLOP/s;
-medians of repeats."""
+rank, and over pairs side by side; all-reduces beside compute) and point-to-point transfers.
+Seconds, bytes and FLOP/s; medians of repeats."""
 
 from __future__ import annotations
 
