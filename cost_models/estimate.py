@@ -120,7 +120,8 @@ def _parts(model: ModelProfile, hw: HardwareProfile, strat: Strategy, cache: dic
 
 
 def _ddp_tails(model: ModelProfile, hw: HardwareProfile, strat: Strategy, rep: comm.Group,
-               layers: list[pieces.Piece], lead: list[pieces.Piece], first: pieces.Piece, last: pieces.Piece):
+               layers: list[pieces.Piece], lead: list[pieces.Piece], first: pieces.Piece, last: pieces.Piece
+               ) -> tuple[list[pieces.Piece], list[pieces.Piece], pieces.Piece, pieces.Piece]:
     """The pieces with torch DDP's reduction in place of each piece's own all-reduce: per
     recompute mode, what its buckets add to the step in a model whose blocks all run in that
     mode (``pieces.ddp_exposed_s``: what runs past the backward, and ``overlap_penalty`` of
