@@ -38,8 +38,10 @@ import argparse
 import json
 import math
 import os
+import resource
 import statistics
 import sys
+import time
 from dataclasses import replace
 from pathlib import Path
 
@@ -126,13 +128,35 @@ def summarise(rounds: list[list[RunResult]]) -> list[tuple[float, float, RunResu
             for runs in zip(*rounds)]
 
 
+def cpu_seconds() -> tuple[float, float, float]:
+    """(wall clock, the machine's busy CPU seconds since boot (/proc/stat: all but idle and
+    iowait; steal included: a hypervisor's other guests), this process's waited-for
+    descendants' CPU seconds), to difference around a job (``foreign_load``)."""
+    fields = [float(x) for x in Path("/proc/stat").read_text().split("\n", 1)[0].split()[1:9]]
+    busy = (sum(fields) - fields[3] - fields[4]) / os.sysconf("SC_CLK_TCK")
+    kids = resource.getrusage(resource.RUSAGE_CHILDREN)
+    return time.monotonic(), busy, kids.ru_utime + kids.ru_stime
+
+
+def foreign_load(before: tuple[float, float, float], after: tuple[float, float, float]) -> float:
+    """Cores' worth of CPU that something other than the job used while it ran (other
+    processes, or a hypervisor's steal): the machine's busy seconds less the job's, over the
+    wall time. Rounds with more of it ran slower for reasons outside the plans."""
+    wall, busy, kids = (a - b for a, b in zip(after, before))
+    return max(0.0, busy - kids) / wall if wall > 0 else 0.0
+
+
 def measure(plans: list[Plan], steps: int, rounds: int) -> list[tuple[float, float, RunResult, list[list[float]]]]:
     """``summarise`` of each plan trained ``steps`` steps, all in one job, ``rounds`` times
-    (odd rounds in reverse order)."""
+    (odd rounds in reverse order); each round prints the foreign load it ran under."""
     out = []
     for k in range(rounds):
         order = plans if k % 2 == 0 else plans[::-1]
+        before = cpu_seconds() if Path("/proc/stat").is_file() else None
         runs = run_job([RunSpec(plan=p, steps=steps, phases=PROFILED) for p in order], timeout_s=3600)
+        if before is not None:
+            print(f"  round {k + 1} of {len(plans)} plans: foreign load {foreign_load(before, cpu_seconds()):.2f} "
+                  f"cores of {os.cpu_count()}", flush=True)
         out.append(runs if k % 2 == 0 else runs[::-1])
     return summarise(out)
 

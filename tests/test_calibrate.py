@@ -233,6 +233,27 @@ def test_fsdp_collective_scopes_are_communication_not_operators():
     assert got["comm"] == pytest.approx(870e-6) and got["other"] == pytest.approx(55e-6)
 
 
+def test_tensor_parallel_waits_are_communication_not_operators():
+    """DTensor's all-reduces are functional collectives: the rank waits for them in
+    ``_c10d_functional::wait_tensor`` (on CPU ranks most of a tp step). Communication, not the
+    element-wise work ``calibrate`` fits the memory rate to; DTensor's own dispatch stays."""
+    from types import SimpleNamespace
+
+    import torch
+    from torch.autograd import DeviceType
+
+    from autopar.runtime import phases
+
+    def event(name: str, us: float):
+        return SimpleNamespace(name=name, device_type=DeviceType.CPU, self_device_time_total=us,
+                               device_time_total=us, flops=0.0)
+    events = [event("_c10d_functional::wait_tensor", 700.0), event("_c10d_functional::all_reduce", 5.0),
+              event("c10d::allreduce_", 25.0), event("PythonSubclass", 60.0), event("Redistribute", 10.0),
+              event("aten::gelu", 40.0)]
+    got = phases.summary(SimpleNamespace(events=lambda: events), 1, torch.device("cuda"))  # type: ignore[arg-type]
+    assert got["comm"] == pytest.approx(730e-6) and got["other"] == pytest.approx(110e-6)
+
+
 def test_a_dtensor_gemm_counts_its_flops_once():
     """Under tensor parallelism DTensor's ``aten::mm`` dispatches ``aten::mm`` on the local
     shard; the profiler gives both the shard's FLOPs. The rate is the GEMMs' own: once."""
