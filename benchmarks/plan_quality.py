@@ -12,7 +12,10 @@ within 15-25 % of each other, where this machine's rounds disagree as much, so t
 alone measures the noise more than the model; the spread ones show how it ranks the space.
 Each is trained ``--steps`` steps on ``--ranks`` gloo CPU ranks, all plans of a model in
 one torchrun job; a round's time of a plan is the median of its steps after 2 of warm-up and
-before the 3 last, which run under the profiler for its peak memory (``runtime.phases``). The
+before the 3 last, which run under the profiler for its peak memory (``runtime.phases``); of
+its rounds' profiles, the one whose profiled steps ran closest to its others is kept, as
+``autopar calibrate`` keeps it (``profiled_round``), and each round prints the CPU that other
+processes took while it ran (``foreign_load``). The
 job runs ``--rounds`` times, every other round in reverse order (a machine's slow minutes fall
 on different plans), and a plan's time is the median of its rounds': two runs of one program
 differ by up to 12 % in a single round on a shared 2-core machine.
@@ -49,7 +52,7 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from autopar.calibrate import PROFILED, measured, refit, stages  # noqa: E402
+from autopar.calibrate import PROFILED, dilation, measured, refit, stages  # noqa: E402
 from autopar.plan import Mesh, Plan, plan_from_dict  # noqa: E402
 from autopar.profiles import profile_spec  # noqa: E402
 from autopar.runtime import RunResult, RunSpec, run_job  # noqa: E402
@@ -120,11 +123,19 @@ def round_s(step_times_s: list[float]) -> float:
     return statistics.median(step_times_s[WARMUP:-PROFILED])
 
 
+def profiled_round(runs: tuple[RunResult, ...]) -> RunResult:
+    """The round of a plan whose profiled steps ran closest to its others (least
+    ``calibrate.dilation``) among those with a profile: what ``calibrate`` would keep."""
+    return min((r for r in runs if r.phases), key=lambda r: dilation(r.step_times_s, WARMUP))
+
+
 def summarise(rounds: list[list[RunResult]]) -> list[tuple[float, float, RunResult, list[list[float]]]]:
-    """(median over rounds of ``round_s``, the first round's largest peak bytes over ranks, its
-    run, every round's step times) of each plan; ``rounds[k][i]`` is plan i's run in round k."""
+    """(median over rounds of ``round_s``, the largest peak bytes over ranks and the run of its
+    ``profiled_round``, every round's step times) of each plan; ``rounds[k][i]`` is plan i's
+    run in round k."""
     return [(statistics.median(round_s(r.step_times_s) for r in runs),
-             max(x["peak_bytes"] for x in runs[0].phases), runs[0], [r.step_times_s for r in runs])
+             max(x["peak_bytes"] for x in profiled_round(runs).phases), profiled_round(runs),
+             [r.step_times_s for r in runs])
             for runs in zip(*rounds)]
 
 
@@ -162,8 +173,8 @@ def measure(plans: list[Plan], steps: int, rounds: int) -> list[tuple[float, flo
 
 
 def save(path: str, cases: list) -> None:
-    """Every measured run of ``cases``: its plan, the first round's step times and rank
-    summaries, and every round's step times."""
+    """Every measured run of ``cases``: its plan, its ``profiled_round``'s step times and rank
+    summaries (the first round's in grids before 1128h), and every round's step times."""
     out = [{"label": label, "plans": [json.loads(p.to_json()) for p in plans],
             "runs": [{"step_times_s": r.step_times_s, "phases": list(r.phases), "rounds": rounds}
                      for _, _, r, rounds in runs]}
@@ -176,8 +187,8 @@ def replayed(path: str) -> dict[str, tuple[list[Plan], list]]:
     data = json.loads(Path(path).read_text())
     out = {}
     for case in data:
-        runs = [[RunResult(step_times_s=times, phases=tuple(r["phases"]) if k == 0 else ())
-                 for k, times in enumerate(r.get("rounds", [r["step_times_s"]]))] for r in case["runs"]]
+        runs = [[RunResult(step_times_s=times, phases=tuple(r["phases"]) if times == r["step_times_s"] else ())
+                 for times in r.get("rounds", [r["step_times_s"]])] for r in case["runs"]]
         out[case["label"]] = ([plan_from_dict(p) for p in case["plans"]], summarise([list(k) for k in zip(*runs)]))
     return out
 

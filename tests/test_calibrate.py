@@ -173,6 +173,32 @@ def test_calibrate_command_profiles_the_run_and_writes_a_profile_that_prices_it(
     assert json.loads(again.output)["step_time_s"] == pytest.approx(phases["step"]["after_s"], rel=1e-9)
 
 
+def test_a_run_whose_profiled_steps_were_stretched_is_run_again():
+    """On CPU ranks the profiled steps' operator times are in those steps' time: where they ran
+    well over the unprofiled steps (the machine busy), ``calibrate`` runs the plan again, up to
+    ``ATTEMPTS`` runs, and fits the least stretched one; a GPU's device times are kept at once."""
+    from autopar.calibrate import ATTEMPTS, DILATION_LIMIT, calibrate, dilation
+
+    plan = _plan()
+    model = profile_spec(parse_model_spec(MODEL))
+    hw = load_profile("cpu-local")
+
+    def ranks(gemm: float) -> tuple[dict[str, float], ...]:
+        return tuple({"rank": i, "gemm": gemm, "attention": 0.0, "other": 0.01, "optimizer": 0.001,
+                      "comm": 0.0, "gemm_flops": 1e9, "peak_bytes": 1e6} for i in range(2))
+    busy = ([0.1] * 7 + [0.2] * 3, ranks(0.1))  # profiled 2x: GEMMs at 10 GFLOP/s
+    calm = ([0.1] * 7 + [0.105] * 3, ranks(0.05))  # 20 GFLOP/s
+    assert dilation(busy[0], 2) == pytest.approx(2.0) and dilation(calm[0], 2) < DILATION_LIMIT
+    for runs, calls, rate in (([busy, calm], 2, 20.0), ([busy] * 5, ATTEMPTS, 10.0), ([calm, busy], 1, 20.0)):
+        left = list(runs)
+        cal = calibrate(plan, model, hw, 2, lambda: left.pop(0), "test")
+        assert len(runs) - len(left) == calls and cal.gemm_tflops * 1e3 == pytest.approx(rate)
+    left = [busy, calm]
+    on_gpu = dataclasses.replace(hw, host_overlaps_device=True)
+    assert calibrate(plan, model, on_gpu, 2, lambda: left.pop(0), "test").gemm_tflops * 1e3 == pytest.approx(10.0)
+    assert len(left) == 1
+
+
 def test_calibrate_refuses_bad_input_in_one_line(tmp_path):
     plan_file = tmp_path / "plan.json"
     _plan().save(plan_file)
