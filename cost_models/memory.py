@@ -82,10 +82,14 @@ def block_act_bytes(model: ModelProfile, strat: Strategy, recompute: str | None 
     if autocast:
         repl += model.autocast_act_bytes_per_token
     per_token = repl / sp + sharded / strat.mesh.tp
+    # The two sub-layers' GEMM inputs (16-bit norm outputs, 2 h bytes each per token), kept
+    # gathered where the program saves SP's all-gather output (``recipe.sp_saves_gathered_inputs``).
+    gathered = 1 if strat.recipe.sp_saves_gathered_inputs else sp
+    per_token += 2 * 2 * model.hidden * (1 / gathered - 1 / sp)
     if strat.fp8 and strat.recipe.fp8_saves_fp8_inputs:
         # The weight GEMMs' saved inputs (two norm outputs, the attention output, the MLP's
         # down-projection input) kept as 1-byte casts instead of 16-bit tensors.
-        per_token -= 2 * model.hidden / sp + (model.hidden + model.ffn) / strat.mesh.tp
+        per_token -= 2 * model.hidden / gathered + (model.hidden + model.ffn) / strat.mesh.tp
     if recompute == "none":
         per_token += attn / strat.mesh.tp
     return act_scale(strat) * tokens * per_token + expert_extra_act_bytes(model, strat)

@@ -181,6 +181,12 @@ class ExecutionRecipe:
     fp8_saves_fp8_inputs: bool = False
     """Float8 linears keep their inputs for the weight gradient as the 1-byte cast
     (Transformer Engine) instead of the 16-bit tensor (torchao's default)."""
+    sp_saves_gathered_inputs: bool = False
+    """With sequence parallelism, each sub-layer's column-parallel GEMMs keep the all-gathered
+    (whole-sequence) norm output they read for their weight gradients (torch's DTensor SP:
+    the gather is an autograd op ahead of the GEMMs, which save what they receive); False:
+    they keep the sequence shard and gather it again in the backward (Megatron-LM, Transformer
+    Engine; Korthikanti et al. 2022's accounting)."""
     fp8_cast_bytes: float = 5.0
     """Device-memory bytes per element of a Float8 cast: 5 with dynamic (just-in-time)
     scaling, torchao's tensorwise default (read for the amax, read again and write one byte);

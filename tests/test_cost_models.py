@@ -153,6 +153,23 @@ def test_korthikanti_table2_activations(tp, sp, rc, factor):
     assert memory.block_act_bytes(G22B, strat) == pytest.approx(expected, rel=1e-12)
 
 
+def test_torch_sequence_parallel_keeps_the_gathered_gemm_inputs():
+    """Under torch's DTensor SP (autopar's runtime, torchtitan) each sub-layer's column GEMMs
+    save the all-gathered norm output: two 2 h-byte tensors per token whole, not / tp, on top
+    of Korthikanti's accounting (Megatron keeps the shard and gathers it again); with no
+    recompute and with selective, not under full recompute (the block input only)."""
+    b, s, h, t = 2, 2048, 6144, 8
+    for rc in ("none", "selective", "full"):
+        strat = Strategy(recipe=MC, mesh=Degrees(tp=t), sequence_parallel=True, recompute=rc, micro_batch=b)
+        torch_sp = dataclasses.replace(strat, recipe=dataclasses.replace(MC, sp_saves_gathered_inputs=True))
+        extra = 0.0 if rc == "full" else s * b * 2 * 2 * h * (1 - 1 / t)
+        assert memory.block_act_bytes(G22B, torch_sp) == pytest.approx(memory.block_act_bytes(G22B, strat) + extra)
+        no_sp = dataclasses.replace(torch_sp, sequence_parallel=False)
+        assert memory.block_act_bytes(G22B, no_sp) == memory.block_act_bytes(G22B, dataclasses.replace(strat, sequence_parallel=False))
+    assert load_recipe("autopar").sp_saves_gathered_inputs and load_recipe("torchtitan-asynctp").sp_saves_gathered_inputs
+    assert not MC.sp_saves_gathered_inputs and not load_recipe("megatron-core-te").sp_saves_gathered_inputs
+
+
 def test_korthikanti_figure1_params_and_optimizer_22b():
     """45.56 GiB of parameters + optimizer state per GPU for 22B at TP 8 (18 bytes/param)."""
     c = stage_costs(G22B, A100, Strategy(recipe=MC, mesh=Degrees(tp=8), micro_batch=4, num_microbatches=1))
