@@ -133,10 +133,12 @@ def summarise(rounds: list[list[RunResult]]) -> list[tuple[float, float, RunResu
     """(median over rounds of ``round_s``, the largest peak bytes over ranks and the run of its
     ``profiled_round``, every round's step times) of each plan; ``rounds[k][i]`` is plan i's
     run in round k."""
-    return [(statistics.median(round_s(r.step_times_s) for r in runs),
-             max(x["peak_bytes"] for x in profiled_round(runs).phases), profiled_round(runs),
-             [r.step_times_s for r in runs])
-            for runs in zip(*rounds)]
+    out = []
+    for runs in zip(*rounds):
+        kept = profiled_round(runs)
+        out.append((statistics.median(round_s(r.step_times_s) for r in runs),
+                    max(x["peak_bytes"] for x in kept.phases), kept, [r.step_times_s for r in runs]))
+    return out
 
 
 def cpu_seconds() -> tuple[float, float, float]:
