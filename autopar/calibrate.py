@@ -34,11 +34,15 @@ by bisection on the estimate itself, so the cost model's own formulas decide wha
    the step's synchronisation, a CPU rank waiting for its peers or running Python) is the
    model's to predict, not this constant's to absorb.
 
-A pipeline over ranks that share cores (``ranks_per_core`` > 1) is the exception: its stages
-wait in the fill and the drain, and the stages still working meanwhile get the idle ones' share
-of the cores, so its operators run faster than the profile's every-rank-busy rates and their
-times cannot give those rates. After the optimizer fit, the plan's dtype's peak is scaled
-instead so that the predicted step equals the measured one.
+Ranks that share cores (``ranks_per_core`` > 1) are the exception. A rank that waits (a
+pipeline stage in the fill and the drain; a data-parallel rank the machine ran ahead of its
+peers, at the all-reduce) lends its share of the cores to the others, whose operators then run
+faster than the profile's every-rank-busy rates: their times cannot give those rates. After the
+optimizer fit, the plan's dtype's peak is scaled instead so that the predicted step equals the
+measured one. The exception to that is ``autopar profile``'s reference run (``anchor``), which
+is where the profile's rates inside a step come from: a data-parallel reference is fitted to its
+operators as above (nothing else gives the element-wise rate), and the profile is made with
+the same fit on every machine.
 
 The links' α and β are not refitted: they come from ``autopar profile``'s collective
 benchmarks, which time them alone, while a training step's time outside operators mixes
@@ -200,21 +204,26 @@ def _solve(value: Callable[[float], float], target: float, old: float) -> tuple[
     return (lo + hi) / 2, ""
 
 
-def refit(plan: Plan, model: ModelProfile, hw: HardwareProfile, run: Measured) -> tuple[HardwareProfile, tuple[Fit, ...]]:
-    """``hw`` with its constants refitted to ``run`` (module docstring), and the fits."""
+def refit(plan: Plan, model: ModelProfile, hw: HardwareProfile, run: Measured,
+          anchor: bool = False) -> tuple[HardwareProfile, tuple[Fit, ...]]:
+    """``hw`` with its constants refitted to ``run`` (module docstring), and the fits.
+    ``anchor``: the run is ``autopar profile``'s reference, whose operators give the rates even
+    on shared cores, where they can (no pipeline)."""
     strat = plan.strategy()
 
     def est(profile: HardwareProfile) -> Estimate:
         return estimate(model, profile, strat, global_batch=plan.global_batch)
 
     fits, orig = [], hw
-    # A pipeline over ranks that share cores: a stage waiting in the fill, the drain or for a
-    # peer's activations lends its share of the core to the others, whose operators then run
-    # up to ``ranks_per_core`` times faster than the profile's rates with every rank busy
-    # (``cost_models.pipeline``): its operators' times cannot give those rates (a deep-narrow
-    # GPT at pp 4 ran its GEMMs at 1.33x the profile's, and a peak raised by that priced the
-    # other plans 30 % fast). The peak is scaled to the step instead (``_fit_step``).
-    shared = hw.ranks_per_core > 1 and plan.mesh.pp > 1
+    # Ranks that share cores: one waiting (a pipeline stage in the fill, the drain or for a
+    # peer's activations; a data-parallel rank ahead of its peers, at the all-reduce) lends
+    # its share of the core to the others, whose operators then run up to ``ranks_per_core``
+    # times faster than the profile's rates with every rank busy: their times cannot give those
+    # rates (a deep-narrow GPT at pp 4 ran its GEMMs at 1.33x the profile's, and a peak raised
+    # by that priced the other plans 30 % fast; a long-sequence GPT's DDP step of 0.32 s spent
+    # 0.21 s in operators on its median rank, and an element-wise rate fitted to that priced
+    # the grid 20-30 % fast). The peak is scaled to the step instead (``_fit_step``).
+    shared = hw.ranks_per_core > 1 and (plan.mesh.pp > 1 or not anchor)
     if not shared:
         ratio = run.gemm_tflops / _gemm_tflops(model, hw, plan)
         new = max(LOW, hw.matmul_efficiency * ratio)
@@ -269,8 +278,8 @@ def _fit_step(plan: Plan, hw: HardwareProfile, run: Measured, est: Callable[[Har
         mid = math.sqrt(lo * hi)
         lo, hi = (mid, hi) if step(mid) > run.step_s else (lo, mid)
     return Fit(name=f"peak_tflops.{plan.dtype}", old=peak, new=peak * math.sqrt(lo * hi),
-               why=f"step measured {run.step_s * 1e3:.4g} ms (a pipeline on ranks sharing cores: its operators' "
-                   "rates are not the profile's)")
+               why=f"step measured {run.step_s * 1e3:.4g} ms (ranks sharing cores: its operators' rates are not "
+                   "the profile's)")
 
 
 def phases(before: Estimate, run: Measured, after: Estimate) -> tuple[Phase, ...]:
@@ -287,10 +296,11 @@ def phases(before: Estimate, run: Measured, after: Estimate) -> tuple[Phase, ...
 
 def calibrate(plan: Plan, model: ModelProfile, hw: HardwareProfile, warmup: int,
               run_fn: Callable[[], tuple[list[float], tuple[dict[str, float], ...]]],
-              source: str) -> Calibration:
+              source: str, anchor: bool = False) -> Calibration:
     """Run the plan (``run_fn``: its step times and every rank's phase summary; again where
-    its profiled steps were stretched, ``dilation``), refit ``hw`` to it; the new profile's
-    notes say what was fitted, from what run (``source``) and when."""
+    its profiled steps were stretched, ``dilation``), refit ``hw`` to it (``refit``; ``anchor``:
+    ``autopar profile``'s reference run); the new profile's notes say what was fitted, from
+    what run (``source``) and when."""
     times, ranks = run_fn()
     for _ in range(ATTEMPTS - 1):
         if hw.host_overlaps_device or dilation(times, warmup) <= DILATION_LIMIT:
@@ -301,7 +311,7 @@ def calibrate(plan: Plan, model: ModelProfile, hw: HardwareProfile, warmup: int,
     run = measured(times, warmup, ranks, stages(plan))
     strat = plan.strategy()
     before = estimate(model, hw, strat, global_batch=plan.global_batch)
-    new, fits = refit(plan, model, hw, run)
+    new, fits = refit(plan, model, hw, run, anchor)
     after = estimate(model, new, strat, global_batch=plan.global_batch)
     notes = {**new.notes, "calibrated": f"{source} on {date.today().isoformat()} (profiled steps "
              f"{dilation(times, warmup):.2f}x the others): "
@@ -317,9 +327,9 @@ def write_profile(profile: HardwareProfile, out: Path) -> None:
     out.write_text(json.dumps(dataclasses.asdict(profile), indent=2) + "\n")
 
 
-def calibrate_plan(plan: Plan, steps: int, warmup: int, source: str) -> Calibration:
+def calibrate_plan(plan: Plan, steps: int, warmup: int, source: str, anchor: bool = False) -> Calibration:
     """``calibrate`` of ``plan`` on this machine (``runtime.run_job``, profiled after ``warmup``
-    steps), against the profile the plan names."""
+    steps), against the profile the plan names (``anchor``: ``autopar profile``'s reference)."""
     if steps < warmup + 1 + PROFILED:
         raise UserError(f"--steps {steps} leaves no step to time after {warmup} warm-up steps and before the "
                         f"{PROFILED} profiled ones; use --steps {warmup + 1 + PROFILED} or more")
@@ -331,4 +341,4 @@ def calibrate_plan(plan: Plan, steps: int, warmup: int, source: str) -> Calibrat
     def run_fn() -> tuple[list[float], tuple[dict[str, float], ...]]:
         (result,) = run_job([RunSpec(plan=plan, steps=steps, phases=PROFILED)])
         return result.step_times_s, result.phases
-    return calibrate(plan, profile_spec(job.spec), job.hw, warmup, run_fn, source)
+    return calibrate(plan, profile_spec(job.spec), job.hw, warmup, run_fn, source, anchor)

@@ -442,7 +442,7 @@ def calibrated(profile_file: Path, ranks: int, command: str) -> dict:
     from autopar.calibrate import calibrate_plan
     plan = reference_plan(profile_file, ranks)
     cal = calibrate_plan(plan, REFERENCE_STEPS, 2, f"`{command}` (reference {plan.model}, dp {ranks}, "
-                                                   f"micro-batch {plan.micro_batch_size})")
+                                                   f"micro-batch {plan.micro_batch_size})", anchor=True)
     out = dataclasses.asdict(cal.profile)
     out["notes"]["source"] += "; then calibrated on a reference run (notes.calibrated)"
     return out
