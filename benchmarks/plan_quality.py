@@ -1,6 +1,7 @@
 """Is the planner's pick the fastest plan? Every plan it ranks, measured on this machine.
 
     python benchmarks/plan_quality.py [--ranks 4] [--keep 24] [--spread 0] [--steps 10] [--rounds 3]
+                                      [--models deep-narrow,wide,long-seq]
                                       [--profile cpu-local] [--save RUNS.json | --replay RUNS.json]
 
 For each model below (deep-narrow, wide, long-sequence GPTs, whose plans differ), the search
@@ -239,14 +240,22 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=10)
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--profile", default="cpu-local")
+    parser.add_argument("--models", default=",".join(label for label, _, _ in MODELS),
+                        help="the models to measure, by label, comma-separated (default all)")
     runs_file = parser.add_mutually_exclusive_group()
     runs_file.add_argument("--save", help="write the measured runs here (JSON)")
     runs_file.add_argument("--replay", help="price the runs saved here instead of measuring")
     args = parser.parse_args()
     saved = replayed(args.replay) if args.replay else {}
     print(f"{args.ranks} gloo CPU ranks, profile {args.profile}; load average {os.getloadavg()[0]:.2f} at start")
+    labels = args.models.split(",")
+    unknown = sorted(set(labels) - {label for label, _, _ in MODELS})
+    if unknown:
+        parser.error(f"unknown model {', '.join(unknown)}; the models are {', '.join(m[0] for m in MODELS)}")
     cases = []
-    for label, model, batch in MODELS:
+    for label, model, batch in (m for m in MODELS if m[0] in labels):
+        if args.replay and label not in saved:
+            continue
         job = read_job(model, args.profile, args.ranks, batch, dtype="fp32")
         prof = profile_spec(job.spec)
         sol = search(prof, job.hw, args.ranks, batch, "fp32", keep=args.keep if not args.spread else 100_000)
