@@ -18,6 +18,7 @@ import json
 import os
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
@@ -46,13 +47,9 @@ def census(plan_file: str, steps: int) -> dict:
     live = phases.live_bytes(prog.modules, prog.optimizers)
     assert prof.profiler is not None and prof.profiler.kineto_results is not None
     tree = prof.profiler.kineto_results.experimental_event_tree()
-    nodes = list(phases._walk(tree))
-    ops = [n for n in nodes if n.tag != _EventType.Allocation]
-    ends = [n.end_time_ns for n in ops if n.name.startswith("Optimizer.step#")]
-    start = min(n.start_time_ns for n in ops if n.name.startswith("Optimizer.zero_grad#") and n.start_time_ns > min(ends))
-    allocs = sorted((n for n in nodes if n.tag == _EventType.Allocation and n.start_time_ns >= start),
-                    key=lambda n: n.start_time_ns)
-    base = allocs[0].extra_fields.total_allocated - allocs[0].extra_fields.alloc_size
+    ops = [n for n in phases._walk(tree) if n.tag != _EventType.Allocation]
+    allocs, base = phases.step_allocations(prof)
+    start = allocs[0].start_time_ns
     peak = max(allocs, key=lambda n: n.extra_fields.total_allocated)
     at = peak.start_time_ns
     levels = []
@@ -73,20 +70,20 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("plan", help="a plan JSON (`autopar plan --out`) for this machine's CPU ranks")
     parser.add_argument("--steps", type=int, default=4, help="steps run, the last two profiled (at least 3)")
-    parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
+    parser.add_argument("--worker", help=argparse.SUPPRESS)  # the folder each rank writes its census to
     args = parser.parse_args()
     if args.steps < 3:
         parser.error("--steps must be at least 3: the peak is read in the second of two profiled steps")
     if args.worker:
-        print("CENSUS " + json.dumps(census(args.plan, args.steps)), flush=True)
-        sys.stdout.flush()
+        mine = census(args.plan, args.steps)
+        (Path(args.worker) / f"rank{mine['rank']}.json").write_text(json.dumps(mine))
         os._exit(0)  # as autopar's worker leaves: torch's teardown may abort a rank
     gpus = json.loads(Path(args.plan).read_text())["gpus"]
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={gpus}",
-           __file__, args.plan, "--steps", str(args.steps), "--worker"]
-    done = subprocess.run(cmd, capture_output=True, text=True, env={**os.environ, "OMP_NUM_THREADS": "1"})
-    found = sorted((json.loads(line.split("CENSUS ", 1)[1]) for line in done.stdout.splitlines() if "CENSUS " in line),
-                   key=lambda r: r["rank"])
+    with tempfile.TemporaryDirectory() as out:
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={gpus}",
+               __file__, args.plan, "--steps", str(args.steps), "--worker", out]
+        done = subprocess.run(cmd, capture_output=True, text=True, env={**os.environ, "OMP_NUM_THREADS": "1"})
+        found = sorted((json.loads(f.read_text()) for f in Path(out).glob("rank*.json")), key=lambda r: r["rank"])
     if done.returncode != 0 or len(found) != gpus:
         sys.exit(f"the census run failed: {(done.stderr or done.stdout).strip().splitlines()[-1:]}")
     for r in found:

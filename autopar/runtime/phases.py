@@ -202,19 +202,25 @@ def _walk(nodes: Iterable) -> Iterator:
         yield from _walk(n.children)
 
 
-def _peak_delta(prof: profile) -> float:
-    """The most bytes the CPU allocator held beyond its level at the start of the second
+def step_allocations(prof: profile) -> tuple[list, float]:
+    """The allocator's records (profiler event nodes, time order) from the start of the second
     profiled step (the first ``Optimizer.zero_grad`` after an ``Optimizer.step``; the first
-    allocation when one step was profiled), read off its running total at each allocation and
-    free the profiler recorded (``recording``'s accounting)."""
+    allocation when one step was profiled), and the allocator's level just before them, bytes
+    (``recording``'s accounting); ``([], 0.0)`` without any."""
     assert prof.profiler is not None and prof.profiler.kineto_results is not None  # a finished profile
     nodes = list(_walk(prof.profiler.kineto_results.experimental_event_tree()))
     allocs = sorted((n for n in nodes if n.tag == _EventType.Allocation), key=lambda n: n.start_time_ns)
     if not allocs:
-        return 0.0
+        return [], 0.0
     steps = [n.end_time_ns for n in nodes if n.name.startswith("Optimizer.step#")]
     zeros = [n.start_time_ns for n in nodes if n.name.startswith("Optimizer.zero_grad#")]
     start = min((t for t in zeros if steps and t > min(steps)), default=allocs[0].start_time_ns)
-    after = [n.extra_fields for n in allocs if n.start_time_ns >= start] or [allocs[-1].extra_fields]
-    base = after[0].total_allocated - after[0].alloc_size
-    return float(max(0, max(f.total_allocated for f in after) - base))
+    after = [n for n in allocs if n.start_time_ns >= start] or [allocs[-1]]
+    return after, float(after[0].extra_fields.total_allocated - after[0].extra_fields.alloc_size)
+
+
+def _peak_delta(prof: profile) -> float:
+    """The most bytes the CPU allocator held beyond its level at the start of the second
+    profiled step (``step_allocations``)."""
+    after, base = step_allocations(prof)
+    return float(max(0.0, max((n.extra_fields.total_allocated for n in after), default=base) - base))
