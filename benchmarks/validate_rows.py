@@ -221,10 +221,13 @@ def predict(row: DataRow, model: ModelProfile, hw: HardwareProfile, recipe: str)
 
 
 class Models:
-    """Traced model profiles by (spec, seq), built once per process."""
+    """Traced model profiles by (spec, seq) and predictions by (row, recipe, profile), each made
+    once per process: a fit's trials and the leave-one-source-out folds, which all start from
+    the shipped constants, price the same row under the same profile many times."""
 
     def __init__(self) -> None:
         self._cache: dict[tuple[str, int], ModelProfile] = {}
+        self._predicted: dict[tuple[DataRow, str, str], tuple[float, bool]] = {}
 
     def get(self, spec: str, seq: int) -> ModelProfile:
         key = (spec, seq)
@@ -232,6 +235,14 @@ class Models:
             from autopar.trace import profile_spec
             self._cache[key] = profile_spec(with_seq(parse_model_spec(spec), seq))
         return self._cache[key]
+
+    def predict(self, row: DataRow, hw: HardwareProfile, recipe: str) -> tuple[float, bool]:
+        """``predict`` of ``row`` (a pure function of the row, the profile's every field and
+        the recipe), remembered."""
+        key = (row, recipe, repr(hw))
+        if key not in self._predicted:
+            self._predicted[key] = predict(row, self.get(row.model, row.seq_len), hw, recipe)
+        return self._predicted[key]
 
 
 def evaluate(sources: list[Source], hws: dict[str, HardwareProfile], models: Models) -> list[Result]:
@@ -247,7 +258,7 @@ def evaluate(sources: list[Source], hws: dict[str, HardwareProfile], models: Mod
             recipe = recipe_of(src.source, row)
             assert recipe is not None  # skip_reason said so
             try:
-                value, fits = predict(row, models.get(row.model, row.seq_len), hw, recipe)
+                value, fits = models.predict(row, hw, recipe)
             except (UserError, ValueError) as exc:
                 out.append(Result(source=src.source, row=row, predicted=None, why=f"error: {exc}"))
                 continue
