@@ -38,6 +38,12 @@ def least_memory_costs(model: ModelProfile, hw: HardwareProfile, strat: Strategy
     without a pipeline, where every member does), so does the relaxation (max(a, g) - g is
     at most a and non-decreasing in a): it is then below the members that share ``strat``'s
     zero-bubble-or-not, which is how the search keys it (``autopar.solve.bounds.relaxed``).
+    Otherwise the 1F1B member's stages with m <= p - s peak with one micro-batch's activations
+    or gradients less (``memory.forward_first``), as GPipe's do with the same count; a GPipe
+    stage holding more (m > p - s) holds m a - min(a, g) >= (p - s) a, and interleaving and
+    torch's zero-bubble save none: the relaxation stays below every member. The logits torch's
+    pipelining keeps on the last stage (``memory.stage_output_bytes``: one micro-batch's under
+    1F1B, none under its zero-bubble) are left out.
 
     The rows are assembled as ``estimate.stage_costs`` assembles them (tests/test_solver.py
     checks they are equal), without its time model: a fraction of its cost. The model's
@@ -55,6 +61,7 @@ def least_memory_costs(model: ModelProfile, hw: HardwareProfile, strat: Strategy
         lead_act = n * min(memory.block_act_bytes(model.lead, s, r) for r in RECOMPUTE)
         lead_host = n * states.layer_host_bytes(model.lead, s)
     absent = memory.grads_absent(strat)
+    ahead = () if absent else memory.forward_first(s)
     layer, first_state, last_state = (states.layer_state_bytes(model, s), states.state_bytes(first, s),
                                       states.state_bytes(last, s))
     return StageCosts(
@@ -68,12 +75,13 @@ def least_memory_costs(model: ModelProfile, hw: HardwareProfile, strat: Strategy
         first_act_bytes=memory.first_act_bytes(model, s) + lead_act,
         last_static_bytes=last_state.total + states.head_gather_bytes(model, s),
         last_act_bytes=memory.last_act_bytes(model, s), last_transient_bytes=memory.loss_backward_bytes(model, s),
+        backward_start_bytes=memory.backward_start_bytes(model, s),
         inflight=pipeline.inflight(s), buffer_bytes=memory.base_buffer_bytes(model, hw, s),
         sum_weight=0.0, max_weight=0.0,
         layer_host_bytes=states.layer_host_bytes(model, s),
         first_host_bytes=states.host_state_bytes(first, s) + lead_host,
         last_host_bytes=states.host_state_bytes(last, s),
         host_cap_bytes=hw.host_memory_bytes if s.offload else float("inf"),
-        grads_absent=absent, layer_grad_bytes=layer.grads if absent else 0.0,
-        first_grad_bytes=first_state.grads + lead_grads if absent else 0.0,
-        last_grad_bytes=last_state.grads if absent else 0.0)
+        grads_absent=absent, forward_first=ahead, layer_grad_bytes=layer.grads if absent or ahead else 0.0,
+        first_grad_bytes=first_state.grads + lead_grads if absent or ahead else 0.0,
+        last_grad_bytes=last_state.grads if absent or ahead else 0.0)

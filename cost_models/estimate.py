@@ -253,7 +253,8 @@ def stage_costs(model: ModelProfile, hw: HardwareProfile, strat: Strategy,
         mode_workspace_bytes=tuple(memory.workspace_bytes(model, strat, r) for r in RECOMPUTE),
         first_static_bytes=first.state.total, first_act_bytes=first.act_bytes,
         last_static_bytes=parts.last.state.total, last_act_bytes=parts.last.act_bytes,
-        last_transient_bytes=memory.loss_backward_bytes(model, strat),
+        last_transient_bytes=memory.loss_backward_bytes(model, strat) + memory.stage_output_bytes(model, strat),
+        backward_start_bytes=memory.backward_start_bytes(model, strat),
         inflight=pipeline.inflight(strat), buffer_bytes=memory.base_buffer_bytes(model, hw, strat),
         sum_weight=sum_w, max_weight=max_w,
         layer_host_bytes=parts.layers[0].host_bytes, first_host_bytes=first.host_bytes,
@@ -264,12 +265,14 @@ def stage_costs(model: ModelProfile, hw: HardwareProfile, strat: Strategy,
 
 
 def grad_fields(parts: _Parts, first: pieces.Piece, strat: Strategy) -> dict:
-    """The ``StageCosts`` fields of gradients absent at the peak (``memory.grads_absent``);
-    empty where they are there."""
-    if not memory.grads_absent(strat):
-        return {}
-    return dict(grads_absent=True, layer_grad_bytes=parts.layers[0].state.grads,
-                first_grad_bytes=first.state.grads, last_grad_bytes=parts.last.state.grads)
+    """The ``StageCosts`` fields of gradients absent at the peak (``memory.grads_absent``) or
+    made after some stages' forwards (``memory.forward_first``); empty where they are there."""
+    grads = dict(layer_grad_bytes=parts.layers[0].state.grads, first_grad_bytes=first.state.grads,
+                 last_grad_bytes=parts.last.state.grads)
+    if memory.grads_absent(strat):
+        return dict(grads_absent=True, **grads)
+    ahead = memory.forward_first(strat)
+    return dict(forward_first=ahead, **grads) if ahead else {}
 
 
 def pending_fields(model: ModelProfile, hw: HardwareProfile, strat: Strategy) -> dict:
@@ -309,14 +312,15 @@ def _stage_memory(parts: _Parts, c: StageCosts, s: int, counts: tuple[int, ...],
     """Stage s's peak bytes by kind (they add up to ``StageCosts.stage_memory_bytes``)."""
     pieces = _stage_pieces(parts, s, counts, c.pp, first)
     k = c.inflight[s]
+    freed, unmade = c.forward_first_savings(s, counts)
     return MemoryBreakdown(
         peak_bytes=c.stage_memory_bytes(s, counts),
         params_bytes=sum(n * p.state.params for n, p in pieces),
         grads_bytes=(c.stage_grad_bytes(s, counts) if c.grads_absent
-                     else sum(n * p.state.grads for n, p in pieces)),
+                     else sum(n * p.state.grads for n, p in pieces) - unmade),
         optimizer_bytes=sum(n * p.state.optimizer for n, p in pieces),
         activations_bytes=(k * sum(n * p.act_bytes for n, p in pieces) + c.stage_pending_bytes(s, counts)
-                           + (c.last_transient_bytes if s == c.pp - 1 else 0.0)),
+                           + (c.last_transient_bytes if s == c.pp - 1 else c.backward_start_bytes) - freed),
         buffers_bytes=c.buffer_bytes + c.stage_workspace_bytes(counts) + (c.first_workspace_bytes if s == 0 else 0.0),
         host_bytes=c.stage_host_bytes(s, counts))
 

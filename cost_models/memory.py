@@ -11,7 +11,7 @@ instead of keeping them). Sizes in bytes.
 
 from __future__ import annotations
 
-from cost_models.pipeline import grads_absent as grads_absent_zero_bubble, torch_pipelining
+from cost_models.pipeline import chunks, grads_absent as grads_absent_zero_bubble, torch_pipelining
 from cost_models.hardware import HardwareProfile
 from cost_models.model_profile import ModelProfile
 from cost_models.states import (DDP_BUCKET_BYTES, fsdp_replicate, gather_bytes, holds_unsharded, layer_params, state_layout, torch_ddp)
@@ -118,6 +118,22 @@ def last_act_bytes(model: ModelProfile, strat: Strategy) -> float:
     return act_scale(strat) * strat.tokens(model.seq) * 4 * model.hidden / sp + loss_act_bytes(model, strat)
 
 
+def stage_output_bytes(model: ModelProfile, strat: Strategy) -> float:
+    """The logits that torch's pipelining keeps on the last stage at its peak, bytes: each
+    forward's output stays in ``PipelineStage.fwd_cache`` until that micro-batch's backward
+    (without a pipeline nothing holds it once the loss has its log-probabilities), s b V / tp
+    in the compute dtype, of m micro-batches under GPipe and of one under 1F1B and interleaved
+    1F1B, whose last stage runs each backward right after its forward (censuses on CPU ranks:
+    long-seq's 4-stage GPipe keeps 2.0 MiB a micro-batch beside the loss's, 4 bytes a logit in
+    fp32; its 1F1B's last stage peaks 2.0 MiB above the price without them). None under
+    torch's zero-bubble, whose last stage peaks inside an input pass: the censuses of the live
+    tensors there that ``zero_bubble_held_bytes`` prices do not show it."""
+    if not torch_pipelining(strat) or strat.schedule == "zero-bubble":
+        return 0.0
+    held = strat.num_microbatches if strat.schedule == "gpipe" else 1
+    return held * 2 * act_scale(strat) * strat.tokens(model.seq) * model.vocab / strat.mesh.tp
+
+
 def loss_backward_bytes(model: ModelProfile, strat: Strategy) -> float:
     """What the loss's backward allocates beyond its kept bytes while it runs, once per stage
     peak (one micro-batch's loss runs backward at a time), s b V / tp, bytes; under tp > 1 as
@@ -126,6 +142,20 @@ def loss_backward_bytes(model: ModelProfile, strat: Strategy) -> float:
     per = rec.loss_parallel_backward_bytes if strat.mesh.tp > 1 and rec.loss_parallel_backward_bytes is not None \
         else rec.loss_backward_bytes
     return strat.tokens(model.seq) * per * model.vocab / strat.mesh.tp
+
+
+def backward_start_bytes(model: ModelProfile, strat: Strategy) -> float:
+    """What a block's backward allocates beyond its kept bytes as it starts, at its first
+    operator with weights (the dense MLP's down projection, its forward's last GEMM; a MoE
+    block's shared expert): that GEMM's input gradient, b s ffn / tp, and its weight's
+    gradient, ffn h / tp, in the compute dtype (before it is accumulated), bytes. A pipeline
+    stage that is not the last peaks with it (``benchmarks/memory_census.py`` on CPU ranks:
+    wide's tp 2 x pp 2 stage 0 and long-seq's pp 4 stages 0-2 peak in ``AddmmBackward0`` of
+    their first backward, 5.4 and 3.3-4.1 MiB above what the stage keeps, against 4.0 and
+    2.3 priced: the rest is not accounted for); the last stage's loss backward comes first
+    and is larger on every model with a real vocabulary (``loss_backward_bytes``)."""
+    tp = strat.mesh.tp
+    return 2 * act_scale(strat) * model.ffn * (strat.tokens(model.seq) + model.hidden) / tp
 
 
 def loss_act_bytes(model: ModelProfile, strat: Strategy) -> float:
@@ -207,6 +237,25 @@ def grads_absent(strat: Strategy) -> bool:
     fsdp = torch_native and strat.replicas > 1 and (strat.zero > 0 or fsdp_replicate(strat))
     alone = torch_native and strat.replicas == 1
     return (fsdp or alone) and strat.mesh.pp == 1 and strat.num_microbatches == 1
+
+
+def forward_first(strat: Strategy) -> tuple[bool, ...]:
+    """Per pipeline stage, whether its every forward comes before its first backward, which
+    makes its gradients (``StageCosts.forward_first``): torch's pipelining under a recipe whose
+    FSDP2 (or ``replicate``, or no wrapper) makes each gradient in the backward,
+    ``zero_grad(set_to_none=True)`` having freed the last step's; GPipe's every stage, 1F1B's
+    with m <= p - s. Such a stage peaks either at its last forward's end, with no gradient yet,
+    or after its first backward, one micro-batch's activations gone (a 2-block GPT at pp 2,
+    m 2 on CPU ranks: GPipe's stages peak within 0.4 MiB of 1F1B's, whose last stage holds one
+    micro-batch). ``()`` where no stage does, or where ``grads_absent`` prices the peak."""
+    if not (torch_pipelining(strat) and strat.recipe.fsdp_copies) or grads_absent(strat) or chunks(strat) > 1:
+        return ()
+    p, m = strat.mesh.pp, strat.num_microbatches
+    if strat.schedule == "gpipe":
+        return (True,) * p
+    if strat.schedule == "1f1b" and m <= p:
+        return tuple(m <= p - s for s in range(p))
+    return ()
 
 
 def communicators(strat: Strategy) -> int:

@@ -11,7 +11,7 @@ blocks with recompute mode r (none, selective, full) costs, per micro-batch and 
           + [s = 0] (first_static_bytes + inflight[0] first_act_bytes + first_workspace_bytes)
           + [s = p-1] (last_static_bytes + inflight[p-1] last_act_bytes + last_transient_bytes
                        - last_freed_bytes)
-          + held_bytes[s]
+          + [s < p-1] backward_start_bytes + held_bytes[s]
 
 and, with CPU offload, the host-memory row (offloaded shards, independent of recompute)
 
@@ -38,7 +38,9 @@ micro-batches whose weight pass stage s has deferred (``cost_models.pipeline.pen
 but under torch's zero-bubble schedule), each keeping its blocks' operators' output gradients;
 ``held_bytes[s]`` what else that schedule holds on stage s (``memory.zero_bubble_held_bytes``).
 Where every stage peaks before making any gradient (``grads_absent``), each piece's
-activations term a becomes max(a, g) - g, g the gradients its static bytes count.
+activations term a becomes max(a, g) - g, g the gradients its static bytes count; where a
+stage runs all its forwards before its first backward (``forward_first``), each piece's
+k a + g loses min(a, g) (one micro-batch's activations, or the gradients not yet made).
 """
 
 from __future__ import annotations
@@ -109,6 +111,16 @@ class StageCosts:
     bytes; set and read only with ``grads_absent``."""
     first_grad_bytes: float = 0.0
     last_grad_bytes: float = 0.0
+    backward_start_bytes: float = 0.0
+    """What a block's backward allocates as it starts, at every stage but the last (whose loss
+    backward comes first: ``last_transient_bytes``) (``memory.backward_start_bytes``), bytes."""
+    forward_first: tuple[bool, ...] = ()
+    """Per stage, whether all its forwards precede its first backward, which makes its
+    gradients (``memory.forward_first``; ``()``: none does). Such a stage holds, at the latest
+    forward's end, its live activations and no gradient, and after that backward, its
+    gradients and one micro-batch fewer: each piece's peak is its live activations and
+    gradients less the smaller of one micro-batch's activations and its gradients (a piece at
+    a time: never below the whole stage's peak). The grad fields above are set with it."""
 
     def pending_at(self, s: int) -> float:
         """Deferred weight passes on stage s."""
@@ -123,6 +135,8 @@ class StageCosts:
             live += self.pending[s] * self.layer_wgrad_bytes
         if self.grads_absent:
             return self.layer_static_bytes + max(live, self.layer_grad_bytes) - self.layer_grad_bytes
+        if self.forward_first and self.forward_first[s]:
+            return self.layer_static_bytes + live - min(self.mode_act_bytes[r], self.layer_grad_bytes)
         return self.layer_static_bytes + live
 
     def _or_grads(self, live: float, grads: float) -> float:
@@ -135,7 +149,8 @@ class StageCosts:
         ``block_bytes`` read nothing else of s): stages with equal keys hold the same blocks
         within any cap."""
         return (self.inflight[s], self.pending[s] if self.pending else 0.0,
-                self.held_bytes[s] if self.held_bytes else 0.0, s == 0, s == self.pp - 1)
+                self.held_bytes[s] if self.held_bytes else 0.0, s == 0, s == self.pp - 1,
+                bool(self.forward_first) and self.forward_first[s])
 
     @property
     def layer_time_s(self) -> float:
@@ -182,7 +197,21 @@ class StageCosts:
                   + self.first_workspace_bytes)
         if s == self.pp - 1:
             m += self.last_static_bytes + self._or_grads(self.last_live_bytes(), self.last_grad_bytes)
-        return m
+        else:
+            m += self.backward_start_bytes
+        return m - sum(self.forward_first_savings(s, ()))
+
+    def forward_first_savings(self, s: int, counts: tuple[int, ...]) -> tuple[float, float]:
+        """(activations freed, gradients not yet made) at stage s's peak (``forward_first``) by
+        its pieces: ``counts`` blocks per mode (``()``: none) and the embedding's and head's."""
+        if self.grads_absent or not (self.forward_first and self.forward_first[s]):
+            return 0.0, 0.0
+        pieces = [(n, a, self.layer_grad_bytes) for n, a in zip(counts, self.mode_act_bytes) if n]
+        if s == 0:
+            pieces.append((1, self.first_act_bytes, self.first_grad_bytes))
+        if s == self.pp - 1:
+            pieces.append((1, self.last_act_bytes, self.last_grad_bytes))
+        return sum(n * a for n, a, g in pieces if a <= g), sum(n * g for n, a, g in pieces if a > g)
 
     def last_live_bytes(self) -> float:
         """The head's activations at the last stage's peak, bytes."""

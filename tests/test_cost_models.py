@@ -12,6 +12,7 @@ from cost_models import (Axis, Degrees, ModelProfile, ProfileError, Strategy, es
                          model_flops_per_step, stage_costs)
 from cost_models import blockcomm, comm, compute, host, memory, pieces, pipeline, states
 from cost_models.axes import parse_order
+from cost_models.estimate import stage_details
 from cost_models.states import STATE_LAYOUTS, state_bytes
 from autopar.profiles import profile_spec
 from autopar.spec import parse_model_spec
@@ -239,7 +240,8 @@ def test_torch_zero_bubble_defers_weight_passes_and_keeps_their_output_gradients
         more = (c.inflight[s] - plain.inflight[s]) * (2 * plain.layer_act_bytes + (plain.last_act_bytes if s == 3 else 0)
                                                       + (plain.first_act_bytes if s == 0 else 0))
         extra = c.stage_memory_bytes(s, loads[s]) - plain.stage_memory_bytes(s, loads[s])
-        assert extra == pytest.approx(pending + more)
+        kept = memory.stage_output_bytes(model, dataclasses.replace(zb, schedule="1f1b")) if s == 3 else 0.0
+        assert extra == pytest.approx(pending + more - kept)  # 1F1B's last stage keeps one micro-batch's logits
         assert c.stage_pending_bytes(s, loads[s]) == pytest.approx(pending)
     # gloo keeps the done passes' sent outputs until the step ends too (NCCL's watchdog frees them)
     gloo = dataclasses.replace(A100, launcher="gloo")
@@ -1267,3 +1269,68 @@ def test_torch_ddp_reduces_its_buckets_after_they_fill():
         assert estimate(model, hw, ddp, global_batch=32).time.dp_comm_s == pytest.approx(exposed, rel=1e-6)
     fsdp = estimate(model, CPU, dataclasses.replace(ddp, zero=1), global_batch=32)
     assert fsdp.time.dp_comm_s > 0  # FSDP2 prices its own collectives per group
+
+
+def test_a_stage_whose_forwards_all_come_first_peaks_without_one_micro_batch_or_its_gradients():
+    """torch's pipelining with FSDP2 (autopar, torchtitan) makes the gradients in the backward:
+    a stage that runs all its forwards before its first backward (GPipe's, 1F1B's with
+    m <= p - s) holds at its last forward's end no gradient, and after that backward one
+    micro-batch fewer: per piece, the smaller of the two comes off. Megatron's gradient
+    buffers live all step, and a stage whose 1F1B steady state returns to its in-flight count
+    with the gradients made saves nothing."""
+    torch_recipe = load_recipe("autopar")
+    base = Strategy(recipe=torch_recipe, mesh=Degrees(dp=2, pp=4), zero=1, micro_batch=1, num_microbatches=2,
+                    schedule="gpipe")
+    assert memory.forward_first(base) == (True,) * 4
+    assert memory.forward_first(dataclasses.replace(base, schedule="1f1b")) == (True, True, True, False)
+    assert memory.forward_first(dataclasses.replace(base, schedule="1f1b", num_microbatches=8)) == ()
+    assert memory.forward_first(dataclasses.replace(base, recipe=MC)) == ()
+    c = stage_costs(G22B, A100, base)
+    plain = dataclasses.replace(c, forward_first=())
+    a, g = c.mode_act_bytes[0], c.layer_grad_bytes
+    assert 0 < g and 0 < a
+    for s in range(4):
+        saved = plain.stage_memory_bytes(s, 10) - c.stage_memory_bytes(s, 10)
+        edges = ((min(c.first_act_bytes, c.first_grad_bytes) if s == 0 else 0.0)
+                 + (min(c.last_act_bytes, c.last_grad_bytes) if s == 3 else 0.0))
+        assert saved == pytest.approx(10 * min(a, g) + edges, rel=1e-9)
+        detail = stage_details(G22B, A100, dataclasses.replace(base, stage_layers=(12, 12, 12, 12)))[s]
+        assert detail.memory.peak_bytes == pytest.approx(
+            detail.memory.params_bytes + detail.memory.grads_bytes + detail.memory.optimizer_bytes
+            + detail.memory.activations_bytes + detail.memory.buffers_bytes, rel=1e-9)
+
+
+def test_every_stage_but_the_last_peaks_with_its_first_backward_gemms_gradients():
+    """A pipeline stage's first backward starts at its last GEMM, the MLP's down projection:
+    its input gradient, b s ffn / tp, and its weight gradient, ffn h / tp, in the compute dtype,
+    come on top of what the stage keeps (CPU censuses: 5 MiB on wide's tp 2 stage 0, its peak).
+    The last stage's loss backward comes before it; without a pipeline that is the only stage."""
+    strat = Strategy(mesh=Degrees(dp=2, tp=2, pp=4), zero=1, micro_batch=2, num_microbatches=8)
+    t = memory.backward_start_bytes(G22B, strat)
+    tokens = 2 * G22B.seq
+    assert t == pytest.approx(2 * G22B.ffn * (tokens + G22B.hidden) / 2)  # 16-bit
+    c = stage_costs(G22B, A100, strat)
+    plain = dataclasses.replace(c, backward_start_bytes=0.0)
+    for s in range(4):
+        extra = c.stage_memory_bytes(s, 12) - plain.stage_memory_bytes(s, 12)
+        assert extra == pytest.approx(t if s < 3 else 0.0)
+    alone = dataclasses.replace(strat, mesh=Degrees(dp=8, tp=2))
+    c1 = stage_costs(G22B, A100, alone)
+    assert c1.stage_memory_bytes(0, 48) == dataclasses.replace(c1, backward_start_bytes=0.0).stage_memory_bytes(0, 48)
+
+
+def test_torch_pipelining_keeps_the_last_stages_logits_until_their_backward():
+    """``PipelineStage`` keeps each forward's output (the logits, compute dtype, / tp) until
+    that micro-batch's backward: GPipe's last stage holds m of them at its peak, 1F1B's one;
+    Megatron's pipeline, torch's zero-bubble (priced from its censuses) and no pipeline none."""
+    torch_recipe = load_recipe("autopar")
+    base = Strategy(recipe=torch_recipe, mesh=Degrees(dp=2, tp=2, pp=4), zero=1, micro_batch=2,
+                    num_microbatches=8, schedule="gpipe")
+    one = 2 * 2 * G22B.seq * G22B.vocab / 2
+    assert memory.stage_output_bytes(G22B, base) == pytest.approx(8 * one)
+    assert memory.stage_output_bytes(G22B, dataclasses.replace(base, schedule="1f1b")) == pytest.approx(one)
+    for other in (dataclasses.replace(base, schedule="zero-bubble"), dataclasses.replace(base, recipe=MC),
+                  dataclasses.replace(base, mesh=Degrees(dp=8, tp=2))):
+        assert memory.stage_output_bytes(G22B, other) == 0.0
+    c = stage_costs(G22B, A100, base)
+    assert c.last_transient_bytes == pytest.approx(memory.loss_backward_bytes(G22B, base) + 8 * one)
