@@ -151,9 +151,9 @@ def backward_start_bytes(model: ModelProfile, strat: Strategy) -> float:
     gradient, ffn h / tp, in the compute dtype (before it is accumulated), bytes. A pipeline
     stage that is not the last peaks with it (``benchmarks/memory_census.py`` on CPU ranks:
     wide's tp 2 x pp 2 stage 0 and long-seq's pp 4 stages 0-2 peak in ``AddmmBackward0`` of
-    their first backward, 5.4 and 3.3-4.1 MiB above what the stage keeps, against 4.0 and
-    2.3 priced: the rest is not accounted for); the last stage's loss backward comes first
-    and is larger on every model with a real vocabulary (``loss_backward_bytes``)."""
+    their first backward; on long-seq's stage 0 that GEMM's two ``mm`` outputs, 2.0 and 0.25
+    MiB, are all it allocates beyond its last forward's end); the last stage's loss backward
+    comes first and is larger on every model with a real vocabulary (``loss_backward_bytes``)."""
     tp = strat.mesh.tp
     return 2 * act_scale(strat) * model.ffn * (strat.tokens(model.seq) + model.hidden) / tp
 
