@@ -3,6 +3,7 @@
     python benchmarks/plan_quality.py [--ranks 4] [--keep 24] [--spread 0] [--steps 10] [--rounds 3]
                                       [--models deep-narrow,wide,long-seq]
                                       [--profile cpu-local] [--save RUNS.json | --replay RUNS.json]
+                                      [--confirm K [--confirm-out H2H.json]] [--show-confirm H2H.json]
 
 For each model below (deep-narrow, wide, long-sequence GPTs, whose plans differ), the search
 proves its ``--keep`` best strategies under the profile (``search(keep=…)``: every feasible
@@ -34,6 +35,11 @@ is measured too if it is new.
 those same runs again under ``--profile`` without running anything (the plans measured are
 then the saved ones, not the new profile's ranking): a changed cost model is judged against
 the same measurements.
+
+``--confirm K`` then measures the pick, the grid's fastest plan, plain DDP and plain FSDP again,
+K fresh rounds (``head_to_head``): the grid's fastest is the least of many noisy times and reads
+low for that alone (the winner's curse), so the pick is judged against it on rounds that chose
+nothing. With ``--replay`` the grid is the saved one and the pick the current planner's.
 """
 
 from __future__ import annotations
@@ -245,7 +251,15 @@ def main() -> None:
     runs_file = parser.add_mutually_exclusive_group()
     runs_file.add_argument("--save", help="write the measured runs here (JSON)")
     runs_file.add_argument("--replay", help="price the runs saved here instead of measuring")
+    parser.add_argument("--confirm", type=int, default=0,
+                        help="rounds of a fresh head-to-head of the pick, the grid's fastest, plain DDP and FSDP")
+    parser.add_argument("--confirm-out", help="write the head-to-head's runs here (JSON)")
+    parser.add_argument("--show-confirm", help="print the head-to-heads saved here (--confirm-out) and stop")
     args = parser.parse_args()
+    if args.show_confirm:
+        for record in json.loads(Path(args.show_confirm).read_text()):
+            show_head_to_head(record)
+        return
     saved = replayed(args.replay) if args.replay else {}
     print(f"{args.ranks} gloo CPU ranks, profile {args.profile}; load average {os.getloadavg()[0]:.2f} at start")
     labels = args.models.split(",")
@@ -253,6 +267,7 @@ def main() -> None:
     if unknown:
         parser.error(f"unknown model {', '.join(unknown)}; the models are {', '.join(m[0] for m in MODELS)}")
     cases = []
+    picked: dict[str, Plan] = {}
     for label, model, batch in (m for m in MODELS if m[0] in labels):
         if args.replay and label not in saved:
             continue
@@ -267,6 +282,7 @@ def main() -> None:
         by_key.setdefault(key(fsdp), fsdp)
         listed, runs = saved[label] if args.replay else (list(by_key.values()), None)
         cases.append((label, job, prof, listed, runs or measure(listed, args.steps, args.rounds), pick, key(ddp), key(fsdp)))
+        picked[label] = plan_from_strategy(job, sol.strategy, None)
     if args.save:
         save(args.save, cases)
     hw = load_profile(args.profile)
@@ -284,6 +300,53 @@ def main() -> None:
         own, fits = calibrated(case, hw)
         print(f"\n{case[0]}: {fits}")
         recalibrated(case, own, args, "", table=False)
+    if args.confirm:
+        confirmed = [head_to_head(case, picked[case[0]], args.steps, args.confirm) for case in cases]
+        if args.confirm_out:
+            Path(args.confirm_out).write_text(json.dumps(confirmed, indent=1) + "\n")
+
+
+def head_to_head(case: tuple, pick: Plan, steps: int, rounds: int) -> dict:
+    """The pick, the grid's fastest plan (its measured oracle), plain DDP and plain FSDP
+    measured again, ``rounds`` fresh rounds alternating their order, printed
+    (``show_head_to_head``). The grid's oracle is the least of many noisy times, so its own
+    time reads low (the winner's curse); fresh rounds of a few plans chosen beforehand carry no
+    such selection. Returns the runs (JSON-ready: ``--confirm-out``, ``--show-confirm``)."""
+    label, _, _, plans, runs, _, ddp_key, fsdp_key = case
+    oracle = plans[min(range(len(plans)), key=lambda i: runs[i][0])]
+    roles: dict[str, list[str]] = {}
+    chosen: list[Plan] = []
+    for role, plan in (("pick", pick), ("grid's fastest", oracle),
+                       ("plain DDP", next(p for p in plans if key(p) == ddp_key)),
+                       ("plain FSDP", next(p for p in plans if key(p) == fsdp_key))):
+        if key(plan) not in roles:
+            chosen.append(plan)
+        roles.setdefault(key(plan), []).append(role)
+    fresh = measure(chosen, steps, rounds)
+    record = {"label": label, "roles": [roles[key(p)] for p in chosen],
+              "plans": [json.loads(p.to_json()) for p in chosen], "rounds": [f[3] for f in fresh]}
+    show_head_to_head(record)
+    return record
+
+
+def show_head_to_head(record: dict) -> None:
+    """Each plan of a head-to-head (``head_to_head``'s record): its median over the rounds of
+    ``round_s`` against the fastest plan's, and paired, round by round (the plans of a round
+    ran in one job, under the same machine state): the median and range of its time over the
+    fastest's in that round, and in how many rounds it was the fastest."""
+    plans = [plan_from_dict(p) for p in record["plans"]]
+    per_round = [[round_s(r) for r in rounds] for rounds in record["rounds"]]
+    times = [statistics.median(rs) for rs in per_round]
+    best = min(range(len(plans)), key=times.__getitem__)
+    n = min(len(rs) for rs in per_round)
+    print(f"\n{record['label']}: head-to-head, {n} fresh rounds of {len(plans)} plans (x: its median over the "
+          f"fastest's; paired: the median and range over rounds of its time over the fastest's in the round)")
+    for plan, roles, t, rs in zip(plans, record["roles"], times, per_round):
+        wins = sum(1 for k in range(n) if rs[k] == min(x[k] for x in per_round))
+        paired = [a / b for a, b in zip(rs, per_round[best])]
+        print(f"  {' = '.join(roles):34s} {key(plan)[:50]:50s} {t:8.4f} s  {t / times[best]:.3f} x  "
+              f"paired {statistics.median(paired):.3f} ({min(paired):.3f}-{max(paired):.3f}), "
+              f"fastest in {wins} of {n}")
 
 
 def calibrated(case: tuple, hw: HardwareProfile) -> tuple[HardwareProfile, str]:

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import statistics
 
 import pytest
 from typer.testing import CliRunner
@@ -369,3 +370,37 @@ def test_plan_quality_reports_how_well_its_rounds_agree():
     r, _, ceiling = plan_quality.repeatability([run(1.0, 3.0), run(2.0, 2.0), run(3.0, 1.0)])
     assert r == pytest.approx(-1.0) and ceiling == 0.0
     assert plan_quality.repeatability([run(1.0), run(2.0), run(3.0)]) is None
+
+
+def test_plan_quality_head_to_head_measures_each_role_once_on_fresh_rounds(monkeypatch, capsys):
+    """The head-to-head re-measures the pick, the grid's fastest, plain DDP and plain FSDP,
+    each distinct plan once (a plan in several roles is named by all of them), and reads
+    every time from its fresh rounds, never from the grid that chose the fastest."""
+    import sys
+    from pathlib import Path
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "benchmarks"))
+    import plan_quality
+
+    model = "gpt:layers=2,hidden=64,heads=2,vocab=128,seq=16,tied=0"
+    ddp, fsdp = (plan_quality.baseline(model, 8, 2, 16, 2, z, "cpu-local") for z in (0, 3))
+    pad, tail = [0.0] * plan_quality.WARMUP, [0.0] * plan_quality.PROFILED
+    # In the grid plain DDP read fastest (0.9 s): the grid's fastest and plain DDP are one plan.
+    grid = [(0.9, 0.0, None, []), (2.0, 0.0, None, [])]
+    case = ("toy", None, None, [ddp, fsdp], grid, plan_quality.key(fsdp), plan_quality.key(ddp),
+            plan_quality.key(fsdp))
+    measured = []
+
+    def fresh(plans, steps, rounds):
+        measured.append([plan_quality.key(p) for p in plans])
+        times = {plan_quality.key(ddp): [1.2, 1.0, 1.1], plan_quality.key(fsdp): [1.5, 1.4, 1.6]}
+        return [(statistics.median(times[plan_quality.key(p)]), 0.0, None,
+                 [pad + [t] + tail for t in times[plan_quality.key(p)]]) for p in plans]
+
+    monkeypatch.setattr(plan_quality, "measure", fresh)
+    out = plan_quality.head_to_head(case, fsdp, steps=6, rounds=3)
+    assert measured == [[plan_quality.key(fsdp), plan_quality.key(ddp)]]  # the pick first, each plan once
+    assert out["roles"] == [["pick", "plain FSDP"], ["grid's fastest", "plain DDP"]]
+    printed = capsys.readouterr().out
+    assert "pick = plain FSDP" in printed and "1.364 x" in printed  # 1.5 / 1.1, the fresh medians
+    assert "paired 1.400 (1.250-1.455)" in printed  # 1.5 / 1.2, 1.4 / 1.0 and 1.6 / 1.1, round by round
+    assert "grid's fastest = plain DDP" in printed and "fastest in 3 of 3" in printed
