@@ -107,6 +107,10 @@ def _parts(model: ModelProfile, hw: HardwareProfile, strat: Strategy, cache: dic
                                  * states.state_layout(strat).grad, pair)
         first = replace(first, dp_tail_s=first.dp_tail_s + sync)
         last = replace(last, dp_tail_s=last.dp_tail_s + sync)
+    if sync := partial_grads_sync_s(model, strat, groups[Axis.TP]):
+        first = replace(first, dp_tail_s=first.dp_tail_s + sync)
+        if strat.mesh.pp > 1:
+            last = replace(last, dp_tail_s=last.dp_tail_s + sync)
     lead = []
     if model.lead is not None:  # dense blocks: their own tp and cp exchanges, no experts
         for mode in RECOMPUTE:
@@ -117,6 +121,29 @@ def _parts(model: ModelProfile, hw: HardwareProfile, strat: Strategy, cache: dic
         layers, lead, first, last = _ddp_tails(model, hw, strat, rep, layers, lead, first, last)
     return _Parts(layers=tuple(layers), passes=tuple(passes), first=first, last=last,
                   p2p_s=blockcomm.p2p_s(model, strat, groups) + pipeline.host_s(hw, strat)[0], lead=tuple(lead))
+
+
+SP_REPLICATED_PER_BLOCK = 4
+"""Replicated parameters of a block under sequence parallelism, in hidden-size vectors, at
+most: GPT's two LayerNorms (weight and bias) and its two row-parallel biases (4); Llama's two
+RMSNorm weights (2) are priced as 4 too, a few kB more in a latency-bound collective."""
+
+
+def partial_grads_sync_s(model: ModelProfile, strat: Strategy, tp: comm.Group) -> float:
+    """Once a step, the all-reduce over the tp group of the gradients sequence parallelism
+    leaves partial (replicated parameters whose inputs are sequence-sharded: norms,
+    row-parallel biases), coalesced into one collective per stage: Megatron-LM's
+    ``finalize_model_grads`` (its layer-norm all-reduce), autopar's runtime
+    (``runtime.train._reduce_partial_grads``) where no data-parallel wrapper reduces them.
+    Priced on the first and the last stage (``dp_tail_s``), whose reductions the step waits
+    for; a middle stage's, as short, is taken to hide behind theirs. 0 without SP. (Under
+    FSDP2 with dp > 1 torch reduces them itself, in smaller pieces, each micro-batch: not
+    priced beyond this.)"""
+    if not strat.sequence_parallel or strat.mesh.tp == 1:
+        return 0.0
+    blocks = -(-model.layers // strat.mesh.pp)  # the most blocks a stage holds
+    elements = SP_REPLICATED_PER_BLOCK * model.hidden * blocks
+    return comm.all_reduce_s(elements * states.state_layout(strat).grad, tp)
 
 
 def _ddp_tails(model: ModelProfile, hw: HardwareProfile, strat: Strategy, rep: comm.Group,

@@ -12,7 +12,7 @@ from cost_models import (Axis, Degrees, ModelProfile, ProfileError, Strategy, es
                          model_flops_per_step, stage_costs)
 from cost_models import blockcomm, comm, compute, host, memory, pieces, pipeline, states
 from cost_models.axes import parse_order
-from cost_models.estimate import stage_details
+from cost_models.estimate import partial_grads_sync_s, stage_details
 from cost_models.states import STATE_LAYOUTS, state_bytes
 from autopar.profiles import profile_spec
 from autopar.spec import parse_model_spec
@@ -1334,3 +1334,24 @@ def test_torch_pipelining_keeps_the_last_stages_logits_until_their_backward():
         assert memory.stage_output_bytes(G22B, other) == 0.0
     c = stage_costs(G22B, A100, base)
     assert c.last_transient_bytes == pytest.approx(memory.loss_backward_bytes(G22B, base) + 8 * one)
+
+
+def test_sequence_parallel_sums_partial_gradients_once_a_step():
+    """Under SP the replicated parameters' gradients (norms, row-parallel biases: at most 4 h a
+    block) are partial over tp and summed once a step, one coalesced all-reduce on the stages
+    the step waits for: the dp time grows by exactly that collective, the same at 1 and 8
+    micro-batches; nothing without SP or without tp."""
+    cpu = load_profile("cpu-local")
+    model = gpt(4, 128, 4, vocab=512, seq=512)
+    auto = load_recipe("autopar")
+    for m in (1, 8):
+        base = Strategy(recipe=auto, mesh=Degrees(tp=4), micro_batch=1, num_microbatches=m, dtype="fp32")
+        sp = dataclasses.replace(base, sequence_parallel=True)
+        tp = comm.axis_groups(cpu, sp)[Axis.TP]
+        sync = comm.all_reduce_s(4 * 128 * 4 * states.state_layout(sp).grad, tp)
+        assert sync > 1e-3  # gloo: a few ms, latency-bound
+        assert partial_grads_sync_s(model, sp, tp) == pytest.approx(sync)
+        assert partial_grads_sync_s(model, base, tp) == 0.0
+        got = estimate(model, cpu, sp, global_batch=m).time.dp_comm_s
+        assert got == pytest.approx(estimate(model, cpu, dataclasses.replace(sp, sequence_parallel=False),
+                                             global_batch=m).time.dp_comm_s + sync)

@@ -366,3 +366,46 @@ def test_single_device_benchmark_runs_on_cpu():
                            "--dtype", "fp32", "--steps", "3"], capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert "measured/predicted" in proc.stdout and "MFU: predicted" in proc.stdout
+
+
+def test_partial_gradients_are_summed_once_per_group_before_the_optimizer(monkeypatch):
+    """Sequence parallelism leaves replicated parameters' gradients ``Partial`` where no
+    data-parallel wrapper reduces them; AdamW would then all-reduce each one twice a step.
+    ``_reduce_partial_grads`` sums them in one all-reduce per (mesh, placements, dtype) group
+    and hands the optimizer replicated gradients of the same values; other gradients are left
+    as they are."""
+    from types import SimpleNamespace
+
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
+
+    from autopar.runtime import train as train_mod
+
+    assert not dist.is_initialized()
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        mesh = init_device_mesh("cpu", (1,), mesh_dim_names=("tp",))
+        module = torch.nn.Module()
+        values = {}
+        for name, shape, dtype, grad_placement in (("norm_w", (8,), torch.float32, Partial()),
+                                                    ("norm_b", (8,), torch.float32, Partial()),
+                                                    ("bias64", (4,), torch.float64, Partial()),
+                                                    ("col", (6, 8), torch.float32, Shard(0))):
+            param = torch.nn.Parameter(DTensor.from_local(torch.zeros(shape, dtype=dtype), mesh,
+                                                          [Shard(0) if name == "col" else Replicate()]))
+            values[name] = torch.arange(param.numel(), dtype=dtype).reshape(shape) + 1
+            param.grad = DTensor.from_local(values[name].clone(), mesh, [grad_placement])
+            module.register_parameter(name, param)
+        calls = []
+        real = dist.all_reduce
+        monkeypatch.setattr(train_mod.dist, "all_reduce", lambda t, **kw: calls.append(t.numel()) or real(t, **kw))
+        train_mod._reduce_partial_grads(SimpleNamespace(modules=[module]))
+        assert sorted(calls) == [4, 16]  # the two fp32 norms' 16 elements in one call, the fp64 bias in another
+        for name, param in module.named_parameters():
+            grad = param.grad
+            assert isinstance(grad, DTensor)
+            assert list(grad.placements) == ([Shard(0)] if name == "col" else [Replicate()])
+            assert torch.equal(grad.to_local(), values[name]) and grad.dtype == values[name].dtype
+    finally:
+        dist.destroy_process_group()
