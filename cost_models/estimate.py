@@ -107,7 +107,11 @@ def _parts(model: ModelProfile, hw: HardwareProfile, strat: Strategy, cache: dic
                                  * states.state_layout(strat).grad, pair)
         first = replace(first, dp_tail_s=first.dp_tail_s + sync)
         last = replace(last, dp_tail_s=last.dp_tail_s + sync)
-    if sync := partial_grads_sync_s(model, strat, groups[Axis.TP]):
+    if per_block := fsdp_partial_grads_s(model, strat, groups[Axis.TP], rep):
+        each = strat.zero >= 2 and not pipeline.torch_pipelining(strat)  # reduced every micro-batch
+        layers = [replace(p, dp_exposed_s=p.dp_exposed_s + per_block) if each
+                  else replace(p, dp_tail_s=p.dp_tail_s + per_block) for p in layers]
+    if sync := partial_grads_sync_s(model, strat, groups[Axis.TP], rep):
         first = replace(first, dp_tail_s=first.dp_tail_s + sync)
         if strat.mesh.pp > 1:
             last = replace(last, dp_tail_s=last.dp_tail_s + sync)
@@ -129,21 +133,40 @@ most: GPT's two LayerNorms (weight and bias) and its two row-parallel biases (4)
 RMSNorm weights (2) are priced as 4 too, a few kB more in a latency-bound collective."""
 
 
-def partial_grads_sync_s(model: ModelProfile, strat: Strategy, tp: comm.Group) -> float:
+def partial_grads_sync_s(model: ModelProfile, strat: Strategy, tp: comm.Group, rep: comm.Group) -> float:
     """Once a step, the all-reduce over the tp group of the gradients sequence parallelism
     leaves partial (replicated parameters whose inputs are sequence-sharded: norms,
     row-parallel biases), coalesced into one collective per stage: Megatron-LM's
     ``finalize_model_grads`` (its layer-norm all-reduce), autopar's runtime
     (``runtime.train._reduce_partial_grads``) where no data-parallel wrapper reduces them.
     Priced on the first and the last stage (``dp_tail_s``), whose reductions the step waits
-    for; a middle stage's, as short, is taken to hide behind theirs. 0 without SP. (Under
-    FSDP2 with dp > 1 torch reduces them itself, in smaller pieces, each micro-batch: not
-    priced beyond this.)"""
-    if not strat.sequence_parallel or strat.mesh.tp == 1:
+    for; a middle stage's, as short, is taken to hide behind theirs. 0 without SP, and where
+    FSDP2 reduces them (``fsdp_partial_grads_s``)."""
+    if not strat.sequence_parallel or strat.mesh.tp == 1 or fsdp_reduces_partials(strat, rep):
         return 0.0
     blocks = -(-model.layers // strat.mesh.pp)  # the most blocks a stage holds
     elements = SP_REPLICATED_PER_BLOCK * model.hidden * blocks
     return comm.all_reduce_s(elements * states.state_layout(strat).grad, tp)
+
+
+def fsdp_reduces_partials(strat: Strategy, rep: comm.Group) -> bool:
+    """Whether FSDP2 (its ``fully_shard`` or ``replicate``, over dp x cp > 1) reduces the
+    partial SP gradients of DTensor parameters itself: before its own reduction it
+    redistributes each gradient to its parameter's tp placement, one all-reduce per
+    parameter (``FSDPParam._get_grad_inner_tensor``, torch 2.13)."""
+    return strat.recipe.dtensor_parameters and rep.size > 1
+
+
+def fsdp_partial_grads_s(model: ModelProfile, strat: Strategy, tp: comm.Group, rep: comm.Group) -> float:
+    """Time of one block's partial SP gradients reduced by FSDP2 (``fsdp_reduces_partials``),
+    per reduction: one all-reduce of h elements per replicated vector
+    (``SP_REPLICATED_PER_BLOCK``) over the tp group. FSDP2 reduces at every micro-batch under
+    ZeRO-2/3 and once a step under ZeRO 0/1 and torch's pipelining (``estimate._parts``). A
+    census of long-seq's dp 2 x tp 2 ZeRO-1 SP plan at 4 micro-batches counted 4 such
+    all-reduces a block a step. 0 without SP or FSDP2."""
+    if not strat.sequence_parallel or strat.mesh.tp == 1 or not fsdp_reduces_partials(strat, rep):
+        return 0.0
+    return SP_REPLICATED_PER_BLOCK * comm.all_reduce_s(model.hidden * states.state_layout(strat).grad, tp)
 
 
 def _ddp_tails(model: ModelProfile, hw: HardwareProfile, strat: Strategy, rep: comm.Group,

@@ -12,7 +12,7 @@ from cost_models import (Axis, Degrees, ModelProfile, ProfileError, Strategy, es
                          model_flops_per_step, stage_costs)
 from cost_models import blockcomm, comm, compute, host, memory, pieces, pipeline, states
 from cost_models.axes import parse_order
-from cost_models.estimate import partial_grads_sync_s, stage_details
+from cost_models.estimate import fsdp_partial_grads_s, partial_grads_sync_s, stage_details
 from cost_models.states import STATE_LAYOUTS, state_bytes
 from autopar.profiles import profile_spec
 from autopar.spec import parse_model_spec
@@ -1350,8 +1350,34 @@ def test_sequence_parallel_sums_partial_gradients_once_a_step():
         tp = comm.axis_groups(cpu, sp)[Axis.TP]
         sync = comm.all_reduce_s(4 * 128 * 4 * states.state_layout(sp).grad, tp)
         assert sync > 1e-3  # gloo: a few ms, latency-bound
-        assert partial_grads_sync_s(model, sp, tp) == pytest.approx(sync)
-        assert partial_grads_sync_s(model, base, tp) == 0.0
+        assert partial_grads_sync_s(model, sp, tp, comm.replica_group(cpu, sp)) == pytest.approx(sync)
+        assert partial_grads_sync_s(model, base, tp, comm.replica_group(cpu, base)) == 0.0
         got = estimate(model, cpu, sp, global_batch=m).time.dp_comm_s
         assert got == pytest.approx(estimate(model, cpu, dataclasses.replace(sp, sequence_parallel=False),
                                              global_batch=m).time.dp_comm_s + sync)
+
+
+def test_fsdp_reduces_sequence_parallel_partial_gradients_one_parameter_at_a_time():
+    """Under FSDP2 (dp > 1) torch all-reduces each partial SP gradient to its parameter's tp
+    placement before its own reduction: 4 all-reduces of h elements a block, every micro-batch
+    under ZeRO-2/3 (in the pass), once a step under ZeRO 0/1 (in the tail); the coalesced
+    once-a-step collective is then not priced; Megatron's recipe (plain tensors) keeps it."""
+    cpu = load_profile("cpu-local")
+    model = gpt(4, 128, 4, vocab=512, seq=512)
+    auto = load_recipe("autopar")
+    for zero in (0, 1, 2, 3):
+        sp = Strategy(recipe=auto, mesh=Degrees(dp=2, tp=2), zero=zero, micro_batch=1, num_microbatches=4,
+                      dtype="fp32", sequence_parallel=True)
+        groups, rep = comm.axis_groups(cpu, sp), comm.replica_group(cpu, sp)
+        per_block = fsdp_partial_grads_s(model, sp, groups[Axis.TP], rep)
+        assert per_block == pytest.approx(4 * comm.all_reduce_s(128 * states.state_layout(sp).grad, groups[Axis.TP]))
+        assert partial_grads_sync_s(model, sp, groups[Axis.TP], rep) == 0.0
+        with_sp = estimate(model, cpu, sp, global_batch=8).time
+        without = estimate(model, cpu, dataclasses.replace(sp, sequence_parallel=False), global_batch=8).time
+        times = 4 if zero >= 2 else 1  # per micro-batch or per step
+        assert with_sp.dp_comm_s - without.dp_comm_s == pytest.approx(times * model.layers * per_block, rel=1e-6)
+    mc = Strategy(recipe=MC, mesh=Degrees(dp=2, tp=2), zero=1, micro_batch=1, num_microbatches=4,
+                  dtype="fp32", sequence_parallel=True)
+    groups, rep = comm.axis_groups(cpu, mc), comm.replica_group(cpu, mc)
+    assert fsdp_partial_grads_s(model, mc, groups[Axis.TP], rep) == 0.0
+    assert partial_grads_sync_s(model, mc, groups[Axis.TP], rep) > 0.0
