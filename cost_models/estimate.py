@@ -128,9 +128,10 @@ def _parts(model: ModelProfile, hw: HardwareProfile, strat: Strategy, cache: dic
 
 
 SP_REPLICATED_PER_BLOCK = 4
-"""Replicated parameters of a block under sequence parallelism, in hidden-size vectors, at
-most: GPT's two LayerNorms (weight and bias) and its two row-parallel biases (4); Llama's two
-RMSNorm weights (2) are priced as 4 too, a few kB more in a latency-bound collective."""
+"""Hidden-size vectors of a block whose gradients sequence parallelism leaves partial: GPT's
+two LayerNorms' weights and biases (4, as the FSDP2 census in ``fsdp_partial_grads_s``
+counts; in the coalesced collective its two row-parallel biases ride along, a few kB);
+Llama's two RMSNorm weights (2) are priced as 4, latency-bound collectives either way."""
 
 
 def partial_grads_sync_s(model: ModelProfile, strat: Strategy, tp: comm.Group, rep: comm.Group) -> float:
@@ -162,8 +163,9 @@ def fsdp_partial_grads_s(model: ModelProfile, strat: Strategy, tp: comm.Group, r
     per reduction: one all-reduce of h elements per replicated vector
     (``SP_REPLICATED_PER_BLOCK``) over the tp group. FSDP2 reduces at every micro-batch under
     ZeRO-2/3 and once a step under ZeRO 0/1 and torch's pipelining (``estimate._parts``). A
-    census of long-seq's dp 2 x tp 2 ZeRO-1 SP plan at 4 micro-batches counted 4 such
-    all-reduces a block a step. 0 without SP or FSDP2."""
+    census of long-seq's dp 2 x tp 2 SP plan at 4 micro-batches (4 GPT blocks) counted 72 such
+    all-reduces a step under ZeRO-2 and 18 under ZeRO 0 and 1: 4 a block and the final norm's
+    2 (not priced) at each reduction. 0 without SP or FSDP2."""
     if not strat.sequence_parallel or strat.mesh.tp == 1 or not fsdp_reduces_partials(strat, rep):
         return 0.0
     return SP_REPLICATED_PER_BLOCK * comm.all_reduce_s(model.hidden * states.state_layout(strat).grad, tp)
