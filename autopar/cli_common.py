@@ -20,7 +20,7 @@ from typer.core import TyperGroup
 from autopar.errors import UserError
 from autopar.plan import Plan
 from cost_models import ProfileError
-from cost_models.strategy import Estimate
+from cost_models.strategy import RECOMPUTE, Estimate
 
 _HELP_ORDER = ("plan", "estimate", "explain", "profile", "verify", "inspect", "run", "calibrate", "export", "launch",
                "tokenize", "report", "demo")
@@ -146,7 +146,7 @@ def _print_plan(plan: Plan) -> None:
     table.add_row("execution recipe", plan.recipe)
     table.add_row("stage layers", " ".join(map(str, plan.stage_layers)))
     table.add_row("recompute", ", ".join(f"{mode} x{plan.recompute.count(mode)}"
-                                         for mode in ("none", "selective", "full") if mode in plan.recompute))
+                                         for mode in RECOMPUTE if mode in plan.recompute))
     if plan.estimate is not None:
         table.add_row("fits", f"{'yes' if plan.estimate.fits else 'NO'} (peak "
                       f"{_gib(plan.estimate.memory.peak_bytes)} per device)")

@@ -153,6 +153,20 @@ def test_offload_and_axis_order_pins_reach_the_plan():
     assert bad.exit_code == 2 and "must list pp, dp, tp" in bad.stderr and len(bad.stderr.strip().splitlines()) == 1
 
 
+def test_plan_table_counts_every_recompute_mode():
+    """The plan table names each recompute mode its blocks run, per-op included (it once showed
+    Llama-3 8B's "none x28" and dropped the other four blocks' "op")."""
+    res = invoke("plan", "--model", "llama3-8b", "--cluster", "dgx-h100", "--gpus", "8", "--global-batch", "8",
+                 "--seq-len", "8192")
+    assert res.exit_code == 0, res.output
+    plan = json.loads(invoke("plan", "--model", "llama3-8b", "--cluster", "dgx-h100", "--gpus", "8",
+                             "--global-batch", "8", "--seq-len", "8192", "--json").stdout)["plan"]
+    shown = re.search(r"recompute\s*│\s*([^│]+?)\s*│", res.stdout).group(1)
+    counts = {m: plan["recompute"].count(m) for m in set(plan["recompute"])}
+    assert sum(counts.values()) == sum(plan["stage_layers"]) and len(counts) > 1, counts
+    assert shown == ", ".join(f"{m} x{counts[m]}" for m in ("none", "selective", "full", "op") if m in counts), shown
+
+
 def test_cli_surface_is_frozen():
     names = sorted(c.name or c.callback.__name__ for c in app.registered_commands)
     assert names == ["calibrate", "demo", "estimate", "explain", "export", "inspect", "launch", "plan", "profile",
