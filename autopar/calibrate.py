@@ -62,7 +62,7 @@ import statistics
 from dataclasses import dataclass, replace
 from datetime import date
 from pathlib import Path
-from typing import Callable
+from typing import Callable, Sequence
 
 from autopar.errors import UserError
 from autopar.plan import Plan
@@ -189,31 +189,60 @@ def _gemm_tflops(model: ModelProfile, hw: HardwareProfile, plan: Plan) -> float:
     return sum(g.flops for g in weights) / sum(gemm_s(g, hw, strat.dtype, elem_bytes(strat)) for g in weights) / 1e12
 
 
-def _solve(value: Callable[[float], float], target: float, old: float) -> tuple[float, str]:
-    """The efficiency e in [LOW, 1] with ``value(e) = target`` (``value`` falls as e rises), by
-    bisection, and a note: where even e = 1 predicts more, e = 1; where even e = ``LOW``
-    predicts less, the phase is not this constant's to explain: ``old`` is kept."""
-    if value(1.0) >= target:
-        return 1.0, "" if value(1.0) == target else " (predicted slower even at 1: set to 1)"
-    if value(LOW) <= target:
+def _solve(value: Callable[[float], float], old: float) -> tuple[float, str]:
+    """The efficiency e in [LOW, 1] with ``value(e) = 0`` (``value``: the sum over the runs of
+    log(predicted / measured), falling as e rises), by bisection, and a note: where even e = 1
+    predicts more, e = 1; where even e = ``LOW`` predicts less, the phase is not this
+    constant's to explain: ``old`` is kept."""
+    if value(1.0) >= 0.0:
+        return 1.0, "" if value(1.0) == 0.0 else " (predicted slower even at 1: set to 1)"
+    if value(LOW) <= 0.0:
         return old, f" (predicted faster even at {LOW:g}: kept)"
     lo, hi = LOW, 1.0
     for _ in range(60):
         mid = (lo + hi) / 2
-        lo, hi = (mid, hi) if value(mid) > target else (lo, mid)
+        lo, hi = (mid, hi) if value(mid) > 0.0 else (lo, mid)
     return (lo + hi) / 2, ""
+
+
+def _log_error(pairs: list[tuple[float, float]]) -> float:
+    """Sum of log(predicted / measured) over (predicted, measured) pairs."""
+    return sum(math.log(p / m) for p, m in pairs)
+
+
+def _ms(values: list[float]) -> str:
+    return ", ".join(f"{v * 1e3:.4g}" for v in values) + " ms" + (f" ({len(values)} runs)" if len(values) > 1 else "")
+
+
+Run = tuple[Plan, ModelProfile, Measured]
+"""A measured run: the plan, its model's profile and its phases."""
 
 
 def refit(plan: Plan, model: ModelProfile, hw: HardwareProfile, run: Measured,
           anchor: bool = False) -> tuple[HardwareProfile, tuple[Fit, ...]]:
-    """``hw`` with its constants refitted to ``run`` (module docstring), and the fits.
-    ``anchor``: the run is ``autopar profile``'s reference, whose operators give the rates even
-    on shared cores, where they can (no pipeline)."""
-    strat = plan.strategy()
+    """``refit_runs`` of one run."""
+    return refit_runs(((plan, model, run),), hw, anchor)
 
-    def est(profile: HardwareProfile) -> Estimate:
-        return estimate(model, profile, strat, global_batch=plan.global_batch)
 
+def refit_runs(runs: Sequence[Run], hw: HardwareProfile,
+               anchor: bool = False) -> tuple[HardwareProfile, tuple[Fit, ...]]:
+    """``hw`` with its constants refitted to ``runs`` (module docstring), and the fits. Each
+    constant is one number for every run: the GEMM rate scaled by the geometric mean of the
+    runs' measured over predicted rates, the others where the sum over the runs of
+    log(predicted / measured) of their phase is 0, so that no one run's luck (a plan the
+    machine happened to run fast) sets the profile alone. ``anchor``: one run, ``autopar
+    profile``'s reference, whose operators give the rates even on shared cores, where they can
+    (no pipeline)."""
+    if not runs:
+        raise ValueError("refit_runs needs at least one run")
+
+    def est(profile: HardwareProfile, run: Run) -> Estimate:
+        return estimate(run[1], profile, run[0].strategy(), global_batch=run[0].global_batch)
+
+    dtypes = {plan.dtype for plan, _, _ in runs}
+    if len(dtypes) > 1:
+        raise UserError(f"the plans train in {', '.join(sorted(dtypes))}: calibrate plans of one dtype together")
+    dtype = runs[0][0].dtype
     fits, orig = [], hw
     # Ranks that share cores: one waiting (a pipeline stage in the fill, the drain or for a
     # peer's activations; a data-parallel rank ahead of its peers, at the all-reduce) lends
@@ -223,62 +252,78 @@ def refit(plan: Plan, model: ModelProfile, hw: HardwareProfile, run: Measured,
     # by that priced the other plans 30 % fast; a long-sequence GPT's DDP step of 0.32 s spent
     # 0.21 s in operators on its median rank, and an element-wise rate fitted to that priced
     # the grid 20-30 % fast). The peak is scaled to the step instead (``_fit_step``).
-    shared = hw.ranks_per_core > 1 and (plan.mesh.pp > 1 or not anchor)
+    shared = hw.ranks_per_core > 1 and (any(plan.mesh.pp > 1 for plan, _, _ in runs) or not anchor)
     if not shared:
-        ratio = run.gemm_tflops / _gemm_tflops(model, hw, plan)
+        rates = [(run.gemm_tflops, _gemm_tflops(model, hw, plan)) for plan, model, run in runs]
+        ratio = math.exp(-_log_error([(p, m) for m, p in rates]) / len(rates))
         new = max(LOW, hw.matmul_efficiency * ratio)
-        why = f"GEMMs ran at {run.gemm_tflops * 1e3:.3g} GFLOP/s, {ratio:.3g}x the rate predicted"
+        why = (f"GEMMs ran at {', '.join(f'{m * 1e3:.3g}' for m, _ in rates)} GFLOP/s, {ratio:.3g}x the rate "
+               "predicted" + (" (geometric mean)" if len(rates) > 1 else ""))
         if new > 1.0:
             # Faster than the profile's peak: the peak was measured low (on CPU ranks, with every
             # rank computing at once, where a step leaves some waiting), so the peak rises instead.
-            old_peak = hw.peak_tflops[plan.dtype]
-            fits.append(Fit(name=f"peak_tflops.{plan.dtype}", old=old_peak, new=old_peak * new,
+            old_peak = hw.peak_tflops[dtype]
+            fits.append(Fit(name=f"peak_tflops.{dtype}", old=old_peak, new=old_peak * new,
                             why=f"{why}, above the peak"))
-            hw = replace(hw, peak_tflops={**hw.peak_tflops, plan.dtype: old_peak * new})
+            hw = replace(hw, peak_tflops={**hw.peak_tflops, dtype: old_peak * new})
             new = 1.0
         fits.append(Fit(name="matmul_efficiency", old=hw.matmul_efficiency, new=new, why=why))
         hw = replace(hw, matmul_efficiency=new)
 
     def fitted(name: str, old: float, make: Callable[[float], HardwareProfile],
-               value: Callable[[Estimate], float], target: float, phase: str) -> HardwareProfile:
-        if value(est(make(old))) == 0.0 and target == 0.0:
+               value: Callable[[Estimate], float], target: Callable[[Measured], float],
+               phase: str) -> HardwareProfile:
+        # the runs with the phase, measured and predicted (a run with neither has nothing to say)
+        having = [r for r in runs if target(r[2]) > 0.0 or value(est(make(old), r)) > 0.0]
+        if not having:
             fits.append(Fit(name=name, old=old, new=old, why=f"the plan has no {phase}"))
             return make(old)
-        e, note = _solve(lambda x: value(est(make(x))), target, old)
-        fits.append(Fit(name=name, old=old, new=e, why=f"{phase} measured {target * 1e3:.4g} ms{note}"))
+        movable = [r for r in having if value(est(make(old), r)) > 0.0]  # priced: the constant moves it
+        if not movable:
+            e, note = old, f" (predicted faster even at {LOW:g}: kept)"
+        elif any(target(r[2]) <= 0.0 for r in movable):  # predicted, but not measured at all
+            e, note = 1.0, " (predicted slower even at 1: set to 1)"
+        else:
+            e, note = _solve(lambda x: _log_error([(value(est(make(x), r)), target(r[2])) for r in movable]), old)
+        fits.append(Fit(name=name, old=old, new=e,
+                        why=f"{phase} measured {_ms([target(r[2]) for r in having])}{note}"))
         return make(e)
 
     base = hw
     hw = fitted("optimizer_memory_efficiency", orig.optimizer_memory_efficiency or orig.memory_efficiency,
                 lambda e: replace(base, optimizer_memory_efficiency=e), lambda x: x.time.optimizer_s,
-                run.optimizer_s, "optimizer step")
+                lambda m: m.optimizer_s, "optimizer step")
     if shared:
-        fits.append(_fit_step(plan, hw, run, est))
-        return replace(hw, peak_tflops={**hw.peak_tflops, plan.dtype: fits[-1].new}), tuple(fits)
+        fits.append(_fit_step(runs, hw, dtype, est))
+        return replace(hw, peak_tflops={**hw.peak_tflops, dtype: fits[-1].new}), tuple(fits)
     base = hw
     hw = fitted("memory_efficiency", hw.memory_efficiency, lambda e: replace(base, memory_efficiency=e),
-                lambda x: x.time.compute_s, run.compute_s,
+                lambda x: x.time.compute_s, lambda m: m.compute_s,
                 "compute (device time)" if hw.host_overlaps_device else "compute (time in operators)")
     return hw, tuple(fits)
 
 
-def _fit_step(plan: Plan, hw: HardwareProfile, run: Measured, est: Callable[[HardwareProfile], Estimate]) -> Fit:
-    """The plan's dtype's peak (and with it every rate the profile states as a fraction of it)
-    scaled so that the predicted step equals the measured one, by bisection on the scale within
-    ``STEP_SCALES``; beyond them the peak is kept and the fit says so."""
-    peak = hw.peak_tflops[plan.dtype]
+def _fit_step(runs: Sequence[Run], hw: HardwareProfile, dtype: str,
+              est: Callable[[HardwareProfile, Run], Estimate]) -> Fit:
+    """The runs' dtype's peak (and with it every rate the profile states as a fraction of it)
+    scaled so that the predicted steps meet the measured ones (the sum over the runs of
+    log(predicted / measured) is 0; one run: its step exactly), by bisection on the scale
+    within ``STEP_SCALES``; beyond them the peak is kept and the fit says so."""
+    peak = hw.peak_tflops[dtype]
 
-    def step(scale: float) -> float:
-        return est(replace(hw, peak_tflops={**hw.peak_tflops, plan.dtype: peak * scale})).step_time_s
+    def error(scale: float) -> float:
+        profile = replace(hw, peak_tflops={**hw.peak_tflops, dtype: peak * scale})
+        return _log_error([(est(profile, r).step_time_s, r[2].step_s) for r in runs])
     lo, hi = STEP_SCALES
-    if not step(hi) <= run.step_s <= step(lo):
-        return Fit(name=f"peak_tflops.{plan.dtype}", old=peak, new=peak,
-                   why=f"step measured {run.step_s * 1e3:.4g} ms, beyond {lo:g}-{hi:g}x the peak's: kept")
+    measured_ms = _ms([r[2].step_s for r in runs])
+    if not error(hi) <= 0.0 <= error(lo):
+        return Fit(name=f"peak_tflops.{dtype}", old=peak, new=peak,
+                   why=f"step measured {measured_ms}, beyond {lo:g}-{hi:g}x the peak's: kept")
     for _ in range(60):
         mid = math.sqrt(lo * hi)
-        lo, hi = (mid, hi) if step(mid) > run.step_s else (lo, mid)
-    return Fit(name=f"peak_tflops.{plan.dtype}", old=peak, new=peak * math.sqrt(lo * hi),
-               why=f"step measured {run.step_s * 1e3:.4g} ms (ranks sharing cores: its operators' rates are not "
+        lo, hi = (mid, hi) if error(mid) > 0.0 else (lo, mid)
+    return Fit(name=f"peak_tflops.{dtype}", old=peak, new=peak * math.sqrt(lo * hi),
+               why=f"step measured {measured_ms} (ranks sharing cores: its operators' rates are not "
                    "the profile's)")
 
 
@@ -294,13 +339,13 @@ def phases(before: Estimate, run: Measured, after: Estimate) -> tuple[Phase, ...
             Phase(name="step", before_s=before.step_time_s, measured_s=run.step_s, after_s=after.step_time_s))
 
 
-def calibrate(plan: Plan, model: ModelProfile, hw: HardwareProfile, warmup: int,
-              run_fn: Callable[[], tuple[list[float], tuple[dict[str, float], ...]]],
-              source: str, anchor: bool = False) -> Calibration:
-    """Run the plan (``run_fn``: its step times and every rank's phase summary; again where
-    its profiled steps were stretched, ``dilation``), refit ``hw`` to it (``refit``; ``anchor``:
-    ``autopar profile``'s reference run); the new profile's notes say what was fitted, from
-    what run (``source``) and when."""
+RunFn = Callable[[], tuple[list[float], tuple[dict[str, float], ...]]]
+"""Runs a plan: its step times and every rank's phase summary (``runtime.phases``)."""
+
+
+def _least_stretched(run_fn: RunFn, hw: HardwareProfile, warmup: int) -> tuple[list[float], tuple[dict[str, float], ...]]:
+    """A run of ``run_fn``, again where its profiled steps were stretched (``dilation``), up to
+    ``ATTEMPTS`` runs: the least stretched."""
     times, ranks = run_fn()
     for _ in range(ATTEMPTS - 1):
         if hw.host_overlaps_device or dilation(times, warmup) <= DILATION_LIMIT:
@@ -308,18 +353,37 @@ def calibrate(plan: Plan, model: ModelProfile, hw: HardwareProfile, warmup: int,
         again = run_fn()
         if dilation(again[0], warmup) < dilation(times, warmup):
             times, ranks = again
-    run = measured(times, warmup, ranks, stages(plan))
-    strat = plan.strategy()
-    before = estimate(model, hw, strat, global_batch=plan.global_batch)
-    new, fits = refit(plan, model, hw, run, anchor)
-    after = estimate(model, new, strat, global_batch=plan.global_batch)
+    return times, ranks
+
+
+def calibrate(plan: Plan, model: ModelProfile, hw: HardwareProfile, warmup: int, run_fn: RunFn,
+              source: str, anchor: bool = False) -> Calibration:
+    """``calibrate_runs`` of one plan."""
+    return calibrate_runs(((plan, model, run_fn),), hw, warmup, source, anchor)[0]
+
+
+def calibrate_runs(jobs: Sequence[tuple[Plan, ModelProfile, RunFn]], hw: HardwareProfile, warmup: int,
+                   source: str, anchor: bool = False) -> tuple[Calibration, ...]:
+    """Run each plan (``_least_stretched``), refit ``hw`` to all the runs at once
+    (``refit_runs``; ``anchor``: ``autopar profile``'s reference run) and compare each plan's
+    phases before and after; every calibration carries the one refitted profile, whose notes
+    say what was fitted, from what runs (``source``) and when."""
+    taken = [(plan, model, _least_stretched(run_fn, hw, warmup)) for plan, model, run_fn in jobs]
+    runs = [(plan, model, measured(times, warmup, ranks, stages(plan))) for plan, model, (times, ranks) in taken]
+    new, fits = refit_runs(runs, hw, anchor)
+    stretch = ", ".join(f"{dilation(times, warmup):.2f}" for _, _, (times, _) in taken)
     notes = {**new.notes, "calibrated": f"{source} on {date.today().isoformat()} (profiled steps "
-             f"{dilation(times, warmup):.2f}x the others): "
-             + "; ".join(f"{f.name} {f.old:.4g} -> {f.new:.4g} ({f.why})" for f in fits)}
-    return Calibration(phases=phases(before, run, after), fits=fits, profile=replace(new, notes=notes),
-                       gemm_tflops=run.gemm_tflops, peak_predicted_bytes=max(before.stage_peak_bytes or
-                                                                             (before.memory.peak_bytes,)),
-                       peak_measured_bytes=run.peak_bytes)
+             f"{stretch}x the others): " + "; ".join(f"{f.name} {f.old:.4g} -> {f.new:.4g} ({f.why})" for f in fits)}
+    profile = replace(new, notes=notes)
+    out = []
+    for plan, model, run in runs:
+        before = estimate(model, hw, plan.strategy(), global_batch=plan.global_batch)
+        after = estimate(model, new, plan.strategy(), global_batch=plan.global_batch)
+        out.append(Calibration(phases=phases(before, run, after), fits=fits, profile=profile,
+                               gemm_tflops=run.gemm_tflops,
+                               peak_predicted_bytes=max(before.stage_peak_bytes or (before.memory.peak_bytes,)),
+                               peak_measured_bytes=run.peak_bytes))
+    return tuple(out)
 
 
 def write_profile(profile: HardwareProfile, out: Path) -> None:
@@ -327,18 +391,27 @@ def write_profile(profile: HardwareProfile, out: Path) -> None:
     out.write_text(json.dumps(dataclasses.asdict(profile), indent=2) + "\n")
 
 
-def calibrate_plan(plan: Plan, steps: int, warmup: int, source: str, anchor: bool = False) -> Calibration:
-    """``calibrate`` of ``plan`` on this machine (``runtime.run_job``, profiled after ``warmup``
-    steps), against the profile the plan names (``anchor``: ``autopar profile``'s reference)."""
+def calibrate_plans(plans: Sequence[Plan], steps: int, warmup: int, source: str,
+                    anchor: bool = False) -> tuple[Calibration, ...]:
+    """``calibrate_runs`` of ``plans`` on this machine (``runtime.run_job``, one plan after the
+    other, each profiled after ``warmup`` steps), against the profile they name (one for all;
+    ``anchor``: ``autopar profile``'s reference)."""
     if steps < warmup + 1 + PROFILED:
         raise UserError(f"--steps {steps} leaves no step to time after {warmup} warm-up steps and before the "
                         f"{PROFILED} profiled ones; use --steps {warmup + 1 + PROFILED} or more")
+    clusters = sorted({plan.cluster for plan in plans})
+    if len(clusters) > 1:
+        raise UserError(f"the plans name {len(clusters)} clusters ({', '.join(clusters)}); calibrate plans of one "
+                        "cluster together")
     from autopar.profiles import profile_spec
     from autopar.runtime import RunSpec, run_job
     from autopar.workflow import read_job
-    job = read_job(plan.model, plan.cluster, plan.gpus, plan.global_batch, plan.seq_len, plan.dtype, plan.recipe)
 
-    def run_fn() -> tuple[list[float], tuple[dict[str, float], ...]]:
-        (result,) = run_job([RunSpec(plan=plan, steps=steps, phases=PROFILED)])
-        return result.step_times_s, result.phases
-    return calibrate(plan, profile_spec(job.spec), job.hw, warmup, run_fn, source, anchor)
+    def run_fn(plan: Plan) -> RunFn:
+        def run() -> tuple[list[float], tuple[dict[str, float], ...]]:
+            (result,) = run_job([RunSpec(plan=plan, steps=steps, phases=PROFILED)])
+            return result.step_times_s, result.phases
+        return run
+    jobs = [read_job(p.model, p.cluster, p.gpus, p.global_batch, p.seq_len, p.dtype, p.recipe) for p in plans]
+    return calibrate_runs([(p, profile_spec(j.spec), run_fn(p)) for p, j in zip(plans, jobs)], jobs[0].hw, warmup,
+                          source, anchor)

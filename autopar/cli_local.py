@@ -152,37 +152,42 @@ def run(plan_file: Path = typer.Argument(..., help="A plan JSON from `autopar pl
 
 
 @app.command()
-def calibrate(plan_file: Path = typer.Argument(..., help="A plan JSON from `autopar plan --out`"),
+def calibrate(plan_files: list[Path] = typer.Argument(..., help="Plan JSONs from `autopar plan --out`, of one "
+                                                      "cluster: each is run, and one refit explains them all"),
               steps: int = typer.Option(10, "--steps", min=2, help="Optimizer steps: warm-up, timed, then 3 "
                                         "profiled"),
               warmup: int = typer.Option(2, "--warmup", min=1, help="First steps, not timed"),
               out: Optional[Path] = typer.Option(None, "--out", help="Write the refitted profile here (default: "
                                                  "<profile>.calibrated.json); plan with --cluster FILE"),
               trust_code: bool = TRUST, as_json: bool = JSON) -> None:
-    """Run a plan profiled, compare each phase with the estimate and refit the profile to it."""
+    """Run plans profiled, compare each phase with the estimate and refit the profile to them."""
     def body() -> None:
-        from autopar.calibrate import calibrate_plan, write_profile
-        the_plan = _local_plan(plan_file, trust_code, "calibrate")
-        target = out or Path(f"{Path(the_plan.cluster).stem}.calibrated.json")
+        from autopar.calibrate import calibrate_plans, write_profile
+        plans = [_local_plan(f, trust_code, "calibrate") for f in plan_files]
+        target = out or Path(f"{Path(plans[0].cluster).stem}.calibrated.json")
         check_out(target)
-        cal = calibrate_plan(the_plan, steps, warmup, f"`autopar calibrate {plan_file.name} --steps {steps}`")
-        write_profile(cal.profile, target)
+        names = " ".join(f.name for f in plan_files)
+        cals = calibrate_plans(plans, steps, warmup, f"`autopar calibrate {names} --steps {steps}`")
+        write_profile(cals[0].profile, target)
         if as_json:
-            typer.echo(json.dumps({"phases": [dataclasses.asdict(p) for p in cal.phases],
-                                   "fits": [dataclasses.asdict(f) for f in cal.fits], "gemm_tflops": cal.gemm_tflops,
-                                   "peak_predicted_bytes": cal.peak_predicted_bytes,
-                                   "peak_measured_bytes": cal.peak_measured_bytes, "profile": str(target)}))
+            each = [{"plan": str(f), "phases": [dataclasses.asdict(p) for p in c.phases], "gemm_tflops": c.gemm_tflops,
+                     "peak_predicted_bytes": c.peak_predicted_bytes, "peak_measured_bytes": c.peak_measured_bytes}
+                    for f, c in zip(plan_files, cals)]
+            typer.echo(json.dumps({**{k: v for k, v in each[0].items() if k != "plan"}, "plans": each,
+                                   "fits": [dataclasses.asdict(f) for f in cals[0].fits], "profile": str(target)}))
             return
-        table = Table(title=f"{the_plan.model} on {the_plan.gpus} x {the_plan.cluster}", box=box.SQUARE)
-        for col in ("phase, ms per step", "predicted", "measured", "after refit"):
-            table.add_column(col)
-        for p in cal.phases:
-            table.add_row(p.name, f"{p.before_s * 1e3:.1f}", f"{p.measured_s * 1e3:.1f}", f"{p.after_s * 1e3:.1f}")
-        console.print(table)
-        for f in cal.fits:
-            console.print(f"{f.name}: {f.old:.4g} -> {f.new:.4g} ({f.why})")
-        console.print(f"peak memory: predicted {cal.peak_predicted_bytes / 2**30:.3f} GiB, measured "
-                      f"{cal.peak_measured_bytes / 2**30:.3f} GiB; refitted profile written to {target}")
+        for f, the_plan, cal in zip(plan_files, plans, cals):
+            table = Table(title=f"{f.name}: {the_plan.model} on {the_plan.gpus} x {the_plan.cluster}", box=box.SQUARE)
+            for col in ("phase, ms per step", "predicted", "measured", "after refit"):
+                table.add_column(col)
+            for p in cal.phases:
+                table.add_row(p.name, f"{p.before_s * 1e3:.1f}", f"{p.measured_s * 1e3:.1f}", f"{p.after_s * 1e3:.1f}")
+            console.print(table)
+            console.print(f"peak memory: predicted {cal.peak_predicted_bytes / 2**30:.3f} GiB, measured "
+                          f"{cal.peak_measured_bytes / 2**30:.3f} GiB")
+        for fit in cals[0].fits:
+            console.print(f"{fit.name}: {fit.old:.4g} -> {fit.new:.4g} ({fit.why})")
+        console.print(f"refitted profile written to {target}")
     _guard(body)
 
 

@@ -439,10 +439,10 @@ def reference_plan(profile_file: Path, ranks: int) -> "Plan":
 def calibrated(profile_file: Path, ranks: int, command: str) -> dict:
     """The profile in ``profile_file`` refitted to a run of the reference plan (``calibrate``)."""
     import dataclasses
-    from autopar.calibrate import calibrate_plan
+    from autopar.calibrate import calibrate_plans
     plan = reference_plan(profile_file, ranks)
-    cal = calibrate_plan(plan, REFERENCE_STEPS, 2, f"`{command}` (reference {plan.model}, dp {ranks}, "
-                                                   f"micro-batch {plan.micro_batch_size})", anchor=True)
+    (cal,) = calibrate_plans((plan,), REFERENCE_STEPS, 2, f"`{command}` (reference {plan.model}, dp {ranks}, "
+                                                          f"micro-batch {plan.micro_batch_size})", anchor=True)
     out = dataclasses.asdict(cal.profile)
     out["notes"]["source"] += "; then calibrated on a reference run (notes.calibrated)"
     return out

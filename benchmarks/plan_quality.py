@@ -28,8 +28,10 @@ measured (the oracle), plain DDP's and FSDP's over the oracle, and peak memory p
 against measured. Then the profile is refitted (``autopar.calibrate``) on ONE run, the first
 model's pick, and everything is re-predicted with it: the first model's rows are in-sample,
 the others out-of-sample; then each model again under the profile refitted on its own pick's
-run (one summary line each), as `autopar calibrate PLAN` is used. The calibrated planner's pick
-is measured too if it is new.
+run (one summary line each), as `autopar calibrate PLAN` is used, and under the profile refitted
+on its pick's, plain DDP's and plain FSDP's runs together (`autopar calibrate PICK DDP FSDP`:
+one plan the machine happened to run fast no longer sets the profile alone). The calibrated
+planner's pick is measured too if it is new.
 
 ``--save`` writes every measured run (plan, step times, rank summaries); ``--replay`` prices
 those same runs again under ``--profile`` without running anything (the plans measured are
@@ -59,7 +61,7 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from autopar.calibrate import PROFILED, dilation, measured, refit, stages  # noqa: E402
+from autopar.calibrate import PROFILED, dilation, measured, refit_runs, stages  # noqa: E402
 from autopar.plan import Mesh, Plan, plan_from_dict  # noqa: E402
 from autopar.profiles import profile_spec  # noqa: E402
 from autopar.runtime import RunResult, RunSpec, run_job  # noqa: E402
@@ -300,6 +302,12 @@ def main() -> None:
         own, fits = calibrated(case, hw)
         print(f"\n{case[0]}: {fits}")
         recalibrated(case, own, args, "", table=False)
+    print("\n== each model calibrated on its pick's, plain DDP's and plain FSDP's runs together "
+          "(`autopar calibrate PICK DDP FSDP`)")
+    for case in cases:
+        three, fits = calibrated(case, hw, baselines=True)
+        print(f"\n{case[0]}: {fits}")
+        recalibrated(case, three, args, "", table=False)
     if args.confirm:
         confirmed = [head_to_head(case, picked[case[0]], args.steps, args.confirm) for case in cases]
         if args.confirm_out:
@@ -349,12 +357,15 @@ def show_head_to_head(record: dict) -> None:
               f"fastest in {wins} of {n}")
 
 
-def calibrated(case: tuple, hw: HardwareProfile) -> tuple[HardwareProfile, str]:
-    """``hw`` refitted to the run of ``case``'s pick, and what moved."""
-    label, job, prof, plans, runs, pick, _, _ = case
-    i = [key(p) for p in plans].index(pick)
-    run = replace(measured(runs[i][2].step_times_s, WARMUP, runs[i][2].phases, stages(plans[i])), step_s=runs[i][0])
-    cal, fits = refit(plans[i], prof, hw, run)
+def calibrated(case: tuple, hw: HardwareProfile, baselines: bool = False) -> tuple[HardwareProfile, str]:
+    """``hw`` refitted to the run of ``case``'s pick (``baselines``: and of plain DDP and plain
+    FSDP, fitted together: ``autopar calibrate PICK DDP FSDP``), and what moved."""
+    label, job, prof, plans, runs, pick, ddp_key, fsdp_key = case
+    keys = [key(p) for p in plans]
+    chosen = sorted({keys.index(k) for k in ((pick, ddp_key, fsdp_key) if baselines else (pick,))})
+    cal, fits = refit_runs([(plans[i], prof, replace(measured(runs[i][2].step_times_s, WARMUP, runs[i][2].phases,
+                                                              stages(plans[i])), step_s=runs[i][0]))
+                            for i in chosen], hw)
     return cal, "; ".join(f"{f.name} {f.old:.3g} -> {f.new:.3g}" for f in fits)
 
 

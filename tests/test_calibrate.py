@@ -12,6 +12,7 @@ from typer.testing import CliRunner
 
 from autopar.calibrate import Measured, _gemm_tflops, refit
 from autopar.cli import app
+from autopar.errors import UserError
 from autopar.plan import Mesh, Plan
 from autopar.profiles import profile_spec
 from autopar.spec import parse_model_spec
@@ -98,6 +99,68 @@ def test_ranks_on_shared_cores_scale_the_peak_to_their_step(dp, pp):
     # a step no peak within STEP_SCALES explains keeps the peak and says so
     kept, fits = refit(plan, model, start, dataclasses.replace(run, step_s=est.step_time_s * 1e-3))
     assert kept.peak_tflops["fp32"] == peak and "kept" in fits[-1].why
+
+
+def test_several_runs_are_fitted_together_in_the_geometric_mean():
+    """``refit_runs`` fits one profile to several plans' runs: on shared cores the peak whose
+    predicted steps miss the measured ones by opposite factors (one plan ran 10 % slow, the
+    other 10 % fast) is the one that made them; a core per rank, the GEMM rate moves by the
+    geometric mean of the runs' rate ratios (1.2 and 1/1.2: not at all). One run's luck no
+    longer sets the profile alone."""
+    from autopar.calibrate import refit_runs
+
+    model = profile_spec(parse_model_spec(MODEL))
+    start = load_profile("cpu-local")
+    peak = start.peak_tflops["fp32"]
+    truth = dataclasses.replace(start, peak_tflops={"fp32": peak * 0.7}, optimizer_memory_efficiency=0.3)
+    runs = []
+    for plan, luck in ((_plan(2, 1), 1.1), (_plan(2, 2), 1 / 1.1)):
+        est = estimate(model, truth, plan.strategy(), global_batch=plan.global_batch)
+        runs.append((plan, model, Measured(step_s=est.step_time_s * luck, compute_s=est.time.compute_s,
+                                           optimizer_s=est.time.optimizer_s * luck,
+                                           gemm_tflops=_gemm_tflops(model, start, plan), peak_bytes=1.0)))
+    new, fits = refit_runs(runs, start)
+    assert [f.name for f in fits] == ["optimizer_memory_efficiency", "peak_tflops.fp32"] and "(2 runs)" in fits[-1].why
+    assert new.optimizer_memory_efficiency == pytest.approx(0.3, rel=1e-3)
+    assert new.peak_tflops["fp32"] == pytest.approx(peak * 0.7, rel=1e-3)
+    alone, _ = refit(*runs[0][:2], start, runs[0][2])  # the slow run alone prices every plan slow
+    assert alone.peak_tflops["fp32"] < 0.95 * new.peak_tflops["fp32"]
+    core = dataclasses.replace(start, ranks_per_core=1.0)
+    rated = [(plan, model, dataclasses.replace(run, gemm_tflops=_gemm_tflops(model, core, plan) * f))
+             for (plan, _, run), f in zip(runs, (1.2, 1 / 1.2))]
+    new, fits = refit_runs(rated, core)
+    assert fits[0].name == "matmul_efficiency" and fits[0].new == pytest.approx(core.matmul_efficiency, rel=1e-9)
+
+
+def test_calibrate_runs_every_plan_and_prices_each_under_one_profile():
+    """``calibrate_runs`` runs every plan, fits once, and reports each plan's phases before and
+    after under the one refitted profile; plans of different clusters are refused in one line."""
+    from autopar.calibrate import calibrate_plans, calibrate_runs
+
+    model = profile_spec(parse_model_spec(MODEL))
+    hw = load_profile("cpu-local")
+
+    def ranks(gemm: float) -> tuple[dict[str, float], ...]:
+        return tuple({"rank": i, "gemm": gemm, "attention": 0.0, "other": 0.01, "optimizer": 0.001,
+                      "comm": 0.0, "gemm_flops": 1e9, "peak_bytes": 1e6} for i in range(2))
+    calls = []
+
+    def run(step: float):
+        def fn():
+            calls.append(step)
+            return [step] * 10, ranks(0.05)
+        return fn
+    plans = (_plan(2, 1), _plan(1, 2))
+    cals = calibrate_runs([(plans[0], model, run(0.10)), (plans[1], model, run(0.30))], hw, 2, "test")
+    assert calls == [0.10, 0.30] and len(cals) == 2 and cals[0].profile is cals[1].profile
+    steps = [{p.name: p for p in c.phases}["step"] for c in cals]
+    assert [s.measured_s for s in steps] == [0.10, 0.30]
+    after = [estimate(model, cals[0].profile, p.strategy(), global_batch=p.global_batch).step_time_s for p in plans]
+    assert [s.after_s for s in steps] == pytest.approx(after, rel=1e-12)
+    assert "(2 runs)" in cals[0].profile.notes["calibrated"]
+    other = dataclasses.replace(plans[1], cluster="dgx-h100")
+    with pytest.raises(UserError, match="calibrate plans of one cluster together"):
+        calibrate_plans((plans[0], other), 10, 2, "test")
 
 
 @pytest.mark.parametrize("gpu", [True, False])
@@ -227,6 +290,11 @@ def test_calibrate_refuses_bad_input_in_one_line(tmp_path):
     assert res.exit_code == 2 and "--steps 6" in res.output
     res = runner.invoke(app, ["calibrate", str(tmp_path / "missing.json")])
     assert res.exit_code == 2
+    other = tmp_path / "other.json"
+    dataclasses.replace(_plan(), cluster="dgx-h100").save(other)
+    res = runner.invoke(app, ["calibrate", str(plan_file), str(other)])
+    assert res.exit_code == 2 and "calibrate plans of one cluster together" in res.output
+    assert len(res.output.strip().splitlines()) == 1
 
 
 def test_gpu_profile_counts_each_kernel_once_under_its_operator():
