@@ -1,5 +1,6 @@
-"""``autopar calibrate PLAN.json``: run a plan, see where its step time went, refit the
-cluster profile's efficiency constants to it, and write the refitted profile.
+"""``autopar calibrate PLAN.json [PLAN.json ...]``: run plans of one cluster, see where each
+step's time went, refit the cluster profile's efficiency constants to them all at once
+(``refit_runs``), and write the refitted profile.
 
 The run is profiled on every rank after warm-up (``runtime.phases``: each phase the median of
 the profiled steps). On CPU ranks, where the profiled steps ran more than ``DILATION_LIMIT``
