@@ -182,6 +182,42 @@ def load_sources(directory: Path = PUBLISHED_DIR) -> list[Source]:
     return [load_source(p) for p in sorted(Path(directory).glob("*.json"))]
 
 
+CONTRADICTION_TOL = 0.05
+"""How much faster per GPU a run may be than one it should be no faster than before the slower
+one counts as contradicted (``contradicted``): about three times the spread of a source's
+near-repeated configurations (llm-foundry's 13B on 8-64 H100 at micro-batch 2: 4,767-4,811
+tokens/s per GPU; its 125M at micro-batch 32 and 40: 1 %)."""
+
+
+def _no_faster(b: Row, a: Row) -> bool:
+    """Whether physics says ``b`` runs no faster per GPU than ``a``: the same model, device,
+    precision and layout but for data parallelism, with at least as many GPUs (no less
+    communication per GPU), sequences at least as long (no less attention per token), micro-
+    batches of no more tokens (no larger GEMMs) and no more of them per step (no more steps
+    over which the optimizer and the gradient reduction are amortised)."""
+    return (a.model.split(",seq=")[0] == b.model.split(",seq=")[0] and a.cluster == b.cluster
+            and (a.dtype, a.fp8, a.zero, a.tp, a.pp, a.cp, a.ep, a.vpp, a.sequence_parallel, a.recompute,
+                 a.recompute_layers, set(a.needs))
+            == (b.dtype, b.fp8, b.zero, b.tp, b.pp, b.cp, b.ep, b.vpp, b.sequence_parallel, b.recompute,
+                b.recompute_layers, set(b.needs))
+            and b.gpus >= a.gpus and b.seq_len >= a.seq_len and b.micro_batch * b.seq_len <= a.micro_batch * a.seq_len
+            and b.global_batch // (b.dp * b.micro_batch) <= a.global_batch // (a.dp * a.micro_batch))
+
+
+def contradicted(source: Source, tol: float = CONTRADICTION_TOL) -> dict[str, str]:
+    """The rows of ``source`` that its own other rows contradict, by id, each with the row that
+    does: a run of tokens/s per GPU more than ``tol`` below one that physics says it should be
+    no faster than (``_no_faster``). Model-free: read from the published values alone, so a
+    prediction that misses such a row may be right."""
+    rows = [r for r in source.rows if r.metric == "tokens_per_s_per_gpu"]
+    out = {}
+    for a in rows:
+        worst = max((b for b in rows if b is not a and _no_faster(b, a)), key=lambda b: b.value, default=None)
+        if worst is not None and worst.value > a.value * (1 + tol):
+            out[a.id] = f"{worst.id} ran {worst.value / a.value - 1:+.1%} per GPU"
+    return out
+
+
 if __name__ == "__main__":
     total = supported = 0
     for src in load_sources():

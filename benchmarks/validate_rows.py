@@ -32,7 +32,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from published_rows import Row as DataRow, Source, load_sources  # noqa: E402
+from published_rows import Row as DataRow, Source, contradicted, load_sources  # noqa: E402
 
 from autopar.errors import UserError  # noqa: E402
 from autopar.spec import parse_model_spec, with_seq  # noqa: E402
@@ -442,7 +442,9 @@ def by_table(sources: list[Source]) -> list[Source]:
     return out
 
 
-def _print(results: list[Result], title: str, rows: bool) -> None:
+def _print(results: list[Result], title: str, rows: bool, against: dict[tuple[str, str], str]) -> None:
+    """The results (``rows``: each row), per source and overall; ``against``: the rows their own
+    source contradicts (``published_rows.contradicted``), marked and summarised apart."""
     print(f"== {title}")
     if rows:
         for r in results:
@@ -450,10 +452,15 @@ def _print(results: list[Result], title: str, rows: bool) -> None:
                 print(f"  {r.source:<20} {r.row.id:<38} skipped: {r.why}")
             else:
                 flag = "" if r.fits else "  PREDICTED NOT TO FIT"
+                why = against.get((r.source, r.row.id))
                 print(f"  {r.source:<20} {r.row.id:<38} {r.row.value:>10.4g} {r.predicted:>10.4g} "
-                      f"{r.error:+7.1f} %{flag}")
+                      f"{r.error:+7.1f} %{flag}" + (f"  (contradicted: {why})" if why else ""))
     for name, (n, med, mx) in summary(results).items():
         print(f"  {name:<20} rows {n:>4}  median |error| {med:5.1f} %  max {mx:6.1f} %")
+    kept = [r for r in results if (r.source, r.row.id) not in against]
+    n, med, mx = summary(kept)["all"]
+    print(f"  {'all but contradicted':<20} rows {n:>4}  median |error| {med:5.1f} %  max {mx:6.1f} %  "
+          f"({len(results) - len(kept)} rows their own source contradicts, marked in --rows)")
     nofit = [r for r in priced(results) if not r.fits]
     print(f"  predicted not to fit although they ran: {len(nofit)}")
 
@@ -477,14 +484,15 @@ def main() -> None:
     if args.fit:
         for family, names in FAMILIES.items():
             print(f"{family}: " + ", ".join(f"{k}={v:g}" for k, v in constants(hws[names[0]]).items()))
+    against = {(src.source, rid): why for src in sources for rid, why in contradicted(src).items()}
     _print(evaluate(sources, hws, models), "in-sample (shipped constants)" if not args.fit
-           else "in-sample (refitted)", args.rows)
+           else "in-sample (refitted)", args.rows, against)
     if args.loso:
         held = [s for s in sources if any(not skip_reason(s, r) for r in s.rows)]
         if args.by_table:
             held = by_table(held)
         results = [dataclasses.replace(r, source=r.source.split("|")[0]) for r in loso(held, models)]
-        _print(results, "leave-one-table-out" if args.by_table else "leave-one-source-out", args.rows)
+        _print(results, "leave-one-table-out" if args.by_table else "leave-one-source-out", args.rows, against)
 
 
 if __name__ == "__main__":

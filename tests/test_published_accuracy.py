@@ -65,6 +65,29 @@ def test_worst_row_within_15_percent(in_sample):
     assert abs(worst.error) <= 15.0, f"{worst.source} {worst.row.id}: {worst.error:+.1f} %"
 
 
+def test_rows_their_own_source_contradicts_are_named_from_the_published_values_alone():
+    """``published_rows.contradicted``: a run more than 5 % slower per GPU than one of its own
+    source that physics says is no faster (as many GPUs or more, sequences as long or longer, no
+    larger micro-batches, no more of them) is named, whatever any prediction says; the rule
+    reads nothing but the published values. Four llm-foundry rows are, all four among the
+    worst priced (above); a run faster on fewer GPUs, or faster by the tolerance only, is not."""
+    import dataclasses
+
+    from published_rows import contradicted
+
+    named = {(src.source, rid) for src in SOURCES for rid in contradicted(src)}
+    assert named == {("llmfoundry", "760m-s2048-g8-h100-bf16-mb24"), ("llmfoundry", "760m-s1024-g8-a100-bf16-mb48"),
+                     ("llmfoundry", "760m-s512-g8-a100-bf16-mb96"), ("llmfoundry", "1b-s2048-g32-a100-bf16-mb10")}
+    src = next(s for s in SOURCES if s.source == "llmfoundry")
+    a = next(r for r in src.rows if r.id == "13b-s2048-g8-h100-bf16-mb2")
+    wide = dataclasses.replace(a, id="wide", gpus=16, dp=16, global_batch=a.global_batch * 2)
+    for value, flagged in ((a.value * 1.06, True), (a.value * 1.04, False)):
+        alone = dataclasses.replace(src, rows=(a, dataclasses.replace(wide, value=value)))
+        assert ("13b-s2048-g8-h100-bf16-mb2" in contradicted(alone)) is flagged
+    # the run on fewer GPUs being the faster one is what physics expects
+    assert contradicted(dataclasses.replace(src, rows=(a, dataclasses.replace(wide, value=a.value * 0.8)))) == {}
+
+
 @pytest.fixture(scope="module")
 def memory():
     import published_memory
