@@ -431,6 +431,15 @@ def runtime_unsupported(*, dp: int, pp: int, zero: int, schedule: str, virtual_s
         return "the zero-bubble schedule does not compose with ZeRO-3 in torch 2.13; use --zero 2 or another schedule"
     if offload and (zero == 0 or dp == 1):
         return "CPU offload runs with FSDP2's CPUOffloadPolicy, which needs ZeRO >= 1 over dp > 1; use --zero 1..3"
+    if schedule not in rec.schedules:
+        return (f"the {rec.name} recipe's program has no {schedule} schedule; use --schedule "
+                f"{' or '.join(rec.schedules)}")
+    stages = rec.pipeline_zero_stages if pp > 1 else rec.zero_stages
+    if dp > 1 and zero not in stages:
+        return (f"the {rec.name} recipe's program runs ZeRO {', '.join(map(str, stages))}"
+                f"{' under a pipeline' if pp > 1 else ''}, not {zero}; use --zero {stages[-1]}")
+    if sequence_parallel and not rec.sequence_parallel:
+        return f"the {rec.name} recipe's program has no sequence parallelism; use --no-sp"
     return None
 
 

@@ -12,6 +12,7 @@ from autopar.limits import MAX_GLOBAL_BATCH, MAX_GPUS, check_count, check_second
 from autopar.plan import DTYPES, Mesh, Plan
 from autopar.solve import Pins, Solution, search
 from autopar.solve.infeasible import op_refusal, op_unpriced
+from autopar.solve.space import recipe_refusal
 from autopar.spec import ModelSpec, parse_model_spec, with_seq
 from autopar.layout import Anatomy
 from autopar.profiles import profile_and_layout, profile_spec, shaped_spec
@@ -198,6 +199,9 @@ def make_plan(job: Job, pins: Pins = Pins(), time_limit_s: float = 60.0,
     if job.recipe.name == DEFAULT_RECIPE and not job.spec.builtin:
         refused += ("cp",)  # autopar's context parallelism replaces the built-in models' attention only
     pins = replace(pins, recipe=job.recipe, refused=refused)
+    refusal = recipe_refusal(pins)
+    if refusal:
+        raise UserError(refusal)
     sol = search(profile, job.hw, job.gpus, job.global_batch, job.dtype, pins, time_limit_s)
     return plan_from_strategy(job, sol.strategy, sol.estimate, verified, layout, profile.lead_layers), sol
 

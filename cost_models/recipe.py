@@ -23,6 +23,12 @@ from typing import get_type_hints
 
 RECIPE_DIR = Path(__file__).resolve().parent / "recipes"
 DEFAULT_RECIPE = "autopar"
+SCHEDULES = ("gpipe", "1f1b", "interleaved", "zero-bubble")
+"""The pipeline schedules a plan names (``cost_models.pipeline``)."""
+RECOMPUTE_MODES = ("none", "selective", "full", "op")
+"""The recompute modes, in ``cost_models.strategy.RECOMPUTE``'s order."""
+MESH_AXIS_NAMES = ("pp", "dp", "cp", "tp")
+"""The device-mesh axes an axis order lists (``cost_models.axes.MESH_AXES``)."""
 
 
 class RecipeError(ValueError):
@@ -266,6 +272,23 @@ class ExecutionRecipe:
     kernels_per_block: int = 0
     """Kernels one transformer block's forward launches (backward about twice as many); with
     the profile's ``kernel_dispatch_us``, a pass can be no faster than its host dispatch."""
+    schedules: tuple[str, ...] = SCHEDULES
+    """The pipeline schedules this program runs (``SCHEDULES``; interleaved with 2 or more
+    virtual stages per rank): the search plans no other (``autopar.plan.runtime_unsupported``)."""
+    zero_stages: tuple[int, ...] = (0, 1, 2, 3)
+    """The ZeRO stages this program runs without a pipeline."""
+    pipeline_zero_stages: tuple[int, ...] = (0, 1, 2, 3)
+    """The ZeRO stages this program runs with pp > 1 (DeepSpeed's pipeline engine: 0 and 1)."""
+    sequence_parallel: bool = True
+    """Whether this program has sequence parallelism beside tensor parallelism."""
+    recompute_modes: tuple[str, ...] = RECOMPUTE_MODES
+    """The recompute modes this program has (``RECOMPUTE_MODES``, ``cost_models.strategy.RECOMPUTE``)."""
+    uniform_recompute: bool = False
+    """The program recomputes every block in one mode (torchtitan's one activation-checkpointing
+    policy, DeepSpeed's all-or-none); False: blocks may mix modes (autopar's runtime)."""
+    axis_orders: tuple[str, ...] = ()
+    """The mesh orders this program lays out, each the mesh axes outermost first, comma-separated
+    (``pp,dp,cp,tp``); empty: any."""
     notes: dict[str, str] = field(default_factory=dict, compare=False, hash=False)
     """Where each switch comes from (framework source, documentation)."""
 
@@ -279,6 +302,30 @@ class ExecutionRecipe:
             raise RecipeError(f"recipe {self.name!r}: elementwise_traffic must be positive")
         if self.kernels_per_block < 0:
             raise RecipeError(f"recipe {self.name!r}: kernels_per_block must be >= 0")
+        for key, allowed in (("schedules", SCHEDULES), ("zero_stages", (0, 1, 2, 3)),
+                             ("pipeline_zero_stages", (0, 1, 2, 3)), ("recompute_modes", RECOMPUTE_MODES)):
+            value = getattr(self, key)
+            if not value or len(set(value)) != len(value) or not set(value) <= set(allowed):
+                raise RecipeError(f"recipe {self.name!r}: {key} must list distinct values of "
+                                  f"{', '.join(map(str, allowed))}, got {_shown(list(value))}")
+        if "1f1b" not in self.schedules or "none" not in self.recompute_modes:
+            raise RecipeError(f"recipe {self.name!r}: schedules must have 1f1b and recompute_modes none "
+                              "(every program runs one stage and no recompute)")
+        if self.axis_orders and ",".join(MESH_AXIS_NAMES) not in self.axis_orders:
+            raise RecipeError(f"recipe {self.name!r}: axis_orders must have {','.join(MESH_AXIS_NAMES)}, the order "
+                              "every candidate is first laid out in")
+        for order in self.axis_orders:
+            if sorted(order.split(",")) != sorted(MESH_AXIS_NAMES):
+                raise RecipeError(f"recipe {self.name!r}: each of axis_orders lists {', '.join(MESH_AXIS_NAMES)} "
+                                  f"once, comma-separated, outermost first; got {_shown(order)}")
+
+    def runs_order(self, order: tuple[str, ...], active: frozenset[str]) -> bool:
+        """Whether this program lays its mesh out in ``order`` (axis names outermost first), read
+        on the ``active`` axes (degree > 1) alone: where the others sit changes no group."""
+        if not self.axis_orders:
+            return True
+        mine = tuple(a for a in order if a in active)
+        return any(tuple(a for a in allowed.split(",") if a in active) == mine for allowed in self.axis_orders)
 
 
 _BOUNDS = {"moe_load_imbalance": (1.0, 64.0), "fp8_cast_bytes": (0.5, 64.0), "logits_bytes": (0.5, 64.0),
@@ -341,9 +388,15 @@ def recipe_from_dict(data: object, where: str) -> ExecutionRecipe:
                                   f"got {_shown(value)}")
         elif key == "notes" and (not isinstance(value, dict) or not all(isinstance(v, str) for v in value.values())):
             raise RecipeError(f"recipe {where} is malformed: notes must map names to strings")
+        elif kind in (tuple[str, ...], tuple[int, ...]):
+            item = str if kind == tuple[str, ...] else int
+            if not isinstance(value, list) or not all(isinstance(v, item) and not isinstance(v, bool) for v in value):
+                raise RecipeError(f"recipe {where} is malformed: {key} must be a list of "
+                                  f"{'strings' if item is str else 'integers'}, got {_shown(value)}")
     try:
         kw = dict(data)
         kw.update({k: hints[k](v) for k, v in kw.items() if hints[k] in ENUMS})
+        kw.update({k: tuple(v) for k, v in kw.items() if hints[k] in (tuple[str, ...], tuple[int, ...])})
         kw = {k: float(v) if hints[k] in (float, float | None) and v is not None else v for k, v in kw.items()}
         recipe = ExecutionRecipe(**kw)
     except (TypeError, ValueError) as exc:

@@ -502,3 +502,43 @@ def test_an_hf_mixtral_exports_to_megatron_as_itself(pricer):
     assert not result.gaps  # Mixtral's block is Megatron's Llama-style block with routed experts
     assert "--num-experts 4" in result.content and "--swiglu" in result.content
     assert "--expert-model-parallel-size 4" in result.content
+
+
+FRAMEWORK_RECIPES = [("torchtitan", "torchtitan"), ("torchtitan-asynctp", "torchtitan"),
+                     ("megatron-core", "megatron"), ("megatron-core-te", "megatron"), ("megatron-2021", "megatron"),
+                     ("deepspeed", "deepspeed")]
+PLANNED_JOBS = [("llama3-8b", 8, 16, 8192), ("llama3-70b", 64, 512, 8192), ("llama3-70b", 256, 1024, 4096),
+                ("llama:layers=6,hidden=512,heads=8,kv_heads=2,ffn=1536,vocab=4096,seq=2048", 16, 64, 2048)]
+
+
+@pytest.mark.parametrize("recipe,target", FRAMEWORK_RECIPES)
+def test_a_plan_under_a_frameworks_recipe_exports_to_it_without_a_layout_gap(pricer, recipe, target):
+    """Under a framework's recipe the planner searches only what that framework's program runs
+    (``ExecutionRecipe.schedules``, ``zero_stages``, ``sequence_parallel``, ``recompute_modes``
+    with ``uniform_recompute``, ``axis_orders``), so the plan exports to it as planned: no
+    setting replaced by a nearest one, whatever the job. DeepSpeed's uniform partition of the
+    blocks over its stages is the one layout the search does not constrain."""
+    from autopar.workflow import make_plan, read_job
+
+    gaps = []
+    for model, gpus, batch, seq in PLANNED_JOBS:
+        job = read_job(model, "dgx-h100", gpus, batch, seq, "bf16", recipe)
+        planned, _ = make_plan(job, verify=False)
+        out = export_plan(planned, target, pricer=pricer)
+        gaps += [f"{model} on {gpus}: {g.setting}={g.planned}" for g in out.gaps
+                 if g.setting != "model" and not (target == "deepspeed" and g.setting == "stage_layers")]
+    assert gaps == []
+
+
+def test_pins_a_frameworks_program_cannot_run_are_refused_in_one_line():
+    """A pinned setting the recipe's program does not have is refused before the search, in
+    one line naming what it has."""
+    job = ["plan", "--model", "llama3-8b", "--cluster", "dgx-h100", "--gpus", "8", "--global-batch", "16"]
+    for recipe, pin, fragment in (("megatron-core", ["--schedule", "gpipe"], "runs 1f1b or interleaved"),
+                                  ("torchtitan", ["--recompute", "selective"], "recomputes none or full or op"),
+                                  ("torchtitan", ["--zero", "1"], "runs ZeRO 0, 2, 3"),
+                                  ("deepspeed", ["--tp", "2", "--sp"], "no sequence parallelism"),
+                                  ("megatron-core", ["--axis-order", "tp,dp,pp"], "lays its mesh out as")):
+        res = CliRunner().invoke(app, [*job, "--recipe", recipe, *pin])
+        assert res.exit_code == 2 and fragment in res.output, (recipe, pin, res.output)
+        assert len(res.output.strip().splitlines()) == 1

@@ -100,8 +100,9 @@ def explain(model: ModelProfile, hw: HardwareProfile, gpus: int, global_batch: i
     dims = []
     for field, pin in DIMENSIONS:
         values = sorted({_get(s, field) for s in space}, key=lambda v: (str(type(v)), v))
-        if field == "recompute":
-            values = ["none", "selective", "op", "full"] if model.op_priced else ["none", "selective", "full"]
+        if field == "recompute":  # the modes the recipe's program has
+            values = [m for m in (("none", "selective", "op", "full") if model.op_priced else ("none", "selective", "full"))
+                      if m in plan.recipe.recompute_modes]
         chosen = _value(plan, field)
         out = []
         for value in _neighbours(values, chosen):

@@ -14,7 +14,7 @@ from autopar.solve.core import solve_placement, stage_upper_bounds
 from autopar.solve.exact import least_step
 from autopar.solve.infeasible import does_not_fit, no_candidate_reason
 from autopar.solve.space import (Block, Candidate, Family, Pins, axis_orders, block_families,
-                                family_signature, outer_blocks, outer_candidates)
+                                family_signature, outer_blocks, outer_candidates, recompute_modes)
 from autopar.solve.tables import (StageTables, bottleneck, greedy, least_total,
                                   single_mode_least_step, stage_tables)
 from cost_models import Degrees, HardwareProfile, ModelProfile, StageCosts, Strategy, estimate, stage_costs
@@ -120,8 +120,7 @@ def _ordered(model: ModelProfile, hw: HardwareProfile, gpus: int, global_batch: 
     When its bound comes up a block is made into families (``_expand_block``), each bounded by
     ``floor_bound``; when that comes up a family is checked for memory and bounded
     (``bound_family``), and when that bound comes up, opened (``_open``)."""
-    modes = tuple(range(len(RECOMPUTE))) if pins.recompute is None \
-        else (RECOMPUTE.index(pins.recompute),)
+    modes = recompute_modes(pins)
     space = SearchMemo(cache={}, free_cache={}, fits={}, twins={}, free={}, orders_of={}, free_hw={},
                    modes=modes, cap=cap, memo={}, pins=pins, dtype=dtype)
     recipe = pins.recipe or load_recipe()
@@ -137,7 +136,7 @@ def _ordered(model: ModelProfile, hw: HardwareProfile, gpus: int, global_batch: 
         mesh, others = block.mesh, ()
         if pins.axis_order is None:
             if mesh not in space.orders_of:
-                space.orders_of[mesh] = tuple(axis_orders(hw, mesh)[1:])
+                space.orders_of[mesh] = tuple(axis_orders(hw, mesh, replace(Pins(), recipe=recipe))[1:])
             others = space.orders_of[mesh]
         sig = family_signature(block)
         if sig not in counts:

@@ -127,17 +127,49 @@ def _schedules(pins: Pins, pp: int, m: int, layers: int) -> Iterator[tuple[str, 
         yield sched, v
 
 
+def recompute_modes(pins: Pins) -> tuple[int, ...]:
+    """The recompute modes (``RECOMPUTE`` indices) the blocks may take: the pinned one, else
+    those the recipe's program has (``ExecutionRecipe.recompute_modes``)."""
+    recipe = pins.recipe or load_recipe()
+    if pins.recompute is not None:
+        return (RECOMPUTE.index(pins.recompute),) if pins.recompute in recipe.recompute_modes else ()
+    return tuple(i for i, mode in enumerate(RECOMPUTE) if mode in recipe.recompute_modes)
+
+
+def recipe_refusal(pins: Pins) -> str | None:
+    """Why the recipe's program cannot run what ``pins`` fix, in one line naming the fix, or None
+    (what it runs: ``ExecutionRecipe.schedules``, ``zero_stages``, ``sequence_parallel``,
+    ``recompute_modes``, ``axis_orders``)."""
+    r = pins.recipe or load_recipe()
+    if pins.recompute is not None and pins.recompute not in r.recompute_modes:
+        return (f"--recompute {pins.recompute}: the {r.name} recipe's program recomputes "
+                f"{' or '.join(r.recompute_modes)}; use one of them")
+    if pins.schedule is not None and pins.schedule not in r.schedules:
+        return f"--schedule {pins.schedule}: the {r.name} recipe's program runs {' or '.join(r.schedules)}; use one of them"
+    zeros = sorted(set(r.zero_stages) | set(r.pipeline_zero_stages))
+    if pins.zero is not None and pins.zero not in zeros:
+        return f"--zero {pins.zero}: the {r.name} recipe's program runs ZeRO {', '.join(map(str, zeros))}; use one of them"
+    if pins.sequence_parallel and not r.sequence_parallel:
+        return f"--sp: the {r.name} recipe's program has no sequence parallelism; use --no-sp"
+    if pins.axis_order is not None:
+        named = tuple(str(a) for a in pins.axis_order)
+        if not r.runs_order(named, frozenset(named)):
+            return (f"--axis-order {','.join(named)}: the {r.name} recipe's program lays its mesh out as "
+                    f"{' or '.join(r.axis_orders)} (outermost first); use one of them")
+    return None
+
+
 def _mode_sets(pins: Pins, schedule: str) -> Iterator[tuple[str, tuple[int, ...]]]:
     """(nominal mode, modes the blocks may mix). Zero-bubble's fill fraction depends on the
     recompute mode (``cost_models.pipeline``), so it is planned with one mode on every block
-    (not full: ``block_families``)."""
-    if pins.recompute is not None:
-        yield pins.recompute, (RECOMPUTE.index(pins.recompute),)
-    elif schedule == "zero-bubble":
-        for i, mode in enumerate(RECOMPUTE):
-            yield mode, (i,)
-    else:
-        yield "none", tuple(range(len(RECOMPUTE)))
+    (not full: ``block_families``), as is every plan of a program with one policy for all
+    blocks (``ExecutionRecipe.uniform_recompute``)."""
+    modes = recompute_modes(pins)
+    if pins.recompute is not None or schedule == "zero-bubble" or (pins.recipe or load_recipe()).uniform_recompute:
+        for i in modes:
+            yield RECOMPUTE[i], (i,)
+    elif modes:
+        yield "none", modes
 
 
 def _lead_modes(model: ModelProfile, modes: tuple[int, ...]) -> tuple[str, ...]:
@@ -155,12 +187,20 @@ def _no_better(a: Group, b: Group) -> bool:
         and a.latency_s >= b.latency_s and a.call_s >= b.call_s
 
 
+def runs_order(recipe: ExecutionRecipe, order: tuple[Axis, ...], degrees: Degrees) -> bool:
+    """Whether ``recipe``'s program lays the mesh of ``degrees`` out in ``order``
+    (``ExecutionRecipe.runs_order``, on the axes of degree > 1)."""
+    return recipe.runs_order(tuple(str(a) for a in order), frozenset(str(a) for a in degrees.active()))
+
+
 def axis_orders(hw: HardwareProfile, degrees: Degrees,
                 pins: Pins = Pins()) -> list[tuple[Axis, ...]]:
     """The axis orders worth costing for these degrees, Megatron's first: an order is dropped
-    when an order kept earlier has every group of degree > 1 at least as fast (see module)."""
+    when an order kept earlier has every group of degree > 1 at least as fast (see module), or
+    when the recipe's program does not lay its mesh out so (``runs_order``)."""
     if pins.axis_order is not None:
         return [tuple(pins.axis_order)]
+    recipe = pins.recipe or load_recipe()
     kept: list[tuple[tuple[Axis, ...], dict]] = []
     default = degrees.default_order()
     perms = [default] + [o for o in itertools.permutations(default) if o != default]
@@ -175,7 +215,7 @@ def axis_orders(hw: HardwareProfile, degrees: Degrees,
         if any(all(_no_better(groups[ax], other[ax]) for ax in groups) for _, other in kept):
             continue
         kept.append((order, groups))
-    return [order for order, _ in kept]
+    return [order for i, (order, _) in enumerate(kept) if i == 0 or runs_order(recipe, order, degrees)]
 
 
 def order_free_hardware(hw: HardwareProfile, degrees: Degrees) -> tuple[HardwareProfile, tuple[Axis, ...]]:
@@ -324,6 +364,8 @@ def block_families(model: ModelProfile, hw: HardwareProfile, block: Block, dtype
     recipe = pins.recipe or load_recipe()
     refused = set(pins.refused)
     order = tuple(pins.axis_order or DEFAULT_ORDER)
+    if not runs_order(recipe, order, block.mesh):
+        return  # a mesh order the recipe's program does not lay out
     offloads = _offloads(pins, hw)
     memo = {} if memo is None else memo
     mesh, b, m = block.mesh, block.micro_batch, block.num_microbatches
@@ -353,7 +395,7 @@ def block_families(model: ModelProfile, hw: HardwareProfile, block: Block, dtype
                              if not (off and refuses(dp * cp, pp, zero, sched, v, cp, offload=True)))
                     for v in chunk_counts}
             for sp in _choices(pins.sequence_parallel, [False, True] if tp > 1 else [False]):
-                if sp and (tp == 1 or "sp" in refused):
+                if sp and (tp == 1 or "sp" in refused or not recipe.sequence_parallel):
                     continue  # SP splits what TP replicates: nothing at tp = 1
                 vs = [v for v in chunk_counts if not ((ep > 1 or model.moe) and refuses(
                     dp * cp, pp, zero, sched, v, cp, ep=ep, moe=model.moe, sp=sp))]
