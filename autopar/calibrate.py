@@ -256,7 +256,7 @@ def refit_runs(runs: Sequence[Run], hw: HardwareProfile,
     shared = hw.ranks_per_core > 1 and (any(plan.mesh.pp > 1 for plan, _, _ in runs) or not anchor)
     if not shared:
         rates = [(run.gemm_tflops, _gemm_tflops(model, hw, plan)) for plan, model, run in runs]
-        ratio = math.exp(-_log_error([(p, m) for m, p in rates]) / len(rates))
+        ratio = math.exp(statistics.mean(math.log(m / p) for m, p in rates))  # geometric mean of measured / predicted
         new = max(LOW, hw.matmul_efficiency * ratio)
         why = (f"GEMMs ran at {', '.join(f'{m * 1e3:.3g}' for m, _ in rates)} GFLOP/s, {ratio:.3g}x the rate "
                "predicted" + (" (geometric mean)" if len(rates) > 1 else ""))

@@ -136,7 +136,7 @@ def _ordered(model: ModelProfile, hw: HardwareProfile, gpus: int, global_batch: 
         mesh, others = block.mesh, ()
         if pins.axis_order is None:
             if mesh not in space.orders_of:
-                space.orders_of[mesh] = tuple(axis_orders(hw, mesh, replace(Pins(), recipe=recipe))[1:])
+                space.orders_of[mesh] = tuple(axis_orders(hw, mesh, Pins(recipe=recipe))[1:])
             others = space.orders_of[mesh]
         sig = family_signature(block)
         if sig not in counts:
