@@ -400,10 +400,12 @@ def calibrate_plans(plans: Sequence[Plan], steps: int, warmup: int, source: str,
     if steps < warmup + 1 + PROFILED:
         raise UserError(f"--steps {steps} leaves no step to time after {warmup} warm-up steps and before the "
                         f"{PROFILED} profiled ones; use --steps {warmup + 1 + PROFILED} or more")
-    clusters = sorted({plan.cluster for plan in plans})
+    clusters, dtypes = sorted({plan.cluster for plan in plans}), sorted({plan.dtype for plan in plans})
     if len(clusters) > 1:
         raise UserError(f"the plans name {len(clusters)} clusters ({', '.join(clusters)}); calibrate plans of one "
                         "cluster together")
+    if len(dtypes) > 1:  # before any run (``refit_runs`` refuses them too)
+        raise UserError(f"the plans train in {', '.join(dtypes)}: calibrate plans of one dtype together")
     from autopar.profiles import profile_spec
     from autopar.runtime import RunSpec, run_job
     from autopar.workflow import read_job

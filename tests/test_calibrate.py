@@ -161,6 +161,8 @@ def test_calibrate_runs_every_plan_and_prices_each_under_one_profile():
     other = dataclasses.replace(plans[1], cluster="dgx-h100")
     with pytest.raises(UserError, match="calibrate plans of one cluster together"):
         calibrate_plans((plans[0], other), 10, 2, "test")
+    with pytest.raises(UserError, match="calibrate plans of one dtype together"):  # before running either
+        calibrate_plans((plans[0], dataclasses.replace(plans[1], dtype="bf16")), 10, 2, "test")
 
 
 @pytest.mark.parametrize("gpu", [True, False])
