@@ -201,6 +201,32 @@ class StageCosts:
             m += self.backward_start_bytes
         return m - sum(self.forward_first_savings(s, ()))
 
+    def memory_rows(self, modes: tuple[int, ...]) -> list[tuple[float, tuple[float, ...]]]:
+        """Per stage s, (``stage_fixed_bytes(s)``, ``block_bytes(s, r)`` for r in ``modes``),
+        in one pass: the solver's hot path. Equal to those methods to the bit (the same sums
+        in the same order)."""
+        if self.grads_absent:
+            return [(self.stage_fixed_bytes(s), tuple(self.block_bytes(s, r) for r in modes))
+                    for s in range(self.pp)]
+        last, static, acts = self.pp - 1, self.layer_static_bytes, [self.mode_act_bytes[r] for r in modes]
+        first_extra = self.first_static_bytes + self.inflight[0] * self.first_act_bytes + self.first_workspace_bytes
+        last_extra = self.last_static_bytes + self.last_live_bytes()
+        freed = [min(a, self.layer_grad_bytes) for a in acts]  # a forward-first stage's, per block
+        rows = []
+        for s, k in enumerate(self.inflight):
+            m = self.buffer_bytes + (self.held_bytes[s] if self.held_bytes else 0.0)
+            if s == 0:
+                m += first_extra
+            m += last_extra if s == last else self.backward_start_bytes
+            w = self.pending[s] * self.layer_wgrad_bytes if self.pending else None
+            per = tuple(static + k * a for a in acts) if w is None else tuple(static + (k * a + w) for a in acts)
+            if self.forward_first and self.forward_first[s]:
+                if s in (0, last):  # the embedding's and head's savings (none from no blocks)
+                    m -= sum(self.forward_first_savings(s, ()))
+                per = tuple(b - f for b, f in zip(per, freed))
+            rows.append((m, per))
+        return rows
+
     def forward_first_savings(self, s: int, counts: tuple[int, ...]) -> tuple[float, float]:
         """(activations freed, gradients not yet made) at stage s's peak (``forward_first``) by
         its pieces: ``counts`` blocks per mode (``()``: none) and the embedding's and head's."""

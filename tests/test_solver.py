@@ -152,8 +152,8 @@ def test_cp_sat_with_table_cuts_is_optimal_without_the_greedy_shortcut(monkeypat
 def test_roomy_stages_are_placed_in_their_fastest_mode_without_cp_sat(monkeypatch):
     """96 blocks over 4 stages with room for 41 a stage without recompute and 96 with full:
     memory cuts off only loads no optimum wants, so the fastest mode alone places the
-    candidate (``search._alone``), proven optimal without CP-SAT, at the step CP-SAT proves
-    when that shortcut is off."""
+    candidate (``search._alone``), proven optimal without CP-SAT, at the step the exact scan
+    and CP-SAT prove when that shortcut is off."""
     import importlib
     from autopar.profiles import profile_spec
     from autopar.workflow import read_job
@@ -169,9 +169,13 @@ def test_roomy_stages_are_placed_in_their_fastest_mode_without_cp_sat(monkeypatc
     assert set(alone.strategy.stage_layers) == {24}  # balance alone: all in one mode
     assert {i for c in alone.strategy.stage_recompute for i, n in enumerate(c) if n} == {0}
     monkeypatch.setattr(searching, "_alone", lambda *a, **k: None)
+    scanned = search(model, job.hw, 1024, 1024, "bf16", pins)  # the exact scan places it
+    assert scanned.optimal and not solves
+    monkeypatch.setattr(searching, "least_step", lambda *a, **k: None)  # the scan gives up
     proven = search(model, job.hw, 1024, 1024, "bf16", pins)
     assert solves and proven.optimal
-    assert alone.estimate.step_time_s == pytest.approx(proven.estimate.step_time_s, rel=1e-12)
+    for other in (scanned, proven):
+        assert alone.estimate.step_time_s == pytest.approx(other.estimate.step_time_s, rel=1e-12)
 
 
 def test_time_limit_of_zero_still_returns_a_plan_with_an_honest_gap():
@@ -724,3 +728,32 @@ def test_zero_bubble_is_not_planned_with_full_recompute():
     with pytest.raises(UserError) as err:
         search(model, hw, 8, 16, "bf16", Pins(pp=2, schedule="zero-bubble", recompute="full"))
     assert str(err.value) == ZB_FULL
+
+
+def test_memory_rows_are_the_stage_methods_to_the_bit():
+    """``StageCosts.memory_rows`` (the solver's one-pass memory rows) equals
+    ``stage_fixed_bytes`` and ``block_bytes`` exactly, for every schedule the candidates of
+    random instances have (1F1B, interleaved, GPipe, zero-bubble: pending passes, forward-first
+    stages, gradient-free peaks)."""
+    rng = random.Random(11)
+    seen = {"pending": 0, "forward_first": 0, "grads_absent": 0}
+    for _ in range(25):
+        model, hw, gpus, batch = random_instance(rng)
+        for cand in outer_candidates(model, hw, gpus, batch, "bf16"):
+            c = stage_costs(model, hw, cand.strategy)
+            for key in seen:
+                seen[key] += bool(getattr(c, key))
+            for modes in (cand.modes, (0, 1, 2, 3)):
+                assert c.memory_rows(modes) == [
+                    (c.stage_fixed_bytes(s), tuple(c.block_bytes(s, r) for r in modes)) for s in range(c.pp)]
+    assert min(seen.values()) > 0, seen
+
+
+def test_the_exact_scan_enumerates_only_the_mixes_a_stage_can_hold():
+    """A stage's mixes are the C(u + k, k) count vectors summing to at most u, in the order the
+    (u + 1)^k grid lists them, so ``MIXES`` counts what the scan builds."""
+    import numpy as np
+    from autopar.solve.exact import _mixes
+    for u, k in ((0, 1), (7, 1), (3, 2), (5, 3), (12, 4)):
+        grid = np.indices((u + 1,) * k).reshape(k, -1).T
+        assert np.array_equal(_mixes(u, k), grid[grid.sum(axis=1) <= u])

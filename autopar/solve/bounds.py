@@ -20,16 +20,16 @@ from cost_models.pipeline import chunks, weights
 from cost_models.strategy import RECOMPUTE
 
 
-def _stage_segments(c: StageCosts, s: int, modes: tuple[int, ...], cap: float,
+def _stage_segments(room: float, per: tuple[float, ...], times: tuple[float, ...],
                     upper: int) -> list[tuple[float, float]]:
-    """(slope, blocks) pieces of g_s(N), the least T_s block time of N blocks on stage s in
-    the LP relaxation of its memory row (workspace dropped, counts fractional): the lower
-    convex envelope of the rays from the origin to "stage full in mode r", cut at ``upper``."""
-    room = cap - c.stage_fixed_bytes(s)
+    """(slope, blocks) pieces of g_s(N), the least T_s block time of N blocks on a stage with
+    ``room`` bytes beyond its fixed ones, ``per`` bytes and ``times`` seconds a block in each
+    mode, in the LP relaxation of its memory row (workspace dropped, counts fractional): the
+    lower convex envelope of the rays from the origin to "stage full in mode r", cut at
+    ``upper``."""
     if room <= 0 or upper <= 0:
         return []
-    fills = {r: room / c.block_bytes(s, r) for r in modes}
-    pts = sorted({(fills[r], fills[r] * c.mode_time_s[r]) for r in modes})
+    pts = sorted({(room / b, room / b * t) for b, t in zip(per, times)})
     hull = [(0.0, 0.0)]
     for x, y in pts:  # lower hull, x increasing; a point with a lower y further right dominates
         while hull and hull[-1][1] >= y:
@@ -94,10 +94,11 @@ def block_units(c: StageCosts, layers: int, modes: tuple[int, ...], cap: float =
         return layers * min(c.mode_time_s[r] for r in modes)
     upper = upper or [layers] * c.pp
     segs, seen = [], {}
-    for s in range(c.pp):  # stages alike in memory (k_s, fixed bytes, bound) share pieces
-        key = (c.memory_key(s), upper[s])
+    times = tuple(c.mode_time_s[r] for r in modes)
+    for (fixed, per), u in zip(c.memory_rows(modes), upper):  # stages alike in memory share pieces
+        key = (fixed, per, u)
         if key not in seen:
-            seen[key] = _stage_segments(c, s, modes, cap, upper[s])
+            seen[key] = _stage_segments(cap - fixed, per, times, u)
         segs.extend(seen[key])
     segs.sort()
     blocks, left = 0.0, float(layers)

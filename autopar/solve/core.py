@@ -40,16 +40,24 @@ def stage_upper_bounds(c: StageCosts, layers: int, cap: float, modes: tuple[int,
     is linear in the counts, and a stage mixing modes holds no more than one of its modes
     alone), and within the host-memory row of offloaded state (``StageCosts.host_upper_bound``);
     -1 where even an empty stage overflows."""
-    bounds = []
-    for s in range(c.pp):
-        room, best = cap - c.stage_fixed_bytes(s), -1
-        for r in modes:
-            spare = room - c.mode_workspace_bytes[r]
+    bounds, work = [], [c.mode_workspace_bytes[r] for r in modes]
+    # the host row reads of s only whether it is the first or the last; without offload
+    # (no host cap) it holds every block
+    host = [c.host_upper_bound(s, layers) for s in range(min(c.pp, 3))] \
+        if c.host_cap_bytes != math.inf else []
+    last = c.pp - 1
+    for s, (fixed, per) in enumerate(c.memory_rows(modes)):
+        room, best = cap - fixed, -1
+        for w, b in zip(work, per):
+            spare = room - w
             if spare >= 0:
-                per = c.block_bytes(s, r)
-                best = max(best, min(layers, math.floor(spare / per)) if per > 0 else layers)
-        # without offload (no host cap) the host row holds every block: skip it
-        bounds.append(best if c.host_cap_bytes == math.inf else min(best, c.host_upper_bound(s, layers)))
+                most = math.floor(spare / b) if b > 0 else layers
+                if most > best:
+                    best = most
+        best = min(best, layers)
+        if host:
+            best = min(best, c.host_upper_bound(s, layers) if s == last else host[min(s, 1)])
+        bounds.append(best)
     return bounds
 
 

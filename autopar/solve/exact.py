@@ -23,6 +23,7 @@ a placement it returns is checked exactly by the caller.
 
 from __future__ import annotations
 
+import math
 from collections import Counter
 from dataclasses import dataclass
 
@@ -53,11 +54,22 @@ class _Front:
     """D_s of the empty stage."""
 
 
+def _mixes(upper: int, k: int) -> np.ndarray:
+    """Every k-tuple of block counts summing to at most ``upper``, C(upper + k, k) rows in
+    lexicographic order, built a mode at a time (not filtered from the (upper + 1)^k grid)."""
+    grid = np.zeros((1, 0), dtype=np.int64)
+    for _ in range(k):
+        reps = upper + 1 - grid.sum(axis=1)  # the next mode takes 0 ... what is left
+        starts = np.cumsum(reps) - reps
+        col = np.arange(int(reps.sum())) - np.repeat(starts, reps)
+        grid = np.column_stack([np.repeat(grid, reps, axis=0), col])
+    return grid
+
+
 def _front(c: StageCosts, s: int, modes: tuple[int, ...], cap: float, upper: int) -> _Front:
     """Stage s's mixes of at most ``upper`` blocks that fit ``cap`` (with ``SLACK``), each
     kept only if no mix of as many blocks is as fast with a tail as short."""
-    grid = np.indices((upper + 1,) * len(modes)).reshape(len(modes), -1).T
-    grid = grid[grid.sum(axis=1) <= upper]
+    grid = _mixes(upper, len(modes))
     counts = np.zeros((len(grid), len(RECOMPUTE)), dtype=np.int64)
     counts[:, list(modes)] = grid
     per = np.array([c.block_bytes(s, r) for r in range(len(RECOMPUTE))])
@@ -137,7 +149,7 @@ def least_step(c: StageCosts, tabs: StageTables, modes: tuple[int, ...], cap: fl
     # stages alike in memory and bound share their mixes (first and last differ in memory_key)
     stage_keys = [(c.memory_key(s), upper[s]) for s in range(c.pp)]
     members = Counter(stage_keys)
-    if sum((u + 1) ** len(modes) for _, u in members) > MIXES:
+    if sum(math.comb(u + len(modes), len(modes)) for _, u in members) > MIXES:
         return None
     keys = {key: _front(c, stage_keys.index(key), modes, cap, key[1]) for key in members}
     fronts = [keys[key] for key in stage_keys]
