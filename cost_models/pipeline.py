@@ -30,6 +30,15 @@ from cost_models.hardware import HardwareProfile
 from cost_models.strategy import Strategy
 
 
+def partition_uniform(layers: int, parts: int) -> tuple[int, ...]:
+    """Blocks per stage of DeepSpeed's ``partition_method="uniform"`` over the blocks
+    (``deepspeed.runtime.utils.partition_uniform``: the first stages take the remainder)."""
+    if layers <= parts:
+        return tuple(1 if p < layers else 0 for p in range(parts))
+    q, rem = divmod(layers, parts)
+    return tuple(q + (1 if p < rem else 0) for p in range(parts))
+
+
 def chunks(strat: Strategy) -> int:
     """Model chunks per device: ``virtual_stages`` under the interleaved schedule, else 1."""
     return strat.virtual_stages if strat.schedule == "interleaved" else 1

@@ -286,6 +286,10 @@ class ExecutionRecipe:
     uniform_recompute: bool = False
     """The program recomputes every block in one mode (torchtitan's one activation-checkpointing
     policy, DeepSpeed's all-or-none); False: blocks may mix modes (autopar's runtime)."""
+    uniform_stages: bool = False
+    """The program splits the blocks evenly over the pipeline stages, the first stages taking
+    the remainder (DeepSpeed's ``PipelineModule(partition_method="uniform")``,
+    ``pipeline.partition_uniform``): the search places no other. Needs ``uniform_recompute``."""
     axis_orders: tuple[str, ...] = ()
     """The mesh orders this program lays out, each the mesh axes outermost first, comma-separated
     (``pp,dp,cp,tp``); empty: any."""
@@ -308,6 +312,8 @@ class ExecutionRecipe:
             if not value or len(set(value)) != len(value) or not set(value) <= set(allowed):
                 raise RecipeError(f"recipe {self.name!r}: {key} must list distinct values of "
                                   f"{', '.join(map(str, allowed))}, got {_shown(list(value))}")
+        if self.uniform_stages and not self.uniform_recompute:
+            raise RecipeError(f"recipe {self.name!r}: uniform_stages needs uniform_recompute (one mode for every block)")
         if "1f1b" not in self.schedules or "none" not in self.recompute_modes:
             raise RecipeError(f"recipe {self.name!r}: schedules must have 1f1b and recompute_modes none "
                               "(every program runs one stage and no recompute)")

@@ -16,6 +16,8 @@ from autopar.errors import UserError
 from autopar.export import Settings, Target, export_plan, read_back
 from autopar.export.common import Pricer
 from autopar.plan import Mesh, Plan
+from autopar.profiles import profile_spec
+from autopar.solve import Pins, search
 
 TINY_HF = ("hf:LlamaConfig:num_hidden_layers=4,hidden_size=256,num_attention_heads=8,num_key_value_heads=2,"
            "intermediate_size=512,vocab_size=1024,max_position_embeddings=512")
@@ -515,9 +517,8 @@ PLANNED_JOBS = [("llama3-8b", 8, 16, 8192), ("llama3-70b", 64, 512, 8192), ("lla
 def test_a_plan_under_a_frameworks_recipe_exports_to_it_without_a_layout_gap(pricer, recipe, target):
     """Under a framework's recipe the planner searches only what that framework's program runs
     (``ExecutionRecipe.schedules``, ``zero_stages``, ``sequence_parallel``, ``recompute_modes``
-    with ``uniform_recompute``, ``axis_orders``), so the plan exports to it as planned: no
-    setting replaced by a nearest one, whatever the job. DeepSpeed's uniform partition of the
-    blocks over its stages is the one layout the search does not constrain."""
+    with ``uniform_recompute``, ``uniform_stages``, ``axis_orders``), so the plan exports to it
+    as planned: no setting replaced by a nearest one, whatever the job."""
     from autopar.workflow import make_plan, read_job
 
     gaps = []
@@ -525,9 +526,26 @@ def test_a_plan_under_a_frameworks_recipe_exports_to_it_without_a_layout_gap(pri
         job = read_job(model, "dgx-h100", gpus, batch, seq, "bf16", recipe)
         planned, _ = make_plan(job, verify=False)
         out = export_plan(planned, target, pricer=pricer)
-        gaps += [f"{model} on {gpus}: {g.setting}={g.planned}" for g in out.gaps
-                 if g.setting != "model" and not (target == "deepspeed" and g.setting == "stage_layers")]
+        gaps += [f"{model} on {gpus}: {g.setting}={g.planned}" for g in out.gaps if g.setting != "model"]
     assert gaps == []
+
+
+def test_under_deepspeed_the_blocks_are_placed_as_its_pipeline_engine_places_them(pricer):
+    """DeepSpeed's PipelineModule splits the blocks evenly (``partition_method="uniform"``, what
+    the export writes): under its recipe the search places them so, where the free optimum
+    (Turing-530B on 2,240 A100: pp 28, 2 to 5 blocks a stage) would not, and the plan exports
+    with no gap at a step no faster than the free one's."""
+    from autopar.workflow import make_plan, read_job
+    from cost_models.pipeline import partition_uniform
+
+    job = read_job("megatron-529.6b", "dgx-a100-80g", 2240, 1920, None, "bf16", "deepspeed")
+    planned, sol = make_plan(job, verify=False)
+    free = search(profile_spec(job.spec), job.hw, 2240, 1920, "bf16",
+                  Pins(recipe=dataclasses.replace(job.recipe, uniform_stages=False)))
+    assert planned.mesh.pp > 1 and planned.stage_layers == partition_uniform(planned.num_layers, planned.mesh.pp)
+    assert len(set(free.strategy.stage_layers)) > 1  # the constraint binds
+    assert sol.estimate.step_time_s >= free.estimate.step_time_s * (1 - 1e-9)
+    assert export_plan(planned, "deepspeed", pricer=pricer).gaps == ()
 
 
 def test_pins_a_frameworks_program_cannot_run_are_refused_in_one_line():

@@ -22,19 +22,11 @@ from autopar.export.common import (Adapter, Nodes, Option, Settings, contiguous,
                                    dp_overlap, mode_counts, order_gap, replace_plan, uniform_recompute)
 from autopar.plan import Plan
 from cost_models.axes import Degrees
+from cost_models.pipeline import partition_uniform
 from cost_models.recipe import ExecutionRecipe
 
 FRAMEWORK = "DeepSpeed 0.19 (deepspeed.runtime.config.DeepSpeedConfig)"
 DEFAULT_FILE = "ds_config.json"
-
-
-def partition_uniform(layers: int, parts: int) -> tuple[int, ...]:
-    """Blocks per stage of DeepSpeed's ``partition_method="uniform"`` over the blocks
-    (``deepspeed.runtime.utils.partition_uniform``: the first stages take the remainder)."""
-    if layers <= parts:
-        return tuple(1 if p < layers else 0 for p in range(parts))
-    q, rem = divmod(layers, parts)
-    return tuple(q + (1 if p < rem else 0) for p in range(parts))
 
 
 def adapt(a: Adapter) -> None:

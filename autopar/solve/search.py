@@ -21,6 +21,7 @@ from cost_models import Degrees, HardwareProfile, ModelProfile, StageCosts, Stra
 from cost_models.axes import Axis
 from cost_models.comm import mesh_groups
 from cost_models.estimate import pass_floor
+from cost_models.pipeline import partition_uniform
 from cost_models.strategy import RECOMPUTE, Estimate
 from cost_models.recipe import load_recipe
 
@@ -289,6 +290,9 @@ def _place(c: StageCosts, cand: Candidate, layers: int, cap: float, ref: _Refine
     one with the optimal bottleneck when it meets the bound, else the exact scan's
     (``exact.least_step``), else, where that gives up, CP-SAT seeded with greedy's (capped at
     ``EFFORT``); the better of the two in float."""
+    if cand.strategy.recipe.uniform_stages:  # the program's one placement: exact by definition
+        fixed = _uniform_loads(c, cand, layers, cap)
+        return None if fixed is None else (fixed, c.step_time_s(fixed))
     assert ref.tables is not None  # a candidate is placed after its table bound
     loads = greedy(c, ref.tables, layers, cand.min_layers, cap, ref.tau)
     step = float("inf")
@@ -315,6 +319,19 @@ def _place(c: StageCosts, cand: Candidate, layers: int, cap: float, ref: _Refine
     if loads is None or c.step_time_s(placed.loads) <= c.step_time_s(loads):
         return placed.loads, min(bound, c.step_time_s(placed.loads))
     return loads, min(bound, c.step_time_s(loads))
+
+
+def _uniform_loads(c: StageCosts, cand: Candidate, layers: int,
+                   cap: float) -> tuple[tuple[int, ...], ...] | None:
+    """The placement of a program that splits the blocks evenly over its stages
+    (``ExecutionRecipe.uniform_stages``: ``pipeline.partition_uniform``), every block in the
+    candidate's one mode; None where a stage gets too few blocks or overflows ``cap``."""
+    (mode,) = cand.modes  # such a recipe recomputes every block alike (``uniform_recompute``)
+    counts = partition_uniform(layers, c.pp)
+    loads = tuple(tuple(n if r == mode else 0 for r in range(len(RECOMPUTE))) for n in counts)
+    if min(counts) < cand.min_layers or any(c.stage_memory_bytes(s, ld) > cap for s, ld in enumerate(loads)):
+        return None
+    return loads
 
 
 def _full_loads(loads):
@@ -408,7 +425,10 @@ def search(model: ModelProfile, hw: HardwareProfile, gpus: int, global_batch: in
         if remaining <= 0:  # out of time with no plan yet: greedy placements only, no CP-SAT
             cut = True
             open_bounds.append(lb)
-            loads = greedy(c, ref.tables, model.layers, cand.min_layers, cap, ref.tau)
+            if cand.strategy.recipe.uniform_stages:
+                loads = _uniform_loads(c, cand, model.layers, cap)
+            else:
+                loads = greedy(c, ref.tables, model.layers, cand.min_layers, cap, ref.tau)
             if loads is not None:
                 loads = _full_loads(loads)
                 found.append((c.step_time_s(loads), order, placed_strategy(cand.strategy, loads)))
