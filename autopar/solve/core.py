@@ -13,6 +13,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from cost_models import StageCosts
+from cost_models.pipeline import partition_uniform
 from autopar.solve.tables import StageTables
 from cost_models.strategy import RECOMPUTE
 
@@ -202,3 +203,22 @@ def solve_placement(c: StageCosts, layers: int, cap: float, modes: tuple[int, ..
     bound = solver.BestObjectiveBound() / scale
     return Placement(loads=loads, optimal=status == cp_model.OPTIMAL,
                      bound_s=min(bound, c.step_time_s(loads)))
+
+
+def uniform_loads(c: StageCosts, modes: tuple[int, ...], min_layers: int, layers: int,
+                  cap: float) -> tuple[tuple[int, ...], ...] | None:
+    """The placement of a program that splits the blocks evenly over its stages
+    (``ExecutionRecipe.uniform_stages``: ``pipeline.partition_uniform``), every block in the
+    candidate's one mode of ``modes``; None where a stage gets fewer than ``min_layers`` or
+    overflows ``cap``."""
+    (mode,) = modes  # such a recipe recomputes every block alike (``uniform_recompute``)
+    counts = partition_uniform(layers, c.pp)
+    loads = tuple(tuple(n if r == mode else 0 for r in range(len(RECOMPUTE))) for n in counts)
+    if min(counts) < min_layers or any(c.stage_memory_bytes(s, ld) > cap for s, ld in enumerate(loads)):
+        return None
+    return loads
+
+
+def full_loads(loads):
+    """Loads with a count for every mode of ``RECOMPUTE``."""
+    return tuple(tuple(ld) + (0,) * (len(RECOMPUTE) - len(ld)) for ld in loads)

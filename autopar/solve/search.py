@@ -10,7 +10,7 @@ from dataclasses import dataclass, replace
 from autopar.errors import UserError
 from autopar.solve.bounds import (SearchMemo, bound_family, fits, floor_bound, free_hw, lower_bound,
                                   order_free_base, order_free_blind, order_free_costs)
-from autopar.solve.core import solve_placement, stage_upper_bounds
+from autopar.solve.core import full_loads, solve_placement, stage_upper_bounds, uniform_loads
 from autopar.solve.exact import least_step
 from autopar.solve.infeasible import does_not_fit, no_candidate_reason
 from autopar.solve.space import (Block, Candidate, Family, Pins, axis_orders, block_families,
@@ -21,7 +21,6 @@ from cost_models import Degrees, HardwareProfile, ModelProfile, StageCosts, Stra
 from cost_models.axes import Axis
 from cost_models.comm import mesh_groups
 from cost_models.estimate import pass_floor
-from cost_models.pipeline import partition_uniform
 from cost_models.strategy import RECOMPUTE, Estimate
 from cost_models.recipe import load_recipe
 
@@ -278,7 +277,7 @@ def _alone(c: StageCosts, cand: Candidate, layers: int, cap: float, upper: list[
     over = min((float(tabs.time[s][n + 1]) + tabs.fixed[s]
                 for s, n in enumerate(upper_f) if n < upper[s]), default=float("inf"))
     if (lower_bound(c, layers, cand.modes, cap, upper, max(tau, over), total, cand.min_layers)
-            < c.step_time_s(_full_loads(loads))):
+            < c.step_time_s(full_loads(loads))):
         return None
     best = single_mode_least_step(c, tabs_f, layers, cand.min_layers, f, tau_f)
     return _Refined(bound=best * (1 - EXACT), modes=(f,), tables=tabs_f, tau=tau_f)
@@ -291,13 +290,13 @@ def _place(c: StageCosts, cand: Candidate, layers: int, cap: float, ref: _Refine
     (``exact.least_step``), else, where that gives up, CP-SAT seeded with greedy's (capped at
     ``EFFORT``); the better of the two in float."""
     if cand.strategy.recipe.uniform_stages:  # the program's one placement: exact by definition
-        fixed = _uniform_loads(c, cand, layers, cap)
+        fixed = uniform_loads(c, cand.modes, cand.min_layers, layers, cap)
         return None if fixed is None else (fixed, c.step_time_s(fixed))
     assert ref.tables is not None  # a candidate is placed after its table bound
     loads = greedy(c, ref.tables, layers, cand.min_layers, cap, ref.tau)
     step = float("inf")
     if loads is not None:
-        loads = _full_loads(loads)
+        loads = full_loads(loads)
         step = c.step_time_s(loads)
         if step <= ref.bound * (1 + TIE):  # meets the bound: optimal
             return loads, step
@@ -319,23 +318,6 @@ def _place(c: StageCosts, cand: Candidate, layers: int, cap: float, ref: _Refine
     if loads is None or c.step_time_s(placed.loads) <= c.step_time_s(loads):
         return placed.loads, min(bound, c.step_time_s(placed.loads))
     return loads, min(bound, c.step_time_s(loads))
-
-
-def _uniform_loads(c: StageCosts, cand: Candidate, layers: int,
-                   cap: float) -> tuple[tuple[int, ...], ...] | None:
-    """The placement of a program that splits the blocks evenly over its stages
-    (``ExecutionRecipe.uniform_stages``: ``pipeline.partition_uniform``), every block in the
-    candidate's one mode; None where a stage gets too few blocks or overflows ``cap``."""
-    (mode,) = cand.modes  # such a recipe recomputes every block alike (``uniform_recompute``)
-    counts = partition_uniform(layers, c.pp)
-    loads = tuple(tuple(n if r == mode else 0 for r in range(len(RECOMPUTE))) for n in counts)
-    if min(counts) < cand.min_layers or any(c.stage_memory_bytes(s, ld) > cap for s, ld in enumerate(loads)):
-        return None
-    return loads
-
-
-def _full_loads(loads):
-    return tuple(tuple(ld) + (0,) * (len(RECOMPUTE) - len(ld)) for ld in loads)
 
 
 def search(model: ModelProfile, hw: HardwareProfile, gpus: int, global_batch: int, dtype: str,
@@ -426,11 +408,11 @@ def search(model: ModelProfile, hw: HardwareProfile, gpus: int, global_batch: in
             cut = True
             open_bounds.append(lb)
             if cand.strategy.recipe.uniform_stages:
-                loads = _uniform_loads(c, cand, model.layers, cap)
+                loads = uniform_loads(c, cand.modes, cand.min_layers, model.layers, cap)
             else:
                 loads = greedy(c, ref.tables, model.layers, cand.min_layers, cap, ref.tau)
             if loads is not None:
-                loads = _full_loads(loads)
+                loads = full_loads(loads)
                 found.append((c.step_time_s(loads), order, placed_strategy(cand.strategy, loads)))
             continue
         if problem in placements:
