@@ -44,7 +44,7 @@ def stage_upper_bounds(c: StageCosts, layers: int, cap: float, modes: tuple[int,
     bounds, work = [], [c.mode_workspace_bytes[r] for r in modes]
     # the host row reads of s only whether it is the first or the last; without offload
     # (no host cap) it holds every block
-    host = [c.host_upper_bound(s, layers) for s in range(min(c.pp, 3))] \
+    host = [c.host_upper_bound(s, layers) for s in range(min(c.pp, 2))] \
         if c.host_cap_bytes != math.inf else []
     last = c.pp - 1
     for s, (fixed, per) in enumerate(c.memory_rows(modes)):

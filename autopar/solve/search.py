@@ -288,7 +288,8 @@ def _place(c: StageCosts, cand: Candidate, layers: int, cap: float, ref: _Refine
     """(loads, proven bound on this candidate's step) of the best placement found: the greedy
     one with the optimal bottleneck when it meets the bound, else the exact scan's
     (``exact.least_step``), else, where that gives up, CP-SAT seeded with greedy's (capped at
-    ``EFFORT``); the better of the two in float."""
+    ``EFFORT``); the better of the two in float. A program with one placement
+    (``recipe.uniform_stages``) gets that one."""
     if cand.strategy.recipe.uniform_stages:  # the program's one placement: exact by definition
         fixed = uniform_loads(c, cand.modes, cand.min_layers, layers, cap)
         return None if fixed is None else (fixed, c.step_time_s(fixed))
