@@ -290,6 +290,12 @@ class ExecutionRecipe:
     """The program splits the blocks evenly over the pipeline stages, the first stages taking
     the remainder (DeepSpeed's ``PipelineModule(partition_method="uniform")``,
     ``pipeline.partition_uniform``): the search places no other. Needs ``uniform_recompute``."""
+    recompute_block: bool = False
+    """Besides one mode on every block, the program can recompute (full) the first k blocks of
+    every model chunk and none of the others, k the same for all chunks (Megatron-Core's
+    ``--recompute-granularity full --recompute-method block --recompute-num-layers k``): the
+    search prices those plans on the even split of the blocks (``pipeline.partition_uniform``),
+    at their best k. Needs ``uniform_recompute`` and the modes none and full."""
     axis_orders: tuple[str, ...] = ()
     """The mesh orders this program lays out, each the mesh axes outermost first, comma-separated
     (``pp,dp,cp,tp``); empty: any."""
@@ -314,6 +320,9 @@ class ExecutionRecipe:
                                   f"{', '.join(map(str, allowed))}, got {_shown(list(value))}")
         if self.uniform_stages and not self.uniform_recompute:
             raise RecipeError(f"recipe {self.name!r}: uniform_stages needs uniform_recompute (one mode for every block)")
+        if self.recompute_block and not (self.uniform_recompute and "full" in self.recompute_modes):
+            raise RecipeError(f"recipe {self.name!r}: recompute_block needs uniform_recompute and the full "
+                              "recompute mode (it mixes none and full in a fixed pattern)")
         if "1f1b" not in self.schedules or "none" not in self.recompute_modes:
             raise RecipeError(f"recipe {self.name!r}: schedules must have 1f1b and recompute_modes none "
                               "(every program runs one stage and no recompute)")

@@ -177,6 +177,9 @@ case("plan-recipe-base-not-a-name", "plan", "--model", TINY, *JOB, "--recipe", "
      files={"r.json": json.dumps({"base": 3})}, fragment="base must be a recipe name or path")
 case("plan-recipe-base-wrong-kind", "plan", "--model", TINY, *JOB, "--recipe", "{tmp}/r.json",
      files={"r.json": json.dumps({"base": "torchtitan", "kernels_per_block": -1})}, fragment="kernels_per_block")
+case("plan-recipe-block-without-uniform", "plan", "--model", TINY, *JOB, "--recipe", "{tmp}/r.json",
+     files={"r.json": json.dumps({"base": "megatron-core", "uniform_recompute": False})},
+     fragment="recompute_block needs uniform_recompute")
 # -- plan: output paths, checked before the search ----------------------------------------------
 case("plan-out-missing-dir", "plan", "--model", TINY, *JOB, "--out", "{tmp}/no/such/dir/plan.json",
      fragment="does not exist; create it first")

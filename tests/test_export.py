@@ -4,6 +4,7 @@ code, where it is installed, accepts the exports and rejects broken ones."""
 
 import copy
 import dataclasses
+import importlib.util
 import json
 import subprocess
 import sys
@@ -546,6 +547,41 @@ def test_under_deepspeed_the_blocks_are_placed_as_its_pipeline_engine_places_the
     assert len(set(free.strategy.stage_layers)) > 1  # the constraint binds
     assert sol.estimate.step_time_s >= free.estimate.step_time_s * (1 - 1e-9)
     assert export_plan(planned, "deepspeed", pricer=pricer).gaps == ()
+
+
+def test_under_megatron_core_a_tight_job_recomputes_the_first_blocks_of_every_chunk(pricer):
+    """Megatron-Core's ``--recompute-method block`` (full on the first k blocks of every model
+    chunk, none on the rest: ``ExecutionRecipe.recompute_block``) is searched on the even split:
+    Llama-3 70B at seq 8192 on 16 H100 must recompute, and under megatron-core-te the plan so
+    mixed is faster than any with one mode on every block; each pipeline rank recomputes as
+    many blocks as Megatron's rule gives it, and the export says so with no gap, in flags
+    Megatron-Core's ``TransformerConfig`` accepts."""
+    import re
+
+    from autopar.export.common import chunks
+    from autopar.workflow import make_plan, read_job
+    from cost_models.pipeline import partition_uniform
+
+    job = read_job("llama3-70b", "dgx-h100", 16, 32, 8192, "bf16", "megatron-core-te")
+    planned, sol = make_plan(job, verify=False)
+    one_mode = search(profile_spec(job.spec), job.hw, 16, 32, "bf16",
+                      Pins(recipe=dataclasses.replace(job.recipe, recompute_block=False)))
+    assert sol.estimate.step_time_s < one_mode.estimate.step_time_s * 0.99  # the method pays here
+    assert set(planned.recompute) == {"none", "full"}
+    pp = planned.mesh.pp
+    ranks = [[c for i, c in enumerate(chunks(planned)) if i % pp == r] for r in range(pp)]
+    assert tuple(sum(map(len, cs)) for cs in ranks) == partition_uniform(planned.num_layers, pp)
+    out = export_plan(planned, "megatron", pricer=pricer)
+    assert [g.setting for g in out.gaps if g.setting != "model"] == []
+    found = re.search(r"--recompute-method block \\\s+--recompute-num-layers (\d+)", out.content)
+    assert found, out.content
+    k = int(found.group(1))
+    assert 0 < k < max(map(len, chunks(planned)))
+    for cs in ranks:
+        assert sum(min(k, len(c)) for c in cs) == sum(c.count("full") for c in cs)
+    if importlib.util.find_spec("megatron") is not None:
+        cfg = _transformer_config(out.content)
+        assert (cfg.recompute_granularity, cfg.recompute_method, cfg.recompute_num_layers) == ("full", "block", k)
 
 
 def test_pins_a_frameworks_program_cannot_run_are_refused_in_one_line():

@@ -40,8 +40,9 @@ def brute_force(model, hw, gpus, batch, dtype, pins=Pins()):
     """Minimum step time over the whole space by enumeration: every outer candidate under every
     axis order (the 6 of pp, dp, tp, or the 24 with cp where the space has cp > 1; none
     pruned), with and without offload, every split of the blocks over the stages (at least
-    ``min_layers`` each) and every mix of recompute modes on every stage, within device and
-    host memory."""
+    ``min_layers`` each) and every mix of recompute modes on every stage (under a recipe of
+    one mode for all blocks, those mixes its block method makes: ``block_method_optimum``),
+    within device and host memory."""
     best = None
     with_cp = cp_degrees(model, gpus, pins.recipe or load_recipe(), pins) != [1]
     axes = DEFAULT_ORDER if with_cp else tuple(a for a in DEFAULT_ORDER if a != Axis.CP)
@@ -50,9 +51,9 @@ def brute_force(model, hw, gpus, batch, dtype, pins=Pins()):
         model, hw, gpus, batch, dtype, dataclasses.replace(pins, axis_order=order))]
     seen, strategies = set(), set()
     for cand in cands:
-        if cand.strategy in strategies:
+        if (cand.strategy, cand.modes) in strategies:
             continue  # an order that differs only in where a degree-1 axis sits
-        strategies.add(cand.strategy)
+        strategies.add((cand.strategy, cand.modes))
         c = stage_costs(model, hw, cand.strategy)
         if (c, cand.modes, cand.min_layers) in seen:
             continue  # an order giving the same groups: the same costs, enumerated already
@@ -356,6 +357,8 @@ def candidate_optimum(model, hw, cand, c=None):
     ``c``: its ``stage_costs`` when the caller has them."""
     c, best = c or stage_costs(model, hw, cand.strategy), None
     p, L = cand.strategy.mesh.pp, model.layers
+    if cand.strategy.recipe.uniform_recompute and len(cand.modes) > 1:
+        return block_method_optimum(hw, cand, c, L)
     options = [{n: [(c.stage_time_s(s, ld), c.stage_dp_time_s(s, ld))
                      for ld in stage_loads(n, cand.modes)
                      if c.stage_memory_bytes(s, ld) <= hw.memory_bytes
@@ -368,6 +371,30 @@ def candidate_optimum(model, hw, cand, c=None):
         for combo in itertools.product(*(options[s][n] for s, n in enumerate(sizes))):
             ts = [t for t, _ in combo]
             step = c.sum_weight * sum(ts) + c.max_weight * max(ts) + max(d for _, d in combo)
+            best = step if best is None else min(best, step)
+    return best
+
+
+def block_method_optimum(hw, cand, c, layers):
+    """Least step of a candidate of Megatron's block method (``recipe.recompute_block``): the
+    blocks split evenly over the stages (the first taking the remainder), each stage's chunks
+    as evenly (the first taking the remainder), the first k blocks of every chunk recomputed in
+    full and the rest not, over every k within memory."""
+    from cost_models.strategy import RECOMPUTE
+    st, best = cand.strategy, None
+    v = st.virtual_stages if st.schedule == "interleaved" else 1
+    p = st.mesh.pp
+    sizes = [layers // p + (1 if s < layers % p else 0) for s in range(p)]
+    if min(sizes) < cand.min_layers:
+        return None
+    for k in range(layers + 1):
+        loads = []
+        for n in sizes:
+            full = sum(min(k, n // v + (1 if j < n % v else 0)) for j in range(v))
+            loads.append(tuple({"none": n - full, "full": full}.get(m, 0) for m in RECOMPUTE))
+        if all(c.stage_memory_bytes(s, ld) <= hw.memory_bytes and c.stage_host_bytes(s, ld) <= c.host_cap_bytes
+               for s, ld in enumerate(loads)):
+            step = c.step_time_s(tuple(loads))
             best = step if best is None else min(best, step)
     return best
 

@@ -3,8 +3,9 @@
 Flag names are those of Megatron-LM's ``megatron/training/arguments.py`` (core_v0.19 and
 main, where most are generated from ``TransformerConfig``'s fields). What Megatron cannot
 express: GPipe and zero-bubble schedules (it runs 1F1B, interleaved with virtual stages),
-interleaving with one chunk per rank, recompute mixes other than the same number of fully
-recomputed blocks in every chunk (``--recompute-method block``) or one mode everywhere, mesh
+interleaving with one chunk per rank, recompute mixes other than one mode everywhere or
+``--recompute-method block``'s (full on the first k blocks of every chunk: each pipeline rank
+recomputing as many blocks as that), mesh
 orders other than tp innermost with pp outside or inside dp, Transformer Engine's
 ``--tp-comm-overlap`` without sequence parallelism, and mixture-of-experts layers under tensor
 parallelism without sequence parallelism (``MoELayer`` refuses to train so).
@@ -122,11 +123,24 @@ def _recompute_flags(plan: Plan) -> list[str] | None:
         return ["--recompute-granularity", "selective", "--recompute-modules", "core_attn"]
     if all(n == 0 and s == 0 for n, s, _, _ in per):
         return ["--recompute-granularity", "full", "--recompute-method", "uniform", "--recompute-num-layers", "1"]
-    full = {f for _, _, f, _ in per}
-    if all(s == 0 for _, s, _, _ in per) and len(full) == 1:
-        return ["--recompute-granularity", "full", "--recompute-method", "block",
-                "--recompute-num-layers", str(full.pop())]
+    k = _block_layers(plan, per)
+    if k is not None:
+        return ["--recompute-granularity", "full", "--recompute-method", "block", "--recompute-num-layers", str(k)]
     return None
+
+
+def _block_layers(plan: Plan, per: list[tuple[int, ...]]) -> int | None:
+    """The k of Megatron's block method (full on the first k blocks of every model chunk, none
+    on the rest) that gives each pipeline rank the plan's count of fully recomputed blocks, or
+    None: the cost model reads a rank's counts per mode, not which of its blocks they are
+    (``workflow.layer_layout`` lists a rank's modes along its chunks in ``RECOMPUTE`` order)."""
+    if any(s or o for _, s, _, o in per):
+        return None
+    pp = plan.mesh.pp
+    sizes = [[sum(per[i]) for i in range(r, len(per), pp)] for r in range(pp)]
+    full = [sum(per[i][2] for i in range(r, len(per), pp)) for r in range(pp)]
+    return next((k for k in range(1, max(map(max, sizes)) + 1)
+                 if all(sum(min(k, n) for n in ns) == f for ns, f in zip(sizes, full))), None)
 
 
 def _recompute(a: Adapter) -> None:

@@ -219,6 +219,33 @@ def uniform_loads(c: StageCosts, modes: tuple[int, ...], min_layers: int, layers
     return loads
 
 
+def block_loads(c: StageCosts, modes: tuple[int, ...], min_layers: int, layers: int, cap: float,
+                chunks: int) -> tuple[tuple[tuple[int, ...], ...], float] | None:
+    """(loads, step) of the best plan of Megatron's block method over the even split of the
+    blocks (``pipeline.partition_uniform``; ``ExecutionRecipe.recompute_block``): each of a
+    stage's ``chunks`` model chunks (split as ``workflow.layer_layout`` splits them) recomputes
+    (full) its first k blocks and none of the rest, k the same everywhere, at the k with the
+    least step within ``cap``; None where a stage gets fewer than ``min_layers`` or no k fits."""
+    none, full = modes
+    counts = partition_uniform(layers, c.pp)
+    if min(counts) < min_layers:
+        return None
+    sizes = [[q + (1 if j < rem else 0) for j in range(chunks)]
+             for q, rem in (divmod(n, chunks) for n in counts)]
+    best = None
+    for k in range(max(map(max, sizes)) + 1):
+        loads = []
+        for n, split in zip(counts, sizes):
+            f = sum(min(k, size) for size in split)
+            loads.append(tuple(n - f if r == none else f if r == full else 0 for r in range(len(RECOMPUTE))))
+        if any(c.stage_memory_bytes(s, ld) > cap for s, ld in enumerate(loads)):
+            continue
+        step = c.step_time_s(tuple(loads))
+        if best is None or step < best[1]:
+            best = (tuple(loads), step)
+    return best
+
+
 def full_loads(loads):
     """Loads with a count for every mode of ``RECOMPUTE``."""
     return tuple(tuple(ld) + (0,) * (len(RECOMPUTE) - len(ld)) for ld in loads)

@@ -163,11 +163,18 @@ def _mode_sets(pins: Pins, schedule: str) -> Iterator[tuple[str, tuple[int, ...]
     """(nominal mode, modes the blocks may mix). Zero-bubble's fill fraction depends on the
     recompute mode (``cost_models.pipeline``), so it is planned with one mode on every block
     (not full: ``block_families``), as is every plan of a program with one policy for all
-    blocks (``ExecutionRecipe.uniform_recompute``)."""
+    blocks (``ExecutionRecipe.uniform_recompute``); such a program with Megatron's block
+    method (``ExecutionRecipe.recompute_block``) also mixes none and full, in its pattern
+    (``search._place``)."""
     modes = recompute_modes(pins)
-    if pins.recompute is not None or schedule == "zero-bubble" or (pins.recipe or load_recipe()).uniform_recompute:
+    recipe = pins.recipe or load_recipe()
+    if pins.recompute is not None or schedule == "zero-bubble" or recipe.uniform_recompute:
         for i in modes:
             yield RECOMPUTE[i], (i,)
+        pair = (RECOMPUTE.index("none"), RECOMPUTE.index("full"))
+        if pins.recompute is None and schedule != "zero-bubble" and recipe.recompute_block \
+                and set(pair) <= set(modes):
+            yield "none", pair
     elif modes:
         yield "none", modes
 
