@@ -19,6 +19,7 @@ from autopar.profiles import profile_and_layout, profile_spec, shaped_spec
 from cost_models import HardwareProfile, ModelProfile, ProfileError, Strategy, estimate, load_profile
 from cost_models.axes import Degrees
 from cost_models.estimate import even_stage_layers
+from cost_models.pipeline import block_method_k, chunk_sizes
 from cost_models.recipe import DEFAULT_RECIPE, ExecutionRecipe, RecipeError, load_recipe
 from cost_models.strategy import RECOMPUTE, Estimate
 
@@ -91,7 +92,9 @@ def layer_layout(strat: Strategy, layers: int, lead: int = 0) -> tuple[tuple[int
 
     Pipeline rank r runs virtual stages r, r + pp, … (looped, as Megatron's interleaved
     schedule wants); its blocks split over its v chunks as evenly as possible (earlier chunks
-    take the remainder), its recompute modes in ``RECOMPUTE`` order along them. The leading
+    take the remainder), its recompute modes in ``RECOMPUTE`` order along them; under a recipe
+    with Megatron's block method whose counts are its (``pipeline.block_method_k``), the first
+    k blocks of every chunk in full and the rest in none. The leading
     blocks open virtual stage 0, in ``strat.lead_mode``: a plan's ``stage_layers`` count every
     block of the model.
     """
@@ -99,17 +102,19 @@ def layer_layout(strat: Strategy, layers: int, lead: int = 0) -> tuple[tuple[int
         tuple(n if m == strat.recompute else 0 for m in RECOMPUTE) for n in
         (strat.stage_layers or even_stage_layers(layers, strat.mesh.pp)))
     v, pp = strat.virtual_stages, strat.mesh.pp
+    full, others = RECOMPUTE.index("full"), [i for i, m in enumerate(RECOMPUTE) if m not in ("none", "full")]
+    block = block_method_k([chunk_sizes(sum(c), v) for c in loads], [c[full] for c in loads]) \
+        if strat.recipe.recompute_block and not any(c[i] for c in loads for i in others) else None
     chunks: dict[int, list[str]] = {}
     for r, counts in enumerate(loads):
         modes = [m for m, k in zip(RECOMPUTE, counts) for _ in range(k)]
-        q, rem = divmod(len(modes), v)
-        if q < 1:
+        if len(modes) < v:
             raise UserError(f"pipeline rank {r} holds {len(modes)} blocks, fewer than its "
                             f"{v} virtual stages; use a smaller --vpp")
         at = 0
-        for c in range(v):
-            size = q + (1 if c < rem else 0)
-            chunks[c * pp + r] = modes[at:at + size]
+        for c, size in enumerate(chunk_sizes(len(modes), v)):
+            chunks[c * pp + r] = modes[at:at + size] if block is None else \
+                ["full"] * min(block, size) + ["none"] * (size - min(block, size))
             at += size
     chunks[0] = [strat.lead_mode] * lead + chunks[0]
     order = sorted(chunks)

@@ -39,6 +39,22 @@ def partition_uniform(layers: int, parts: int) -> tuple[int, ...]:
     return tuple(q + (1 if p < rem else 0) for p in range(parts))
 
 
+def chunk_sizes(blocks: int, chunks: int) -> list[int]:
+    """Blocks per model chunk of a stage of ``blocks`` blocks in ``chunks`` chunks, as evenly as
+    possible, the first chunks taking the remainder (``workflow.layer_layout``)."""
+    q, rem = divmod(blocks, chunks)
+    return [q + (1 if j < rem else 0) for j in range(chunks)]
+
+
+def block_method_k(sizes: list[list[int]], full: list[int]) -> int | None:
+    """The k of Megatron's block method (``--recompute-method block``: full recompute on the
+    first k blocks of every model chunk, none on the rest) under which each stage, its chunks
+    of ``sizes[s]`` blocks, recomputes ``full[s]`` blocks; the least such k >= 1, or None."""
+    top = max((n for ns in sizes for n in ns), default=0)
+    return next((k for k in range(1, top + 1)
+                 if all(sum(min(k, n) for n in ns) == f for ns, f in zip(sizes, full))), None)
+
+
 def chunks(strat: Strategy) -> int:
     """Model chunks per device: ``virtual_stages`` under the interleaved schedule, else 1."""
     return strat.virtual_stages if strat.schedule == "interleaved" else 1

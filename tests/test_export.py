@@ -553,9 +553,9 @@ def test_under_megatron_core_a_tight_job_recomputes_the_first_blocks_of_every_ch
     """Megatron-Core's ``--recompute-method block`` (full on the first k blocks of every model
     chunk, none on the rest: ``ExecutionRecipe.recompute_block``) is searched on the even split:
     Llama-3 70B at seq 8192 on 16 H100 must recompute, and under megatron-core-te the plan so
-    mixed is faster than any with one mode on every block; each pipeline rank recomputes as
-    many blocks as Megatron's rule gives it, and the export says so with no gap, in flags
-    Megatron-Core's ``TransformerConfig`` accepts."""
+    mixed is faster than any with one mode on every block; the plan recomputes the first k
+    blocks of every chunk, and the export says so with no gap, reads back to the plan, and
+    Megatron-Core's ``TransformerConfig`` accepts its flags."""
     import re
 
     from autopar.export.common import chunks
@@ -577,8 +577,10 @@ def test_under_megatron_core_a_tight_job_recomputes_the_first_blocks_of_every_ch
     assert found, out.content
     k = int(found.group(1))
     assert 0 < k < max(map(len, chunks(planned)))
-    for cs in ranks:
-        assert sum(min(k, len(c)) for c in cs) == sum(c.count("full") for c in cs)
+    for c in chunks(planned):  # the plan lays its blocks out as Megatron recomputes them
+        assert c == ("full",) * min(k, len(c)) + ("none",) * (len(c) - min(k, len(c)))
+    assert out.plan == planned
+    assert read_back("megatron", out.content, planned.num_layers).mismatches(Settings.of(planned)) == {}
     if importlib.util.find_spec("megatron") is not None:
         cfg = _transformer_config(out.content)
         assert (cfg.recompute_granularity, cfg.recompute_method, cfg.recompute_num_layers) == ("full", "block", k)

@@ -4,8 +4,7 @@ Flag names are those of Megatron-LM's ``megatron/training/arguments.py`` (core_v
 main, where most are generated from ``TransformerConfig``'s fields). What Megatron cannot
 express: GPipe and zero-bubble schedules (it runs 1F1B, interleaved with virtual stages),
 interleaving with one chunk per rank, recompute mixes other than one mode everywhere or
-``--recompute-method block``'s (full on the first k blocks of every chunk: each pipeline rank
-recomputing as many blocks as that), mesh
+``--recompute-method block``'s (full on the first k blocks of every chunk), mesh
 orders other than tp innermost with pp outside or inside dp, Transformer Engine's
 ``--tp-comm-overlap`` without sequence parallelism, and mixture-of-experts layers under tensor
 parallelism without sequence parallelism (``MoELayer`` refuses to train so).
@@ -29,6 +28,7 @@ from autopar.export.common import (Adapter, Family, Nodes, Option, Settings, Sha
                                    with_chunks)
 from autopar.plan import Plan
 from cost_models.axes import Axis, Degrees
+from cost_models.pipeline import block_method_k
 from cost_models.recipe import Attention, ExecutionRecipe
 
 FRAMEWORK = "Megatron-LM core_v0.19 (megatron/training/arguments.py)"
@@ -130,17 +130,11 @@ def _recompute_flags(plan: Plan) -> list[str] | None:
 
 
 def _block_layers(plan: Plan, per: list[tuple[int, ...]]) -> int | None:
-    """The k of Megatron's block method (full on the first k blocks of every model chunk, none
-    on the rest) that gives each pipeline rank the plan's count of fully recomputed blocks, or
-    None: the cost model reads a rank's counts per mode, not which of its blocks they are
-    (``workflow.layer_layout`` lists a rank's modes along its chunks in ``RECOMPUTE`` order)."""
+    """The k of Megatron's block method that recomputes in full exactly the plan's blocks of
+    each chunk (the first k of every chunk, ``pipeline.block_method_k``), or None."""
     if any(s or o for _, s, _, o in per):
         return None
-    pp = plan.mesh.pp
-    sizes = [[sum(per[i]) for i in range(r, len(per), pp)] for r in range(pp)]
-    full = [sum(per[i][2] for i in range(r, len(per), pp)) for r in range(pp)]
-    return next((k for k in range(1, max(map(max, sizes)) + 1)
-                 if all(sum(min(k, n) for n in ns) == f for ns, f in zip(sizes, full))), None)
+    return block_method_k([[sum(c)] for c in per], [f for _, _, f, _ in per])
 
 
 def _recompute(a: Adapter) -> None:

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from cost_models import StageCosts
-from cost_models.pipeline import partition_uniform
+from cost_models.pipeline import chunk_sizes, partition_uniform
 from autopar.solve.tables import StageTables
 from cost_models.strategy import RECOMPUTE
 
@@ -223,15 +223,14 @@ def block_loads(c: StageCosts, modes: tuple[int, ...], min_layers: int, layers: 
                 chunks: int) -> tuple[tuple[tuple[int, ...], ...], float] | None:
     """(loads, step) of the best plan of Megatron's block method over the even split of the
     blocks (``pipeline.partition_uniform``; ``ExecutionRecipe.recompute_block``): each of a
-    stage's ``chunks`` model chunks (split as ``workflow.layer_layout`` splits them) recomputes
+    stage's ``chunks`` model chunks (``pipeline.chunk_sizes``) recomputes
     (full) its first k blocks and none of the rest, k the same everywhere, at the k with the
     least step within ``cap``; None where a stage gets fewer than ``min_layers`` or no k fits."""
     none, full = modes
     counts = partition_uniform(layers, c.pp)
     if min(counts) < min_layers:
         return None
-    sizes = [[q + (1 if j < rem else 0) for j in range(chunks)]
-             for q, rem in (divmod(n, chunks) for n in counts)]
+    sizes = [chunk_sizes(n, chunks) for n in counts]
     best = None
     for k in range(max(map(max, sizes)) + 1):
         loads = []
