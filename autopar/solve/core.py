@@ -12,8 +12,8 @@ import math
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from cost_models import StageCosts
-from cost_models.pipeline import chunk_sizes, partition_uniform
+from cost_models import StageCosts, Strategy
+from cost_models.pipeline import chunk_sizes, chunks, partition_uniform
 from autopar.solve.tables import StageTables
 from cost_models.strategy import RECOMPUTE
 
@@ -243,6 +243,23 @@ def block_loads(c: StageCosts, modes: tuple[int, ...], min_layers: int, layers: 
         if best is None or step < best[1]:
             best = (tuple(loads), step)
     return best
+
+
+def by_rule(strat: Strategy, modes: tuple[int, ...]) -> bool:
+    """Whether the program places the blocks by a rule rather than by the search's choice:
+    DeepSpeed's even split (``recipe.uniform_stages``), or Megatron's block method where the
+    candidate mixes modes under one policy for all blocks (``recipe.recompute_block``)."""
+    return strat.recipe.uniform_stages or (len(modes) > 1 and strat.recipe.uniform_recompute)
+
+
+def rule_loads(c: StageCosts, strat: Strategy, modes: tuple[int, ...], min_layers: int, layers: int,
+               cap: float) -> tuple[tuple[tuple[int, ...], ...], float] | None:
+    """(loads, step) of a program that places by a rule (``by_rule``): its placement, or the
+    block method's best; None where it fits nothing. Exact by definition."""
+    if strat.recipe.uniform_stages:
+        loads = uniform_loads(c, modes, min_layers, layers, cap)
+        return None if loads is None else (loads, c.step_time_s(loads))
+    return block_loads(c, modes, min_layers, layers, cap, chunks(strat))
 
 
 def full_loads(loads):

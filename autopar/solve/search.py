@@ -10,7 +10,7 @@ from dataclasses import dataclass, replace
 from autopar.errors import UserError
 from autopar.solve.bounds import (SearchMemo, bound_family, fits, floor_bound, free_hw, lower_bound,
                                   order_free_base, order_free_blind, order_free_costs)
-from autopar.solve.core import block_loads, full_loads, solve_placement, stage_upper_bounds, uniform_loads
+from autopar.solve.core import by_rule, full_loads, rule_loads, solve_placement, stage_upper_bounds
 from autopar.solve.exact import least_step
 from autopar.solve.infeasible import does_not_fit, no_candidate_reason
 from autopar.solve.space import (Block, Candidate, Family, Pins, axis_orders, block_families,
@@ -21,7 +21,6 @@ from cost_models import Degrees, HardwareProfile, ModelProfile, StageCosts, Stra
 from cost_models.axes import Axis
 from cost_models.comm import mesh_groups
 from cost_models.estimate import pass_floor
-from cost_models.pipeline import chunks
 from cost_models.strategy import RECOMPUTE, Estimate
 from cost_models.recipe import load_recipe
 
@@ -289,15 +288,10 @@ def _place(c: StageCosts, cand: Candidate, layers: int, cap: float, ref: _Refine
     """(loads, proven bound on this candidate's step) of the best placement found: the greedy
     one with the optimal bottleneck when it meets the bound, else the exact scan's
     (``exact.least_step``), else, where that gives up, CP-SAT seeded with greedy's (capped at
-    ``EFFORT``); the better of the two in float. A program with one placement
-    (``recipe.uniform_stages``) gets that one; a candidate mixing modes under a program with
-    one policy for all blocks (Megatron's block method, ``recipe.recompute_block``) its best
-    k on the even split (``core.block_loads``), exact for what that program runs."""
-    if cand.strategy.recipe.uniform_stages:  # the program's one placement: exact by definition
-        fixed = uniform_loads(c, cand.modes, cand.min_layers, layers, cap)
-        return None if fixed is None else (fixed, c.step_time_s(fixed))
-    if len(ref.modes) > 1 and cand.strategy.recipe.uniform_recompute:  # Megatron's block method
-        return block_loads(c, ref.modes, cand.min_layers, layers, cap, chunks(cand.strategy))
+    ``EFFORT``); the better of the two in float. A program that places by a rule gets the
+    rule's placement (``core.rule_loads``)."""
+    if by_rule(cand.strategy, ref.modes):
+        return rule_loads(c, cand.strategy, ref.modes, cand.min_layers, layers, cap)
     assert ref.tables is not None  # a candidate is placed after its table bound
     loads = greedy(c, ref.tables, layers, cand.min_layers, cap, ref.tau)
     step = float("inf")
@@ -413,10 +407,8 @@ def search(model: ModelProfile, hw: HardwareProfile, gpus: int, global_batch: in
         if remaining <= 0:  # out of time with no plan yet: greedy placements only, no CP-SAT
             cut = True
             open_bounds.append(lb)
-            if cand.strategy.recipe.uniform_stages:
-                loads = uniform_loads(c, cand.modes, cand.min_layers, model.layers, cap)
-            elif len(cand.modes) > 1 and cand.strategy.recipe.uniform_recompute:
-                placed = block_loads(c, cand.modes, cand.min_layers, model.layers, cap, chunks(cand.strategy))
+            if by_rule(cand.strategy, cand.modes):
+                placed = rule_loads(c, cand.strategy, cand.modes, cand.min_layers, model.layers, cap)
                 loads = None if placed is None else placed[0]
             else:
                 loads = greedy(c, ref.tables, model.layers, cand.min_layers, cap, ref.tau)
