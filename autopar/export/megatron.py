@@ -123,18 +123,11 @@ def _recompute_flags(plan: Plan) -> list[str] | None:
         return ["--recompute-granularity", "selective", "--recompute-modules", "core_attn"]
     if all(n == 0 and s == 0 for n, s, _, _ in per):
         return ["--recompute-granularity", "full", "--recompute-method", "uniform", "--recompute-num-layers", "1"]
-    k = _block_layers(plan, per)
+    # Megatron's block method: full on the first k blocks of every chunk, none on the rest
+    k = None if any(s for _, s, _, _ in per) else block_method_k([[sum(c)] for c in per], [f for _, _, f, _ in per])
     if k is not None:
         return ["--recompute-granularity", "full", "--recompute-method", "block", "--recompute-num-layers", str(k)]
     return None
-
-
-def _block_layers(plan: Plan, per: list[tuple[int, ...]]) -> int | None:
-    """The k of Megatron's block method that recomputes in full exactly the plan's blocks of
-    each chunk (the first k of every chunk, ``pipeline.block_method_k``), or None."""
-    if any(s or o for _, s, _, o in per):
-        return None
-    return block_method_k([[sum(c)] for c in per], [f for _, _, f, _ in per])
 
 
 def _recompute(a: Adapter) -> None:
