@@ -14,6 +14,7 @@ from __future__ import annotations
 from dataclasses import replace
 
 from cost_models import memory, pipeline, states
+from cost_models.estimate import pending_fields
 from cost_models.hardware import HardwareProfile
 from cost_models.model_profile import ModelProfile
 from cost_models.stages import StageCosts
@@ -52,6 +53,38 @@ def least_memory_costs(model: ModelProfile, hw: HardwareProfile, strat: Strategy
     workspace: each term at its least over the modes."""
     s = replace(strat, schedule="1f1b", virtual_stages=1, recompute="none", stage_layers=(),
                 stage_recompute=())
+    absent = memory.grads_absent(strat)
+    return _memory_costs(model, hw, s, pipeline.inflight(s), absent, () if absent else memory.forward_first(s), {})
+
+
+def schedule_memory_costs(model: ModelProfile, hw: HardwareProfile, strat: Strategy,
+                          chunk_counts: tuple[int, ...]) -> StageCosts:
+    """``least_memory_costs`` of the members of ``strat``'s schedule group that run its
+    schedule with one of ``chunk_counts`` chunks (a ``space.Family``'s members), nowhere above
+    any of them: in flight on each stage the least over those members (interleaved keeps
+    min(m, p + (p - 2s - 1)/v), monotone in v on every stage, so the least is at the fewest or
+    the most chunks), with the schedule's own deferred weight passes and what they hold
+    (torch's zero-bubble, ``estimate.pending_fields``) and its forward-first stages. Far
+    tighter than 1F1B's rows for an interleaved or zero-bubble family: their last stages hold
+    about p micro-batches, 1F1B's one. Where the fewest- and most-chunk members differ in
+    anything but the in-flight counts, the group's relaxation (``least_memory_costs``)."""
+    ends = [replace(strat, virtual_stages=v, recompute="none", stage_layers=(), stage_recompute=())
+            for v in (min(chunk_counts), max(chunk_counts))]
+    kinds = {(memory.grads_absent(e), memory.forward_first(e), pipeline.pending(e)) for e in ends}
+    if len(kinds) > 1:
+        return least_memory_costs(model, hw, strat)
+    ((absent, ahead, _),) = kinds
+    inflight = tuple(map(min, zip(*(pipeline.inflight(e) for e in ends))))
+    return _memory_costs(model, hw, ends[0], inflight, absent, ahead, pending_fields(model, hw, ends[0]))
+
+
+def _memory_costs(model: ModelProfile, hw: HardwareProfile, s: Strategy, inflight: tuple[float, ...],
+                  absent: bool, ahead: tuple[bool, ...], pending: dict) -> StageCosts:
+    """The memory and host rows of ``s`` assembled as ``estimate.stage_costs`` assembles them,
+    with ``inflight``, ``absent`` (``memory.grads_absent``), ``ahead``
+    (``memory.forward_first``) and ``pending`` (``estimate.pending_fields``) as given, the
+    leading blocks at their least over the modes, no time coefficients and no last-stage
+    logits (``memory.stage_output_bytes``)."""
     first, last = states.first_params(model, s), states.last_params(model, s)
     lead_static = lead_act = lead_host = lead_grads = 0.0
     if model.lead is not None:
@@ -60,8 +93,6 @@ def least_memory_costs(model: ModelProfile, hw: HardwareProfile, strat: Strategy
         lead_static, lead_grads = n * lead_state.total, n * lead_state.grads
         lead_act = n * min(memory.block_act_bytes(model.lead, s, r) for r in RECOMPUTE)
         lead_host = n * states.layer_host_bytes(model.lead, s)
-    absent = memory.grads_absent(strat)
-    ahead = () if absent else memory.forward_first(s)
     layer, first_state, last_state = (states.layer_state_bytes(model, s), states.state_bytes(first, s),
                                       states.state_bytes(last, s))
     return StageCosts(
@@ -76,7 +107,7 @@ def least_memory_costs(model: ModelProfile, hw: HardwareProfile, strat: Strategy
         last_static_bytes=last_state.total + states.head_gather_bytes(model, s),
         last_act_bytes=memory.last_act_bytes(model, s), last_transient_bytes=memory.loss_backward_bytes(model, s),
         backward_start_bytes=memory.backward_start_bytes(model, s),
-        inflight=pipeline.inflight(s), buffer_bytes=memory.base_buffer_bytes(model, hw, s),
+        inflight=inflight, buffer_bytes=memory.base_buffer_bytes(model, hw, s),
         sum_weight=0.0, max_weight=0.0,
         layer_host_bytes=states.layer_host_bytes(model, s),
         first_host_bytes=states.host_state_bytes(first, s) + lead_host,
@@ -84,4 +115,4 @@ def least_memory_costs(model: ModelProfile, hw: HardwareProfile, strat: Strategy
         host_cap_bytes=hw.host_memory_bytes if s.offload else float("inf"),
         grads_absent=absent, forward_first=ahead, layer_grad_bytes=layer.grads if absent or ahead else 0.0,
         first_grad_bytes=first_state.grads + lead_grads if absent or ahead else 0.0,
-        last_grad_bytes=last_state.grads if absent or ahead else 0.0)
+        last_grad_bytes=last_state.grads if absent or ahead else 0.0, **pending)

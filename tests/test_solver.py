@@ -627,6 +627,54 @@ def test_optimal_against_exhaustive_enumeration_with_leading_blocks():
     assert modes == {"none", "selective", "full"}  # the leading blocks' mode is searched
 
 
+def test_a_familys_schedule_relaxation_is_below_each_member():
+    """``cost_models.bounds.schedule_memory_costs``: for every family of the search (interleaved
+    over its chunk range, zero-bubble with its deferred weight passes, GPipe, 1F1B; autopar's
+    and Megatron-Core's programs; with leading blocks), every memory and host row is at most
+    each member's, for every stage and every mix of blocks; and it is no looser than its schedule
+    group's relaxation on any stage, strictly tighter on some stage of most non-1F1B families."""
+    import importlib
+    from cost_models.bounds import least_memory_costs, schedule_memory_costs
+    srch = importlib.import_module("autopar.solve.search")
+    rng = random.Random(31)
+    checked, tighter, kinds = 0, 0, set()
+    for i in range(16):
+        model, hw, gpus, batch = random_instance(rng)
+        if i % 3 == 1:
+            model = with_lead(model, rng.randint(1, 2), rng.uniform(0.5, 3.0))
+        model = dataclasses.replace(model, layers=rng.choice([4, 8]))
+        pins = Pins(recipe=load_recipe("megatron-core")) if i % 2 else Pins()
+        blocks, _, space = srch._ordered(model, hw, gpus, batch, "bf16", pins, hw.memory_bytes)
+        for _, order, block, pending in blocks:
+            families: list = []
+            srch._expand_block(model, hw, block, pending, 0.0, order, space, families, [])
+            for _, _, fam, _ in families:
+                for off in {off for _, _, off in fam.members}:
+                    vs = [v for v, _, o in fam.members if o == off]
+                    rep = schedule_memory_costs(model, hw, fam.strategy(vs[0], "", off), (min(vs), max(vs)))
+                    group = least_memory_costs(model, hw, fam.strategy(vs[0], "", off))
+                    kinds.add((fam.schedule, min(vs) < max(vs)))
+                    gain = False
+                    for s in range(rep.pp):
+                        for ld in stage_loads(model.layers // rep.pp, (0, 1, 2)):
+                            assert rep.stage_memory_bytes(s, ld) >= group.stage_memory_bytes(s, ld) * (1 - 1e-12)
+                            gain |= rep.stage_memory_bytes(s, ld) > group.stage_memory_bytes(s, ld) * (1 + 1e-9)
+                    tighter += gain
+                    for v, lead, o in fam.members:
+                        if o != off:
+                            continue
+                        c = stage_costs(model, hw, fam.strategy(v, lead, o))
+                        for s in range(c.pp):
+                            for n in range(model.layers + 1):
+                                for ld in stage_loads(n, fam.modes):
+                                    assert rep.stage_memory_bytes(s, ld) <= c.stage_memory_bytes(s, ld) * (1 + 1e-12), \
+                                        (fam, v, s, ld)
+                                    assert rep.stage_host_bytes(s, ld) <= c.stage_host_bytes(s, ld) * (1 + 1e-12)
+                        checked += 1
+    assert checked > 300 and tighter > 50
+    assert {("interleaved", True), ("zero-bubble", False), ("gpipe", False)} <= kinds
+
+
 def test_family_bounds_are_below_every_members_optimum_in_every_order():
     """The search's bounds on a block and on a family of candidates (``search._ordered``'s and
     ``_expand_block``'s pass floors, then ``bounds.bound_family``: time floors over the

@@ -14,7 +14,7 @@ from autopar.solve.core import stage_upper_bounds
 from autopar.solve.space import Family, Pins, order_free_hardware
 from cost_models import Degrees, HardwareProfile, ModelProfile, StageCosts, Strategy, stage_costs
 from cost_models.axes import DEFAULT_ORDER
-from cost_models.bounds import least_memory_costs
+from cost_models.bounds import least_memory_costs, schedule_memory_costs
 from cost_models.estimate import parts_key, time_floor
 from cost_models.pipeline import chunks, weights
 from cost_models.strategy import RECOMPUTE
@@ -154,7 +154,7 @@ def order_free_costs(model: ModelProfile, hw: HardwareProfile, strat: Strategy, 
 
 
 def family_bound(model: ModelProfile, hw: HardwareProfile, fam: Family, space: SearchMemo,
-                  free: bool) -> float:
+                  free: bool, tight: bool = True) -> float:
     """A bound on the step of every member of ``fam`` at once (``inf`` when none fits): its
     time coefficients at their least over the leading blocks' modes (``estimate.TimeFloor``;
     an offload member is never slower to bound than its twin without: its coefficients are
@@ -162,7 +162,8 @@ def family_bound(model: ModelProfile, hw: HardwareProfile, fam: Family, space: S
     so the bound holds in every order. The larger of the memory-blind ``lower_bound`` at
     its least over the members' chunks, and ``lower_bound`` within device memory of the
     schedule groups' least-memory relaxation (``relaxed``) with the schedule weights and p2p
-    each at their least over the members."""
+    each at their least over the members; under ``tight``, of the members' own schedule
+    (``family_relaxed``) rather than their group's."""
     st = fam.base
     if not free:
         f = time_floor(model, hw, st, space.cache)
@@ -181,7 +182,7 @@ def family_bound(model: ModelProfile, hw: HardwareProfile, fam: Family, space: S
     v_min = min(v for v, _, _ in fam.members)
     bounds = []
     for off in sorted({off for _, _, off in fam.members}):
-        group = relaxed(model, hw, space, fam, off)
+        group = (family_relaxed if tight else relaxed)(model, hw, space, fam, off)
         if group is None:
             continue
         c = replace(group.costs, mode_time_s=f.mode_time_s, first_time_s=f.first_time_s, last_time_s=f.last_time_s,
@@ -233,12 +234,12 @@ def floor_bound(fam: Family, ranks_per_core: float, passes_s: float, zb_fill: fl
 
 
 def bound_family(model: ModelProfile, hw: HardwareProfile, fam: Family, free: bool,
-                 space: SearchMemo) -> float:
+                 space: SearchMemo, tight: bool = True) -> float:
     """``family_bound`` of ``fam``; ``inf`` when none of its schedule groups fits
     (``group_fits``: in no axis order)."""
     if not any(fits(model, hw, space, fam, off) for off in {off for _, _, off in fam.members}):
         return float("inf")
-    return family_bound(model, hw, fam, space, free)
+    return family_bound(model, hw, fam, space, free, tight)
 
 
 def free_hw(space: SearchMemo, hw: HardwareProfile, mesh: Degrees) -> tuple[HardwareProfile, tuple]:
@@ -259,18 +260,41 @@ class Relaxed:
     """``block_units`` of ``costs`` by the time coefficients and modes it was read with."""
 
 
+def _group(fam: Family, offload: bool) -> tuple:
+    """The schedule group of ``fam``'s members with ``offload`` (torch's zero-bubble with
+    m <= p apart, whose peak may come before any gradient)."""
+    zb_early = fam.schedule == "zero-bubble" and fam.num_microbatches <= fam.mesh.pp  # may peak gradient-free
+    return (fam.mesh, fam.micro_batch, fam.zero, fam.sequence_parallel, offload, zb_early)
+
+
 def relaxed(model: ModelProfile, hw: HardwareProfile, space: SearchMemo, fam: Family,
              offload: bool) -> Relaxed | None:
     """The least-memory relaxation of the schedule group of ``fam``'s members with ``offload``
-    (``bounds.least_memory_costs``; torch's zero-bubble with m <= p apart, whose peak may come
-    before any gradient), once per group; None when it does not fit (``group_fits``)."""
-    zb_early = fam.schedule == "zero-bubble" and fam.num_microbatches <= fam.mesh.pp  # may peak gradient-free
-    group = (fam.mesh, fam.micro_batch, fam.zero, fam.sequence_parallel, offload, zb_early)
+    (``bounds.least_memory_costs``), once per group; None when it does not fit (``group_fits``)."""
+    group = _group(fam, offload)
     if group not in space.fits:
         lc = least_memory_costs(model, hw, fam.strategy(1, "", offload))
         upper = stage_upper_bounds(lc, model.layers, space.cap, space.modes)
         space.fits[group] = Relaxed(costs=lc, upper=upper, units={}) if _holds(upper, model.layers) else None
     return space.fits[group]
+
+
+def family_relaxed(model: ModelProfile, hw: HardwareProfile, space: SearchMemo, fam: Family,
+                   offload: bool) -> Relaxed | None:
+    """The relaxation of ``fam``'s members with ``offload`` alone (``bounds.schedule_memory_costs``:
+    their schedule's in-flight counts at their least over their chunks, not 1F1B's), once per
+    schedule group, schedule and chunk range; None when it or its group's does not fit. A
+    1F1B family's is its group's."""
+    group = relaxed(model, hw, space, fam, offload)
+    if group is None or fam.schedule == "1f1b":
+        return group
+    vs = [v for v, _, off in fam.members if off == offload]
+    key = (_group(fam, offload), fam.schedule, min(vs), max(vs))
+    if key not in space.fits:
+        sc = schedule_memory_costs(model, hw, fam.strategy(vs[0], "", offload), (min(vs), max(vs)))
+        upper = stage_upper_bounds(sc, model.layers, space.cap, space.modes)
+        space.fits[key] = Relaxed(costs=sc, upper=upper, units={}) if _holds(upper, model.layers) else None
+    return space.fits[key]
 
 
 def fits(model: ModelProfile, hw: HardwareProfile, space: SearchMemo, fam: Family, offload: bool) -> bool:

@@ -59,8 +59,10 @@ class _Members:
 
     orders: tuple[tuple[str, ...], ...]
     """The other kept axis orders of the family's degrees."""
-    bounded: bool = False
-    """Keyed by ``family_bound`` (after its memory check); before, by ``floor_bound``."""
+    bounded: int = 0
+    """Keyed by ``floor_bound`` (0), by ``family_bound`` with its schedule group's memory
+    relaxation (1: one per group, shared by many families), then with its own schedule's (2;
+    a 1F1B family's is its group's)."""
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -363,11 +365,13 @@ def search(model: ModelProfile, hw: HardwareProfile, gpus: int, global_batch: in
             _expand_block(model, hw, cand, c, lb, order, space, scored, heap)
             continue
         if isinstance(c, _Members):
-            if c.bounded:
+            if c.bounded == 2:
                 _open(model, hw, cand, c, lb, order, space, scored, heap)
             else:
-                scored[i] = (lb, order, cand, replace(c, bounded=True))
-                heapq.heappush(heap, (max(lb, bound_family(model, hw, cand, bool(c.orders), space)), order, None, i))
+                step = 2 if c.bounded or cand.schedule == "1f1b" else 1
+                scored[i] = (lb, order, cand, replace(c, bounded=step))
+                heapq.heappush(heap, (max(lb, bound_family(model, hw, cand, bool(c.orders), space, step == 2)),
+                                      order, None, i))
             continue
         if isinstance(c, _OtherOrders):
             # The other axis orders of a candidate, as one candidate costed under the order-free
