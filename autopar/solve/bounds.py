@@ -29,6 +29,9 @@ def _stage_segments(room: float, per: tuple[float, ...], times: tuple[float, ...
     ``upper``."""
     if room <= 0 or upper <= 0:
         return []
+    if len(per) == 1:  # one mode: one ray (the general case's arithmetic, half the calls)
+        x = room / per[0]
+        return [((x * times[0] - 0.0) / (x - 0.0), min(x - 0.0, float(upper)))]
     pts = sorted({(room / b, room / b * t) for b, t in zip(per, times)})
     hull = [(0.0, 0.0)]
     for x, y in pts:  # lower hull, x increasing; a point with a lower y further right dominates

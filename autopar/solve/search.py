@@ -8,7 +8,7 @@ import time
 from dataclasses import dataclass, replace
 
 from autopar.errors import UserError
-from autopar.solve.bounds import (SearchMemo, bound_family, fits, floor_bound, free_hw, lower_bound,
+from autopar.solve.bounds import (SearchMemo, block_units, bound_family, fits, floor_bound, free_hw, lower_bound,
                                   order_free_base, order_free_blind, order_free_costs)
 from autopar.solve.core import by_rule, full_loads, rule_loads, solve_placement, stage_upper_bounds
 from autopar.solve.exact import least_step
@@ -220,6 +220,9 @@ class _Refined:
     """The modes the placement needs (``_alone``: one where it dominates the others)."""
     tables: StageTables | None = None
     tau: float = float("inf")
+    units: float | None = None
+    """``bounds.block_units`` of the candidate's costs within memory (the LP bound's; the
+    table bound reads it again)."""
 
 
 def _refine(c: StageCosts, cand: Candidate, layers: int, cap: float,
@@ -233,26 +236,28 @@ def _refine(c: StageCosts, cand: Candidate, layers: int, cap: float,
     if min(upper) < cand.min_layers or sum(upper) < layers:
         return _Refined(bound=float("inf"))
     if ref is None:
-        return _Refined(bound=lower_bound(c, layers, cand.modes, cap, upper, min_layers=cand.min_layers),
-                        modes=cand.modes)
+        units = block_units(c, layers, cand.modes, cap, upper)
+        return _Refined(bound=lower_bound(c, layers, cand.modes, cap, upper, min_layers=cand.min_layers,
+                                          units=units), modes=cand.modes, units=units)
+    units = ref.units
     tabs = stage_tables(c, cand.modes, cap, upper)
     tau = bottleneck(tabs, layers, cand.min_layers)
     if tau == float("inf"):
         return _Refined(bound=float("inf"))
     total = least_total(tabs, layers, cand.min_layers)
-    bound = lower_bound(c, layers, cand.modes, cap, upper, tau, total, cand.min_layers)
+    bound = lower_bound(c, layers, cand.modes, cap, upper, tau, total, cand.min_layers, units)
     if len(cand.modes) == 1:  # one mode: the candidate's exact optimum (float noise aside)
         bound = max(bound, single_mode_least_step(c, tabs, layers, cand.min_layers,
                                                   cand.modes[0], tau) * (1 - EXACT))
         return _Refined(bound=bound, modes=cand.modes, tables=tabs, tau=tau)
-    alone = _alone(c, cand, layers, cap, upper, tabs, tau, total)
+    alone = _alone(c, cand, layers, cap, upper, tabs, tau, total, units)
     if alone is not None:
         return replace(alone, bound=max(bound, alone.bound))
     return _Refined(bound=bound, modes=cand.modes, tables=tabs, tau=tau)
 
 
 def _alone(c: StageCosts, cand: Candidate, layers: int, cap: float, upper: list[int],
-           tabs: StageTables, tau: float, total: float) -> _Refined | None:
+           tabs: StageTables, tau: float, total: float, units: float | None) -> _Refined | None:
     """The candidate as a problem in one mode f where that has its optimum, else None. Let f
     be no slower than the candidate's other modes in T and in D: a placement's blocks all
     moved to f cost no more, and fit wherever each stage s holds at most f's most,
@@ -278,7 +283,7 @@ def _alone(c: StageCosts, cand: Candidate, layers: int, cap: float, upper: list[
         return None
     over = min((float(tabs.time[s][n + 1]) + tabs.fixed[s]
                 for s, n in enumerate(upper_f) if n < upper[s]), default=float("inf"))
-    if (lower_bound(c, layers, cand.modes, cap, upper, max(tau, over), total, cand.min_layers)
+    if (lower_bound(c, layers, cand.modes, cap, upper, max(tau, over), total, cand.min_layers, units)
             < c.step_time_s(full_loads(loads))):
         return None
     best = single_mode_least_step(c, tabs_f, layers, cand.min_layers, f, tau_f)
