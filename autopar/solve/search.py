@@ -236,9 +236,9 @@ def _refine(c: StageCosts, cand: Candidate, layers: int, cap: float,
     if min(upper) < cand.min_layers or sum(upper) < layers:
         return _Refined(bound=float("inf"))
     if ref is None:
-        units = block_units(c, layers, cand.modes, cap, upper)
+        lp = block_units(c, layers, cand.modes, cap, upper)
         return _Refined(bound=lower_bound(c, layers, cand.modes, cap, upper, min_layers=cand.min_layers,
-                                          units=units), modes=cand.modes, units=units)
+                                          units=lp), modes=cand.modes, units=lp)
     units = ref.units
     tabs = stage_tables(c, cand.modes, cap, upper)
     tau = bottleneck(tabs, layers, cand.min_layers)
