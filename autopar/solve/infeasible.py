@@ -5,8 +5,9 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
-from autopar.solve.space import Pins
-from cost_models import HardwareProfile, ModelProfile
+from autopar.solve.core import stage_upper_bounds
+from autopar.solve.space import Pins, outer_candidates
+from cost_models import HardwareProfile, ModelProfile, stage_costs
 from cost_models.recipe import load_recipe
 
 _FLAGS = {"dp": "--dp", "tp": "--tp", "pp": "--pp", "cp": "--cp", "zero": "--zero", "micro_batch": "--mbs",
@@ -85,7 +86,6 @@ def no_candidate_reason(model: ModelProfile, hw: HardwareProfile, gpus: int,
 
 def _describe_fix(model, hw, gpus, global_batch, dtype, pins: Pins) -> str | None:
     """The first single pin whose removal makes something fit, and what then fits."""
-    from autopar.solve.search import fits_anywhere
     for name, flag in _FLAGS.items():
         if getattr(pins, name) is None:
             continue
@@ -100,7 +100,6 @@ def does_not_fit(model: ModelProfile, hw: HardwareProfile, gpus: int, global_bat
                  dtype: str, pins: Pins) -> str:
     """Why nothing fits in device memory, and what would: a pin to drop, the ZeRO-3 + full
     recompute escape when those were pinned away, or the device count that fits."""
-    from autopar.solve.search import fits_anywhere
     head = (f"{model.name} does not fit on {gpus} x {hw.device} ({hw.memory_gib:g} GiB) at "
             f"global batch {global_batch}")
     if pins != pins.base():
@@ -128,3 +127,14 @@ def does_not_fit(model: ModelProfile, hw: HardwareProfile, gpus: int, global_bat
             break
     return head + (f": needs >= {hi} devices of {hw.memory_gib:g} GiB at this batch "
                    f"(with ZeRO-3 and full recompute as needed)")
+
+
+def fits_anywhere(model: ModelProfile, hw: HardwareProfile, gpus: int, global_batch: int,
+                  dtype: str, pins: Pins) -> bool:
+    """Some outer candidate has a placement within device memory (bounds only, no CP-SAT)."""
+    for cand in outer_candidates(model, hw, gpus, global_batch, dtype, pins):
+        c = stage_costs(model, hw, cand.strategy)
+        upper = stage_upper_bounds(c, model.layers, hw.memory_bytes, cand.modes)
+        if min(upper) >= cand.min_layers and sum(upper) >= model.layers:
+            return True
+    return False

@@ -14,7 +14,7 @@ from autopar.solve.core import by_rule, full_loads, rule_loads, solve_placement,
 from autopar.solve.exact import least_step
 from autopar.solve.infeasible import does_not_fit, no_candidate_reason
 from autopar.solve.space import (Block, Candidate, Family, Pins, axis_orders, block_families,
-                                family_signature, outer_blocks, outer_candidates, recompute_modes)
+                                family_signature, outer_blocks, recompute_modes)
 from autopar.solve.tables import (StageTables, bottleneck, greedy, least_total,
                                   single_mode_least_step, stage_tables)
 from cost_models import Degrees, HardwareProfile, ModelProfile, StageCosts, Strategy, estimate, stage_costs
@@ -495,14 +495,3 @@ def _dedupe_ties(found: list) -> list:
                 out[i], out[i + 1] = b, a
                 changed = True
     return out
-
-
-def fits_anywhere(model: ModelProfile, hw: HardwareProfile, gpus: int, global_batch: int,
-                  dtype: str, pins: Pins) -> bool:
-    """Some outer candidate has a placement within device memory (bounds only, no CP-SAT)."""
-    for cand in outer_candidates(model, hw, gpus, global_batch, dtype, pins):
-        c = stage_costs(model, hw, cand.strategy)
-        upper = stage_upper_bounds(c, model.layers, hw.memory_bytes, cand.modes)
-        if min(upper) >= cand.min_layers and sum(upper) >= model.layers:
-            return True
-    return False
