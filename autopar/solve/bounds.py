@@ -213,8 +213,9 @@ class SearchMemo:
     cache: dict
     free_cache: dict
     fits: dict
-    """By schedule group, its least-memory relaxation and its stages' most blocks where it
-    fits (with ``modes`` under ``cap``), else None (``relaxed``)."""
+    """By schedule group (``relaxed``), and by group, schedule and chunk range
+    (``family_relaxed``), its memory relaxation and its stages' most blocks where it fits
+    (with ``modes`` under ``cap``), else None."""
     modes: tuple[int, ...]
     cap: float
     twins: dict
