@@ -52,7 +52,10 @@ Pruning (``search``): before any candidate is costed, a schedule group (the cand
 differ only in schedule, chunks and recompute) whose least-memory relaxation cannot hold the
 model (``cost_models.bounds.least_memory_costs``: 1F1B's in-flight micro-batches, the fewest of
 any schedule, and every recompute mode; ``core.stage_upper_bounds``) is dropped whole, in every
-axis order: exact, since memory reads no order and grows with the in-flight count.
+axis order: exact, since memory reads no order and grows with the in-flight count. A family
+of candidates (one schedule, its chunk counts) whose group bound comes up is bounded again with
+its own schedule's rows (``cost_models.bounds.schedule_memory_costs``: interleaved in flight at
+its least over the chunks, torch zero-bubble's deferred weight passes), far tighter than 1F1B's.
 ``lower_bound`` (every block at its fastest allowed mode, slowest stage ≥ mean) orders the
 candidates; a candidate is then refined with its memory-aware bound:
 sum_weight · max(LP bound on Σ T_s, least Σ T_s of the tables (a min-plus convolution))
