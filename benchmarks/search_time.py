@@ -2,6 +2,8 @@
 Megatron's published one.
 
     python benchmarks/search_time.py [--repeats 3]
+    PYTHONHASHSEED=0 valgrind --tool=callgrind --callgrind-out-file=/dev/null \
+        python benchmarks/search_time.py --once 1 [--no-search]   # instructions of one search
 
 Part 1 prints, per job, the wall time of whole ``autopar plan`` processes (a subprocess each:
 interpreter start, imports, the search, printing) against the issue's target on an idle 2-core
@@ -139,6 +141,16 @@ def compare_table1() -> None:
               f"{took:8.2f} {free.gap:5.1%}  {describe(free.strategy)}")
 
 
+def search_once(index: int, stop: bool, time_limit: float) -> None:
+    """One search of ``JOBS[index]`` in this process, its plan printed (``stop``: none)."""
+    _, model, cluster, gpus, batch, seq, _ = JOBS[index]
+    job = read_job(model, cluster, gpus, batch, seq)
+    prof = profile_spec(job.spec)
+    if not stop:
+        sol = search(prof, job.hw, gpus, batch, job.dtype, time_limit_s=time_limit)
+        print(f"{sol.estimate.step_time_s:.6f} s  {describe(sol.strategy)}")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--repeats", type=int, default=3)
@@ -146,7 +158,15 @@ def main() -> None:
     parser.add_argument("--tight-limit", type=float, default=0.05,
                         help="the --time-limit of part 3, s")
     parser.add_argument("--jobs-only", action="store_true", help="part 1 only")
+    parser.add_argument("--once", type=int, metavar="J",
+                        help="only one in-process search of job J (0-based, part 1's order) and its plan, "
+                             "to run under a profiler, e.g. PYTHONHASHSEED=0 valgrind --tool=callgrind")
+    parser.add_argument("--no-search", action="store_true",
+                        help="with --once: stop before the search (what imports and the model cost)")
     args = parser.parse_args()
+    if args.once is not None:
+        search_once(args.once, args.no_search, args.time_limit)
+        return
     time_jobs(args.repeats, args.time_limit)
     if args.jobs_only:
         return
