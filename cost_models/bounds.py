@@ -65,8 +65,8 @@ def schedule_memory_costs(model: ModelProfile, hw: HardwareProfile, strat: Strat
     min(m, p + (p - 2s - 1)/v), monotone in v on every stage, so the least is at the fewest or
     the most chunks), with the schedule's own deferred weight passes and what they hold
     (torch's zero-bubble, ``estimate.pending_fields``) and its forward-first stages. Far
-    tighter than 1F1B's rows for an interleaved or zero-bubble family: their last stages hold
-    about p micro-batches, 1F1B's one. Where the fewest- and most-chunk members differ in
+    tighter than 1F1B's rows for an interleaved or torch zero-bubble family: their last stages
+    hold about p micro-batches, 1F1B's one (ZB-H1 keeps 1F1B's counts: no gain there). Where the fewest- and most-chunk members differ in
     anything but the in-flight counts, the group's relaxation (``least_memory_costs``)."""
     ends = [replace(strat, virtual_stages=v, recompute="none", stage_layers=(), stage_recompute=())
             for v in (min(chunk_counts), max(chunk_counts))]
