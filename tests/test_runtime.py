@@ -46,6 +46,10 @@ HF_GEMMA = ("hf:GemmaConfig:num_hidden_layers=4,hidden_size=64,num_attention_hea
             "head_dim=16,intermediate_size=96,vocab_size=128,seq=16")
 HF_PHI = ("hf:PhiConfig:num_hidden_layers=4,hidden_size=64,num_attention_heads=4,intermediate_size=96,"
           "vocab_size=128,resid_pdrop=0,embd_pdrop=0,attention_dropout=0,seq=16")
+# Falcon's attention calls SDPA itself (not through transformers' AttentionInterface), its
+# dropouts off.
+HF_FALCON = ("hf:FalconConfig:num_hidden_layers=4,hidden_size=64,num_attention_heads=4,vocab_size=128,"
+             "new_decoder_architecture=True,num_kv_heads=2,attention_dropout=0,hidden_dropout=0,seq=16")
 STEPS = 3
 LOSS_TOL = 2e-6
 PARAM_TOL = 1e-4
@@ -292,15 +296,16 @@ def test_refusals_name_the_fix():
         check_plan(make_plan(GPT, pp=2, dp=2, zero=2, mbs=2, m=2, schedule="zero-bubble", recompute="op"))
 
 
-@pytest.mark.parametrize("model", [LLAMA, HF_LLAMA])
+@pytest.mark.parametrize("model", [LLAMA, HF_LLAMA, HF_FALCON])
 def test_recompute_keeps_fewer_activations(model):
     """What autograd keeps for backward (one forward, bytes per storage): selective drops the
     attention core's tensors, per-op recompute keeps every second GEMM's output and the
     attention's, full keeps only each block's input. (Per-op recompute's kept outputs live in
-    its own cache, which saved-tensor hooks do not see: the hooks count its block inputs.)"""
+    its own cache, which saved-tensor hooks do not see: the hooks count its block inputs.)
+    Every mode computes the same logits."""
     ctx = ParallelContext(mesh=None, device=torch.device("cpu"))
     x, _ = synthetic_batch(make_plan(model, mbs=8, m=1), 0, 0)
-    kept = {}
+    kept, logits = {}, {}
     for mode in ("none", "selective", "full", "op"):
         (module,) = build_program(make_plan(model, mbs=8, m=1, recompute=mode), ctx).modules
         seen: dict[int, int] = {}
@@ -310,10 +315,12 @@ def test_recompute_keeps_fewer_activations(model):
             return t
 
         with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-            module(x)
+            logits[mode] = module(x)
         kept[mode] = sum(seen.values())
     assert kept["full"] < kept["selective"] < kept["none"]
     assert kept["op"] == kept["full"]
+    for mode in ("selective", "full", "op"):
+        assert torch.equal(logits[mode], logits["none"]), mode
 
 
 @pytest.mark.parametrize("model", [LLAMA, GPT, HF_LLAMA])

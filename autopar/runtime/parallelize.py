@@ -33,10 +33,12 @@ checkpointing, then the data-parallel wrapper — each with stock torch.distribu
 from __future__ import annotations
 
 import copy
-from typing import TYPE_CHECKING, Callable, cast
+from typing import TYPE_CHECKING, Any, Callable, cast
 
 import torch
+import torch.nn.functional as F
 from torch import nn
+from torch.overrides import TorchFunctionMode
 from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import CheckpointImpl, checkpoint_wrapper
 from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
 from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionPolicy, OffloadPolicy, fully_shard
@@ -197,7 +199,8 @@ def apply_recompute(model: nn.Module, recompute: tuple[str, ...], anat: Anatomy)
     full = the whole block; op = the whole block under the per-op policy (``_per_op_policy``);
     selective = its attention core (Korthikanti et al. 2022): the
     built-in ``CoreAttention`` module, or for HF models the attention function, swapped for a
-    checkpointed SDPA through transformers' ``AttentionInterface``."""
+    checkpointed SDPA through transformers' ``AttentionInterface`` (an attention that calls
+    SDPA itself: its calls, ``CheckpointedSDPA``)."""
     container = model.get_submodule(anat.container)
     for index, name in enumerate(anat.blocks):
         key = name.rpartition(".")[2]
@@ -246,6 +249,17 @@ def _per_op_contexts():
     return create_selective_checkpoint_contexts(_per_op_policy())
 
 
+class CheckpointedSDPA(TorchFunctionMode):
+    """``scaled_dot_product_attention`` calls run under non-reentrant checkpointing (the
+    selective recompute of attention that is not a module of its own)."""
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
+        kwargs = kwargs or {}
+        if func is F.scaled_dot_product_attention:
+            return checkpoint(func, *args, use_reentrant=False, **kwargs)
+        return func(*args, **kwargs)
+
+
 def _checkpointed_sdpa(module: nn.Module, *args, **kwargs):
     """HF's SDPA attention function, its activations recomputed in the backward."""
     from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
@@ -268,6 +282,16 @@ def _recompute_attention_core(block: nn.Module, anat: Anatomy) -> None:
     if config is None or getattr(config, "_attn_implementation", None) != "sdpa":
         raise ValueError("selective recompute needs the attention core as a module or HF SDPA attention; "
                          "use recompute none or full for this model")
+    if "ALL_ATTENTION_FUNCTIONS" not in type(attention).forward.__code__.co_names:
+        # calls torch's SDPA itself under ``_attn_implementation == "sdpa"`` (Falcon): another
+        # name there would take its eager path, so its SDPA calls are checkpointed where made
+        inner = attention.forward
+
+        def forward(*args: Any, _inner: Callable[..., Any] = inner, **kwargs: Any) -> Any:
+            with CheckpointedSDPA():
+                return _inner(*args, **kwargs)
+        attention.forward = forward  # type: ignore[method-assign]
+        return
     from transformers import AttentionInterface
     AttentionInterface.register(SELECTIVE_ATTENTION, _checkpointed_sdpa)  # idempotent: same name, same function
     local = copy.copy(config)  # this layer only

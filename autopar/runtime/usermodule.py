@@ -44,16 +44,14 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
-import torch.nn.functional as F
 from torch import nn
-from torch.overrides import TorchFunctionMode
-from torch.utils.checkpoint import checkpoint
 
 from autopar.errors import UserError
 from autopar.plan import Plan
 from autopar.layout import Anatomy
 from autopar.trace.anatomy import _is_norm, anatomy
 from autopar.runtime.models import _as_linear, _keep_blocks, _seeded_normal_, _set
+from autopar.runtime.parallelize import CheckpointedSDPA
 from autopar.spec import ModelSpec, parse_model_spec, with_seq
 from autopar.trace import ModelGraph, trace_module, traced_spec
 from autopar.trace.tracer import _at_seq
@@ -373,19 +371,9 @@ def _narrow(owner: nn.Module, gemms: list[nn.Module], tp: int) -> None:
         gemm.register_forward_pre_hook(swap, prepend=True)
 
 
-class _CheckpointedSDPA(TorchFunctionMode):
-    """``scaled_dot_product_attention`` calls run under non-reentrant checkpointing."""
-
-    def __torch_function__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
-        kwargs = kwargs or {}
-        if func is F.scaled_dot_product_attention:
-            return checkpoint(func, *args, use_reentrant=False, **kwargs)
-        return func(*args, **kwargs)
-
-
 def recompute_attention_calls(model: nn.Module, recompute: tuple[str, ...], anat: Anatomy) -> None:
     """Selective recompute for the blocks whose mode is ``selective``: their SDPA calls are
-    checkpointed (the block's forward runs under :class:`_CheckpointedSDPA`)."""
+    checkpointed (the block's forward runs under :class:`CheckpointedSDPA`)."""
     container = model.get_submodule(anat.container)
     for index, name in enumerate(anat.blocks):
         key = name.rpartition(".")[2]
@@ -395,6 +383,6 @@ def recompute_attention_calls(model: nn.Module, recompute: tuple[str, ...], anat
         inner = block.forward
 
         def forward(*args: Any, _inner: Callable[..., Any] = inner, **kwargs: Any) -> Any:
-            with _CheckpointedSDPA():
+            with CheckpointedSDPA():
                 return _inner(*args, **kwargs)
         block.forward = forward  # type: ignore[method-assign]
