@@ -57,6 +57,23 @@ def least_memory_costs(model: ModelProfile, hw: HardwareProfile, strat: Strategy
     return _memory_costs(model, hw, s, pipeline.inflight(s), absent, () if absent else memory.forward_first(s), {})
 
 
+def state_floor_bytes(model: ModelProfile, strat: Strategy) -> tuple[float, float, float]:
+    """(first stage's, last stage's, each block's) device bytes of weights and optimizer
+    states alone, nowhere above the memory rows (``StageCosts.memory_rows``) of any strategy
+    with ``strat``'s degrees, ZeRO stage, offload, dtype and recipe, whatever its micro-batches,
+    SP, schedule, chunks and recompute: those read only the gradients (``states.grads_sharded``),
+    and the gradients, activations, workspaces, buffers and gathered head count 0 here, while a
+    stage's peak frees no weight or optimizer state (``memory.forward_first`` and
+    ``memory.grads_absent`` take gradients and activations off only). Bytes."""
+    def kept(st: states.StateBytes) -> float:
+        return st.params + st.optimizer
+
+    lead = model.lead_layers * kept(states.layer_state_bytes(model.lead, strat)) if model.lead is not None else 0.0
+    return (kept(states.state_bytes(states.first_params(model, strat), strat)) + lead,
+            kept(states.state_bytes(states.last_params(model, strat), strat)),
+            kept(states.layer_state_bytes(model, strat)))
+
+
 def schedule_memory_costs(model: ModelProfile, hw: HardwareProfile, strat: Strategy,
                           chunk_counts: tuple[int, ...]) -> StageCosts:
     """``least_memory_costs`` of the members of ``strat``'s schedule group that run its

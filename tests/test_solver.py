@@ -675,6 +675,42 @@ def test_a_familys_schedule_relaxation_is_below_each_member():
     assert {("interleaved", True), ("zero-bubble", False), ("gpipe", False)} <= kinds
 
 
+def test_the_state_floor_is_below_every_strategys_memory_rows():
+    """``cost_models.bounds.state_floor_bytes`` (weights and optimizer states alone, keyed by
+    degrees, ZeRO and offload: ``autopar.solve.bounds._states_hold``) is at most every
+    candidate's stage memory for every stage and mix of blocks, whatever its micro-batches,
+    SP, schedule, chunks and recompute; dense, MoE and leading-block models, autopar's and
+    Megatron-Core's programs; and it rules some candidates out."""
+    from cost_models.bounds import state_floor_bytes
+    rng = random.Random(47)
+    checked = ruled_out = 0
+    for i in range(12):
+        if i % 4 == 3:
+            heads = rng.choice([4, 8])
+            model = moe_profile(layers=rng.randint(2, 4), hidden=heads * 256, heads=heads,
+                                experts=rng.choice([4, 8]), topk=rng.choice([1, 2]), seq=rng.choice([512, 2048]))
+            _, hw, gpus, batch = random_instance(rng)
+        else:
+            model, hw, gpus, batch = random_instance(rng)
+        if i % 3 == 1:
+            model = with_lead(model, rng.randint(1, 2), rng.uniform(0.5, 3.0))
+        pins = Pins(recipe=load_recipe("megatron-core")) if i % 2 else Pins()
+        for cand in outer_candidates(model, hw, gpus, batch, "bf16", pins):
+            st = cand.strategy
+            first, last, per = state_floor_bytes(model, st)
+            c = stage_costs(model, hw, st)
+            floor_fits = True
+            for s in range(c.pp):
+                fixed = (first if s == 0 else 0.0) + (last if s == c.pp - 1 else 0.0)
+                floor_fits &= fixed + per <= hw.memory_bytes
+                for n in range(model.layers + 1):
+                    for ld in stage_loads(n, cand.modes):
+                        assert fixed + n * per <= c.stage_memory_bytes(s, ld) * (1 + 1e-12), (st, s, ld)
+                checked += 1
+            ruled_out += not floor_fits
+    assert checked > 1000 and ruled_out > 10
+
+
 def test_family_bounds_are_below_every_members_optimum_in_every_order():
     """The search's bounds on a block and on a family of candidates (``search._ordered``'s and
     ``_expand_block``'s pass floors, then ``bounds.bound_family``: time floors over the

@@ -8,13 +8,14 @@ tests/test_solver.py."""
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, replace
 
 from autopar.solve.core import stage_upper_bounds
 from autopar.solve.space import Family, Pins, order_free_hardware
 from cost_models import Degrees, HardwareProfile, ModelProfile, StageCosts, Strategy, stage_costs
 from cost_models.axes import DEFAULT_ORDER
-from cost_models.bounds import least_memory_costs, schedule_memory_costs
+from cost_models.bounds import least_memory_costs, schedule_memory_costs, state_floor_bytes
 from cost_models.estimate import parts_key, time_floor
 from cost_models.pipeline import chunks, weights
 from cost_models.strategy import RECOMPUTE
@@ -215,7 +216,8 @@ class SearchMemo:
     fits: dict
     """By schedule group (``relaxed``), and by group, schedule and chunk range
     (``family_relaxed``), its memory relaxation and its stages' most blocks where it fits
-    (with ``modes`` under ``cap``), else None."""
+    (with ``modes`` under ``cap``), else None; by degrees, ZeRO stage and offload, whether
+    the weights and optimizer states alone fit (``_states_hold``)."""
     modes: tuple[int, ...]
     cap: float
     twins: dict
@@ -276,11 +278,30 @@ def relaxed(model: ModelProfile, hw: HardwareProfile, space: SearchMemo, fam: Fa
     """The least-memory relaxation of the schedule group of ``fam``'s members with ``offload``
     (``bounds.least_memory_costs``), once per group; None when it does not fit (``group_fits``)."""
     group = _group(fam, offload)
+    if group not in space.fits and not _states_hold(model, space, fam, offload):
+        space.fits[group] = None
     if group not in space.fits:
         lc = least_memory_costs(model, hw, fam.strategy(1, "", offload))
         upper = stage_upper_bounds(lc, model.layers, space.cap, space.modes)
         space.fits[group] = Relaxed(costs=lc, upper=upper, units={}) if _holds(upper, model.layers) else None
     return space.fits[group]
+
+
+def _states_hold(model: ModelProfile, space: SearchMemo, fam: Family, offload: bool) -> bool:
+    """Whether the stages can hold the model's weights and optimizer states alone
+    (``bounds.state_floor_bytes``, within ``space.cap``, at least one block each), once per
+    degrees, ZeRO stage and offload: False rules out every schedule group sharing them, before
+    any group's relaxation is made."""
+    key = (fam.mesh, fam.zero, offload)
+    if key not in space.fits:
+        first, last, per = state_floor_bytes(model, fam.strategy(1, "", offload))
+        pp, layers = fam.mesh.pp, model.layers
+        upper = []
+        for s in range(pp):
+            room = space.cap - (first if s == 0 else 0.0) - (last if s == pp - 1 else 0.0)
+            upper.append(-1 if room < 0 else layers if per <= 0 else min(layers, math.floor(room / per)))
+        space.fits[key] = _holds(upper, layers)
+    return space.fits[key]
 
 
 def family_relaxed(model: ModelProfile, hw: HardwareProfile, space: SearchMemo, fam: Family,
