@@ -50,6 +50,12 @@ HF_PHI = ("hf:PhiConfig:num_hidden_layers=4,hidden_size=64,num_attention_heads=4
 # dropouts off.
 HF_FALCON = ("hf:FalconConfig:num_hidden_layers=4,hidden_size=64,num_attention_heads=4,vocab_size=128,"
              "new_decoder_architecture=True,num_kv_heads=2,attention_dropout=0,hidden_dropout=0,seq=16")
+# Bloom: ALiBi built by the model for every head (each rank takes its heads' slice).
+HF_BLOOM = ("hf:BloomConfig:n_layer=4,hidden_size=64,n_head=4,vocab_size=128,hidden_dropout=0,"
+            "attention_dropout=0,seq=16")
+# OPT flattens its tokens to [b·s, h] around the MLP (sequence shards of dim -2).
+HF_OPT = ("hf:OPTConfig:num_hidden_layers=4,hidden_size=64,num_attention_heads=4,ffn_dim=96,vocab_size=128,"
+          "word_embed_proj_dim=64,dropout=0,attention_dropout=0,activation_dropout=0,seq=16")
 STEPS = 3
 LOSS_TOL = 2e-6
 PARAM_TOL = 1e-4
@@ -110,6 +116,10 @@ PLANS_4 = {
     "hf gpt2 tp2 sp x dp2 zero2": make_plan(HF_GPT2, tp=2, dp=2, zero=2, sp=True, mbs=1, m=4),
     "hf gemma tp2 sp x dp2 zero3": make_plan(HF_GEMMA, tp=2, dp=2, zero=3, sp=True, mbs=2, m=2),
     "hf phi pp2 x tp2 sp": make_plan(HF_PHI, pp=2, tp=2, sp=True, mbs=2, m=4),
+    "hf bloom tp2 sp x dp2 zero1": make_plan(HF_BLOOM, tp=2, dp=2, zero=1, sp=True, mbs=2, m=2),
+    "hf opt tp2 sp x dp2 zero2": make_plan(HF_OPT, tp=2, dp=2, zero=2, sp=True, mbs=2, m=2),
+    "hf falcon tp2 x dp2 zero2 selective": make_plan(HF_FALCON, tp=2, dp=2, zero=2, mbs=2, m=2,
+                                                      recompute="selective"),
 }
 PLANS_8 = {
     "gpt tied 3d pp2 dp2 tp2 sp zero2, pp innermost": make_plan(GPT_TIED, pp=2, dp=2, tp=2, sp=True, zero=2, mbs=1, m=4,

@@ -33,6 +33,7 @@ checkpointing, then the data-parallel wrapper — each with stock torch.distribu
 from __future__ import annotations
 
 import copy
+import inspect
 from typing import TYPE_CHECKING, Any, Callable, cast
 
 import torch
@@ -72,9 +73,12 @@ def _block_tp_plans(anat: Anatomy, sp: bool) -> list[dict]:
     output is all-gathered for its sub-layer — one all-gather per sub-layer however the
     sub-layer is called (HF attention takes ``hidden_states=`` by keyword); a post-norm (on a
     row GEMM's output, before the residual add) stays on its shard. Returned as passes applied
-    in turn (a pre-norm gets two styles)."""
+    in turn (a pre-norm gets two styles). The sequence shards are of the tokens' dimension,
+    -2: dim 1 of [b, s, h], dim 0 of a block that flattens its tokens to [b·s, h] around a
+    sub-layer (OPT's MLP), where each rank's shard is its own b·s/tp tokens, gathered and
+    scattered back in the same order."""
     plan: dict = {name: ColwiseParallel() for name in anat.column}
-    plan.update({name: RowwiseParallel(output_layouts=Shard(1) if sp else Replicate()) for name in anat.row})
+    plan.update({name: RowwiseParallel(output_layouts=Shard(-2) if sp else Replicate()) for name in anat.row})
     pre = [name for name in anat.norms if name not in anat.post_norms]
     if not sp:
         # The pre-norm's output enters its sub-layer as a replicated DTensor, so the column
@@ -85,9 +89,9 @@ def _block_tp_plans(anat: Anatomy, sp: bool) -> list[dict]:
             return [plan]
         return [plan, {name: PrepareModuleOutput(output_layouts=Replicate(), desired_output_layouts=Replicate(),
                                                  use_local_output=False) for name in pre}]
-    plan.update({name: SequenceParallel() for name in pre})
-    plan.update({name: SequenceParallel(use_local_output=True) for name in anat.post_norms})
-    gather = {name: PrepareModuleOutput(output_layouts=Shard(1), desired_output_layouts=Replicate(),
+    plan.update({name: SequenceParallel(sequence_dim=-2) for name in pre})
+    plan.update({name: SequenceParallel(sequence_dim=-2, use_local_output=True) for name in anat.post_norms})
+    gather = {name: PrepareModuleOutput(output_layouts=Shard(-2), desired_output_layouts=Replicate(),
                                         use_local_output=False) for name in pre}
     return [plan, gather]
 
@@ -111,6 +115,7 @@ def apply_tensor_parallel(model: nn.Module, ctx: ParallelContext, sp: bool, anat
     mesh = ctx.submesh(Axis.TP)
     for name in blocks:
         _localize_block(model.get_submodule(name), anat, mesh.size(), set(heads))
+        _local_alibi(model.get_submodule(name), anat, heads[0], mesh.size(), mesh.get_local_rank())
     here = {n for n, m in model.named_modules() if next(m.parameters(), None) is not None}  # not stand-ins
     top: dict = {}
     if anat.embed in here:
@@ -136,6 +141,25 @@ def apply_tensor_parallel(model: nn.Module, ctx: ParallelContext, sp: bool, anat
             parallelize_module(model.get_submodule(name), mesh, plan)
         for row in anat.row:  # after the styles' own hooks
             model.get_submodule(f"{name}.{row}").register_forward_hook(_own_output)
+
+
+def _local_alibi(block: nn.Module, anat: Anatomy, heads: int, tp: int, rank: int) -> None:
+    """Cut the ALiBi bias that a block's attention takes as ``alibi`` (Bloom, Falcon-RW: the
+    model builds it for every head, [batch x heads, 1, s]) to this rank's heads, the slice
+    its column-parallel QKV computes."""
+    k = heads // tp
+
+    def hook(module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict] | None:
+        alibi = kwargs.get("alibi")
+        if alibi is None or alibi.shape[0] % heads:
+            return None
+        per_head = alibi.view(-1, heads, *alibi.shape[1:])[:, rank * k:(rank + 1) * k]
+        return args, {**kwargs, "alibi": per_head.reshape(-1, *alibi.shape[1:])}
+
+    for owner in {name.rpartition(".")[0] for name in anat.column}:
+        module = block.get_submodule(owner)
+        if "alibi" in inspect.signature(type(module).forward).parameters:
+            module.register_forward_pre_hook(hook, with_kwargs=True)
 
 
 def _own_output(module: nn.Module, args: tuple, output: torch.Tensor) -> torch.Tensor:
