@@ -8,6 +8,7 @@ only when an ``hf:`` or MoE spec is used. Nothing is downloaded: models are buil
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import importlib
 import re
 import warnings
@@ -146,7 +147,18 @@ def check_causal_lm(config: Any) -> None:
 def spec_from_hf(text: str, cls_name: str, options: tuple[tuple[str, str], ...]) -> ModelSpec:
     """The :class:`ModelSpec` of ``hf:<cls_name>:<options>``, its shape read from the config.
     ``seq=S`` among the options sets the training sequence length (default: the config's
-    maximum positions)."""
+    maximum positions). Kept in ``$AUTOPAR_CACHE/spec`` by the spec, transformers' version and
+    this parser's source, so a spec read before imports neither transformers nor torch (about
+    3 s); a bad spec is never kept."""
+    from autopar.plan import rebuild
+    from autopar.profiles import _version, kept, source_digest
+    key = f"{text}|{_version('transformers')}|{source_digest('hf.py', 'spec.py', 'limits.py')}"
+    return kept("spec", key, lambda: _read_spec(text, cls_name, options), dataclasses.asdict,
+                lambda data: rebuild(ModelSpec, data, "cached spec"))
+
+
+def _read_spec(text: str, cls_name: str, options: tuple[tuple[str, str], ...]) -> ModelSpec:
+    """``spec_from_hf`` from transformers' config class."""
     if not cls_name:
         raise UserError(f"{shown(text)} names no config class; write hf:LlamaConfig:key=value,...")
     if not cls_name.isidentifier():

@@ -18,7 +18,9 @@ import dataclasses
 import hashlib
 import json
 import os
+from collections.abc import Callable
 from functools import lru_cache
+from typing import TypeVar
 from importlib.metadata import PackageNotFoundError, version
 from pathlib import Path
 
@@ -41,6 +43,32 @@ def _version(package: str) -> str:
         return version(package)
     except PackageNotFoundError:
         return ""
+
+
+T = TypeVar("T")
+
+
+def source_digest(*names: str) -> str:
+    """sha256 (hex) of autopar's source files ``names`` (relative to the package)."""
+    digest = hashlib.sha256()
+    for name in names:
+        digest.update((_ROOT / name).read_bytes())
+    return digest.hexdigest()
+
+
+def kept(kind: str, key: str, make: Callable[[], T], to_json: Callable[[T], object],
+         from_json: Callable[[object], T]) -> T:
+    """``make()``, kept as JSON under ``$AUTOPAR_CACHE/<kind>`` by ``key`` (whose parts must
+    name everything the value depends on): read back with ``from_json``; an unreadable or
+    malformed entry (``from_json`` raising) is made again and rewritten."""
+    path = cache_root() / kind / f"{hashlib.sha256(key.encode()).hexdigest()[:32]}.json"
+    try:
+        return from_json(json.loads(path.read_text(encoding="utf-8")))
+    except (OSError, ValueError, UserError, TypeError, KeyError, RecursionError):
+        pass
+    value = make()
+    _write(path, json.dumps(to_json(value), sort_keys=True))
+    return value
 
 
 SHIPPED = _ROOT / "traces"
@@ -90,9 +118,12 @@ def entry_text(profile: ModelProfile, layout: Anatomy | None) -> str:
 
 
 def _store(path: Path, profile: ModelProfile, layout: Anatomy | None) -> None:
+    _write(path, entry_text(profile, layout))
+
+
+def _write(path: Path, text: str) -> None:
     """Write atomically (a reader sees the old entry or the whole new one); an unwritable cache
-    only costs the next command its trace."""
-    text = entry_text(profile, layout)
+    only costs the next command its work."""
     tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
     try:
         path.parent.mkdir(parents=True, exist_ok=True)

@@ -140,8 +140,10 @@ def _hf_twin(spec: ModelSpec) -> str:
 
 def twin_spec_text(spec: ModelSpec) -> str:
     """The ``--model`` spec of ``spec``'s twin (a user module's: itself)."""
-    if spec.arch == "hf":
-        return _hf_twin(spec)
+    if spec.arch == "hf":  # kept: deriving it imports transformers (and torch)
+        from autopar.profiles import _version, kept, source_digest
+        key = f"{spec!r}|{_version('transformers')}|{source_digest('verify.py', 'hf.py', 'spec.py')}"
+        return kept("twin", key, lambda: _hf_twin(spec), lambda t: t, _text)
     if spec.arch == "module":
         return spec.name
     if spec.builtin:
@@ -151,6 +153,13 @@ def twin_spec_text(spec: ModelSpec) -> str:
             return f"llama:{base},kv_heads={twin_kv_heads(spec)},ffn={TWIN_FFN}"
         return f"gpt:{base},tied={int(spec.tied)}"
     raise UserError(f"autopar verify checks HF, built-in and user models, not {spec.arch} models ({spec.name})")
+
+
+def _text(value: object) -> str:
+    """A kept twin spec, checked."""
+    if not isinstance(value, str) or not value.startswith("hf:"):
+        raise ValueError("not a twin spec")
+    return value
 
 
 def twin_shape(twin: str) -> tuple[int, int]:
@@ -260,8 +269,8 @@ def _cache_file(twin: str) -> Path:
     """The verdicts' file: keyed by the twin, torch's and transformers' versions and the source
     of the code that runs it: the runtime and the tracer whose layout it shards (changed code proves
     itself again)."""
-    import torch
-    digest = hashlib.sha256(f"{twin}|{torch.__version__}|{_transformers_version()}".encode())
+    from autopar.profiles import _version  # installed versions, read without importing them
+    digest = hashlib.sha256(f"{twin}|{_version('torch')}|{_transformers_version()}".encode())
     here = Path(__file__).parent
     for f in sorted([*here.glob("runtime/*.py"), *here.glob("trace/*.py"), here / "layout.py", here / "model.py",
                      here / "hf.py", Path(__file__)]):

@@ -68,12 +68,18 @@ def test_user_modules_are_traced_every_time(cache, monkeypatch):
         profiles.profile_and_layout(spec)
 
 
-def test_a_warm_plan_command_imports_no_torch(cache):
-    """The second `autopar plan` of a model reads its trace: torch (about 1 s) is not imported."""
-    args = ["plan", "--model", SPEC, "--cluster", "dgx-h100", "--gpus", "8", "--global-batch", "16"]
+HF_SPEC = ("hf:LlamaConfig:num_hidden_layers=2,hidden_size=64,num_attention_heads=4,num_key_value_heads=2,"
+           "intermediate_size=96,vocab_size=128,seq=32")
+
+
+@pytest.mark.parametrize("spec", [SPEC, HF_SPEC])
+def test_a_warm_plan_command_imports_no_torch(cache, spec):
+    """The second `autopar plan` of a model reads its trace (and an HF spec's shape): neither
+    torch (about 1 s) nor transformers (about 3 s with the torch it imports) is imported."""
+    args = ["plan", "--model", spec, "--cluster", "dgx-h100", "--gpus", "8", "--global-batch", "16"]
     code = ("import sys; from autopar.cli import main; sys.argv = ['autopar', *sys.argv[1:]]\n"
             "try:\n    main()\nexcept SystemExit as e:\n    assert not e.code, e.code\n"
-            "print('torch imported:', 'torch' in sys.modules)")
+            "print('torch imported:', 'torch' in sys.modules or 'transformers' in sys.modules)")
     env = dict(os.environ, AUTOPAR_CACHE=str(cache))
     runs = [subprocess.run([sys.executable, "-c", code, *args, "--out", str(cache / f"plan{i}.json")],
                            capture_output=True, text=True, env=env, cwd=ROOT, timeout=300) for i in range(2)]

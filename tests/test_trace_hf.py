@@ -178,10 +178,13 @@ def test_bad_model_specs_are_one_line(text, fragment):
 def test_missing_transformers_names_the_install(monkeypatch):
     import importlib
 
-    real = importlib.import_module
+    import autopar.profiles
+    real, installed = importlib.import_module, autopar.profiles._version
     monkeypatch.setattr(importlib, "import_module",
                         lambda name, *a: (_ for _ in ()).throw(ImportError(name)) if name == "transformers"
                         else real(name, *a))
+    # as uninstalled: no version, so no spec kept under an installed version's key is read
+    monkeypatch.setattr(autopar.profiles, "_version", lambda p: "" if p == "transformers" else installed(p))
     with pytest.raises(UserError, match=r"pip install 'autopar\[hf\]'"):
         parse_model_spec(LLAMA)
 

@@ -3,7 +3,8 @@ against one process) before a plan uses it; what fails is refused in one line, a
 never searches it.
 
 OPT is the case that ran silently wrong before (its attention reshapes with the global head
-count held as ``self.num_heads``: with TP 2 and no SP the losses were 1e-2 off one process).
+count held as ``self.num_heads``: with TP 2 and no SP the losses were 1e-2 off one process);
+Bloom's selective recompute is the refusal followed end to end (its attention has no SDPA call).
 The full family matrix (13 HF families) is ``benchmarks/hf_families.py`` (marker ``families``).
 """
 
@@ -25,6 +26,7 @@ from cost_models import load_profile
 
 runner = CliRunner()
 OPT = "hf:OPTConfig:num_hidden_layers=4,hidden_size=256,num_attention_heads=8,ffn_dim=1024,seq=512"
+BLOOM = "hf:BloomConfig:n_layer=4,hidden_size=256,n_head=8,vocab_size=1024,seq=512"
 
 
 @pytest.fixture
@@ -75,37 +77,38 @@ def test_a_plan_names_what_failed_on_its_twin():
 
 
 @pytest.mark.slow
-def test_opt_tp_is_proved_and_its_sp_refused_end_to_end(cache, tmp_path):
-    """verify: OPT's TP is now equal to one process (head counts divided per rank), its SP
-    (the decoder layer flattens [b, s, h] for the MLP) is refused with the rank's error. The
-    planner then plans OPT without SP, records the verdicts, and `run` refuses a hand-made SP
-    plan before launching anything."""
-    result = verify(OPT, checks=(Check.TP, Check.SP))
+def test_bloom_tp_is_proved_and_its_selective_refused_end_to_end(cache, tmp_path):
+    """verify: Bloom's TP is equal to one process (its model-built ALiBi cut to each rank's
+    heads), its selective recompute (attention written out op by op: no SDPA call to
+    checkpoint) is refused with the rank's error. The planner then plans Bloom without it,
+    records the verdicts, and `run` refuses a hand-made selective plan before launching
+    anything."""
+    result = verify(BLOOM, checks=(Check.TP, Check.SELECTIVE))
     assert result.allows(Check.TP), result.refusals()
-    assert not result.allows(Check.SP)
-    reason = result.refusals()["sp"]
+    assert not result.allows(Check.SELECTIVE)
+    reason = result.refusals()["selective"]
     assert reason.startswith("rank ") and "\n" not in reason
     assert any(cache.glob("verify/*.json"))
 
-    out = tmp_path / "opt.json"
-    r = runner.invoke(app, ["plan", "--model", OPT, "--cluster", "dgx-h100", "--gpus", "64",
+    out = tmp_path / "bloom.json"
+    r = runner.invoke(app, ["plan", "--model", BLOOM, "--cluster", "dgx-h100", "--gpus", "64",
                             "--global-batch", "512", "--tp", "2", "--out", str(out), "--json"])
     assert r.exit_code == 0, r.output
     plan = load_plan(out)
-    assert plan.mesh.tp == 2 and not plan.sequence_parallel
-    assert dict(plan.verified)["sp"] == reason and dict(plan.verified)["tp"] == ""
+    assert plan.mesh.tp == 2 and "selective" not in plan.recompute
+    assert dict(plan.verified)["selective"] == reason and dict(plan.verified)["tp"] == ""
 
-    r = runner.invoke(app, ["plan", "--model", OPT, "--cluster", "dgx-h100", "--gpus", "64",
-                            "--global-batch", "512", "--tp", "2", "--sp"])
-    assert r.exit_code == 2 and "failed autopar verify's sp check" in r.output
+    r = runner.invoke(app, ["plan", "--model", BLOOM, "--cluster", "dgx-h100", "--gpus", "64",
+                            "--global-batch", "512", "--tp", "2", "--recompute", "selective"])
+    assert r.exit_code == 2 and "failed autopar verify's selective check" in r.output
 
-    sp_plan = dataclasses.replace(check_plan(result.twin, Check.SP), model=OPT, seq_len=512,
-                                  global_batch=4, stage_layers=(4,), recompute=("none",) * 4)
-    bad = tmp_path / "sp.json"
-    sp_plan.save(bad)
+    bad_plan = dataclasses.replace(check_plan(result.twin, Check.SELECTIVE), model=BLOOM, seq_len=512,
+                                   global_batch=4, stage_layers=(4,), recompute=("selective",) * 4)
+    bad = tmp_path / "selective.json"
+    bad_plan.save(bad)
     r = runner.invoke(app, ["run", str(bad), "--steps", "1"])
-    assert r.exit_code == 2 and "failed the sp check on its twin" in r.output, r.output
+    assert r.exit_code == 2 and "failed the selective check on its twin" in r.output, r.output
 
     r = runner.invoke(app, ["explain", str(out), "--json", "--time-limit", "5"])
     assert r.exit_code == 0, r.output
-    assert json.loads(r.output)["refused"] == {"sp": reason}
+    assert json.loads(r.output)["refused"] == {"selective": reason}
