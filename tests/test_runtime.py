@@ -56,6 +56,9 @@ HF_BLOOM = ("hf:BloomConfig:n_layer=4,hidden_size=64,n_head=4,vocab_size=128,hid
 # OPT flattens its tokens to [b·s, h] around the MLP (sequence shards of dim -2).
 HF_OPT = ("hf:OPTConfig:num_hidden_layers=4,hidden_size=64,num_attention_heads=4,ffn_dim=96,vocab_size=128,"
           "word_embed_proj_dim=64,dropout=0,attention_dropout=0,activation_dropout=0,seq=16")
+# Gemma 2 soft-caps its attention logits: HF runs its own eager attention function.
+HF_GEMMA2 = ("hf:Gemma2Config:num_hidden_layers=4,hidden_size=64,num_attention_heads=4,num_key_value_heads=2,"
+             "head_dim=16,intermediate_size=96,vocab_size=128,seq=16")
 STEPS = 3
 LOSS_TOL = 2e-6
 PARAM_TOL = 1e-4
@@ -119,6 +122,8 @@ PLANS_4 = {
     "hf bloom tp2 sp x dp2 zero1": make_plan(HF_BLOOM, tp=2, dp=2, zero=1, sp=True, mbs=2, m=2),
     "hf opt tp2 sp x dp2 zero2": make_plan(HF_OPT, tp=2, dp=2, zero=2, sp=True, mbs=2, m=2),
     "hf falcon tp2 x dp2 zero2 selective": make_plan(HF_FALCON, tp=2, dp=2, zero=2, mbs=2, m=2,
+                                                      recompute="selective"),
+    "hf gemma2 tp2 x dp2 zero3 selective": make_plan(HF_GEMMA2, tp=2, dp=2, zero=3, mbs=2, m=2,
                                                       recompute="selective"),
 }
 PLANS_8 = {
@@ -306,7 +311,7 @@ def test_refusals_name_the_fix():
         check_plan(make_plan(GPT, pp=2, dp=2, zero=2, mbs=2, m=2, schedule="zero-bubble", recompute="op"))
 
 
-@pytest.mark.parametrize("model", [LLAMA, HF_LLAMA, HF_FALCON])
+@pytest.mark.parametrize("model", [LLAMA, HF_LLAMA, HF_FALCON, HF_GEMMA2])
 def test_recompute_keeps_fewer_activations(model):
     """What autograd keeps for backward (one forward, bytes per storage): selective drops the
     attention core's tensors, per-op recompute keeps every second GEMM's output and the

@@ -33,7 +33,9 @@ checkpointing, then the data-parallel wrapper — each with stock torch.distribu
 from __future__ import annotations
 
 import copy
+import functools
 import inspect
+import sys
 from typing import TYPE_CHECKING, Any, Callable, cast
 
 import torch
@@ -223,8 +225,9 @@ def apply_recompute(model: nn.Module, recompute: tuple[str, ...], anat: Anatomy)
     full = the whole block; op = the whole block under the per-op policy (``_per_op_policy``);
     selective = its attention core (Korthikanti et al. 2022): the
     built-in ``CoreAttention`` module, or for HF models the attention function, swapped for a
-    checkpointed SDPA through transformers' ``AttentionInterface`` (an attention that calls
-    SDPA itself: its calls, ``CheckpointedSDPA``)."""
+    checkpointed copy of the function it calls (SDPA, or its module's eager one) registered
+    with transformers' ``AttentionInterface`` (an attention that calls SDPA itself: its calls,
+    ``CheckpointedSDPA``)."""
     container = model.get_submodule(anat.container)
     for index, name in enumerate(anat.blocks):
         key = name.rpartition(".")[2]
@@ -284,14 +287,10 @@ class CheckpointedSDPA(TorchFunctionMode):
         return func(*args, **kwargs)
 
 
-def _checkpointed_sdpa(module: nn.Module, *args, **kwargs):
-    """HF's SDPA attention function, its activations recomputed in the backward."""
-    from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
-    return checkpoint(ALL_ATTENTION_FUNCTIONS["sdpa"], module, *args, use_reentrant=False, **kwargs)
-
-
-SELECTIVE_ATTENTION = "autopar_selective_sdpa"
-"""The name under which ``_checkpointed_sdpa`` is registered with transformers."""
+def _checkpointed(function: Callable[..., Any], module: nn.Module, *args: Any, **kwargs: Any) -> Any:
+    """An HF attention function (``AttentionInterface``'s signature), its activations
+    recomputed in the backward."""
+    return checkpoint(function, module, *args, use_reentrant=False, **kwargs)
 
 
 def _recompute_attention_core(block: nn.Module, anat: Anatomy) -> None:
@@ -303,10 +302,9 @@ def _recompute_attention_core(block: nn.Module, anat: Anatomy) -> None:
         return
     attention = block.get_submodule(anat.column[0].rpartition(".")[0])
     config = getattr(attention, "config", None)
-    if config is None or getattr(config, "_attn_implementation", None) != "sdpa":
-        raise ValueError("selective recompute needs the attention core as a module or HF SDPA attention; "
-                         "use recompute none or full for this model")
-    if "ALL_ATTENTION_FUNCTIONS" not in type(attention).forward.__code__.co_names:
+    impl = getattr(config, "_attn_implementation", None)
+    interface = "ALL_ATTENTION_FUNCTIONS" in inspect.unwrap(type(attention).forward).__code__.co_names
+    if impl == "sdpa" and not interface:
         # calls torch's SDPA itself under ``_attn_implementation == "sdpa"`` (Falcon): another
         # name there would take its eager path, so its SDPA calls are checkpointed where made
         inner = attention.forward
@@ -316,11 +314,21 @@ def _recompute_attention_core(block: nn.Module, anat: Anatomy) -> None:
                 return _inner(*args, **kwargs)
         attention.forward = forward  # type: ignore[method-assign]
         return
+    # the function the attention would call, by the implementation it names: HF's SDPA, or its
+    # own module's eager one (Gemma 2: soft-capped logits, which SDPA has not)
+    eager = getattr(sys.modules[type(attention).__module__], "eager_attention_forward", None)
+    if config is None or not interface or impl not in ("sdpa", "eager") or \
+            (impl == "eager" and not callable(eager)):
+        raise ValueError("selective recompute needs the attention core as a module or an HF attention "
+                         "function; use recompute none or full for this model")
     from transformers import AttentionInterface
-    AttentionInterface.register(SELECTIVE_ATTENTION, _checkpointed_sdpa)  # idempotent: same name, same function
+    from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+    function: Callable[..., Any] = ALL_ATTENTION_FUNCTIONS["sdpa"] if impl == "sdpa" else cast(Callable[..., Any], eager)
+    name = f"autopar_selective_{impl}:{type(attention).__module__}"
+    AttentionInterface.register(name, functools.partial(_checkpointed, function))  # one name per function
     local = copy.copy(config)  # this layer only
-    attention.config = local
-    local._attn_implementation = SELECTIVE_ATTENTION
+    setattr(attention, "config", local)
+    local._attn_implementation = name
 
 
 def uses_ddp(plan: Plan, experts: ExpertMesh | None = None) -> bool:
