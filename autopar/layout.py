@@ -43,7 +43,7 @@ class Anatomy:
     consecutive projections (GPT-2's fused Q/K/V: ``("attn.c_attn", (768, 768, 768))``; Phi-3's
     GQA ``qkv_proj``: q, k and v widths)."""
     norms: tuple[str, ...]
-    """Norms of a block, relative to it."""
+    """Norms of a block on its hidden width, relative to it."""
     post_norms: tuple[str, ...] = ()
     """Those of ``norms`` applied to a row-parallel GEMM's output before the residual add
     (Gemma-2's sandwich norms), not feeding a sub-layer."""
@@ -52,6 +52,10 @@ class Anatomy:
     to it; empty for a dense model."""
     routers: tuple[str, ...] = ()
     """The MoE routers (gates) of a block, relative to it: replicated, never split."""
+    head_norms: tuple[str, ...] = ()
+    """Norms of one attention head's width applied to each head of a column GEMM's output
+    (Qwen3's and Gemma 3's q/k norms), relative to the block: under TP each rank norms its own
+    heads, and their weight's gradient sums over the tp ranks."""
 
 
 def expert_parallel_unsupported(*, ep: int, dp: int, sequence_parallel: bool, moe: bool,

@@ -28,6 +28,12 @@ FAMILIES = {
     "phi3": "hf:Phi3Config:pad_token_id=None",
     "gemma": "hf:GemmaConfig",
     "gemma2": "hf:Gemma2Config",
+    "gemma3": "hf:Gemma3TextConfig",
+    "qwen3": "hf:Qwen3Config",
+    "olmo2": "hf:Olmo2Config",
+    "starcoder2": "hf:Starcoder2Config",
+    "granite": "hf:GraniteConfig",
+    "cohere": "hf:CohereConfig",
 }
 """Family -> ``--model`` (the config class's defaults: the released base model's shape)."""
 

@@ -5,7 +5,7 @@ never searches it.
 OPT is the case that ran silently wrong before (its attention reshapes with the global head
 count held as ``self.num_heads``: with TP 2 and no SP the losses were 1e-2 off one process);
 Bloom's selective recompute is the refusal followed end to end (its attention has no SDPA call).
-The full family matrix (13 HF families) is ``benchmarks/hf_families.py`` (marker ``families``).
+The full family matrix (20 HF families) is ``benchmarks/hf_families.py`` (marker ``families``).
 """
 
 from __future__ import annotations

@@ -81,6 +81,10 @@ def _block_tp_plans(anat: Anatomy, sp: bool) -> list[dict]:
     scattered back in the same order."""
     plan: dict = {name: ColwiseParallel() for name in anat.column}
     plan.update({name: RowwiseParallel(output_layouts=Shard(-2) if sp else Replicate()) for name in anat.row})
+    # a per-head norm on this rank's heads ([b, s, heads, head_dim]: heads at -2), its
+    # replicated weight's gradient a partial sum over the ranks (torch's SequenceParallel
+    # style, with the heads as its sharded dimension)
+    plan.update({name: SequenceParallel(sequence_dim=-2, use_local_output=True) for name in anat.head_norms})
     pre = [name for name in anat.norms if name not in anat.post_norms]
     if not sp:
         # The pre-norm's output enters its sub-layer as a replicated DTensor, so the column

@@ -38,7 +38,7 @@ def anatomy(graph: ModelGraph, model: nn.Module, vocab: int) -> Anatomy:
         rel[lin.split].append(_parent(lin.name).removeprefix(first + "."))  # the module owning the weight
     experts = tuple(dict.fromkeys(rel["expert-column"] + rel["expert-row"]))
     block_mod = model.get_submodule(first)
-    norms = tuple(n for n, m in block_mod.named_modules() if n and _is_norm(m))
+    every_norm = {n: m for n, m in block_mod.named_modules() if n and _is_norm(m)}
     top = [n for n in graph.nodes if n.params and n.module]
     block_set = set(block.names)
     inside = tuple(b + "." for b in block.names)
@@ -50,6 +50,12 @@ def anatomy(graph: ModelGraph, model: nn.Module, vocab: int) -> Anatomy:
     if not heads or not embeds:
         raise ValueError("the tracer found no vocabulary embedding or output head in this model")
     head, embed = heads[-1], embeds[0]
+    table = model.get_submodule(embed)
+    assert isinstance(table, nn.Embedding)  # ``embeds`` holds embeddings only
+    hidden = table.embedding_dim
+    head_norms = tuple(n for n, m in every_norm.items() if block.head_dim != hidden
+                       and all(p.numel() == block.head_dim for p in m.parameters()))
+    norms = tuple(n for n in every_norm if n not in head_norms)
     before = list(dict.fromkeys(order[:order.index(head)]))
     after_blocks = [m for m in before if m != embed and m not in pre and _is_norm(model.get_submodule(m))]
     first_extra = tuple(m for m in before if m != embed and m not in after_blocks)
@@ -60,4 +66,4 @@ def anatomy(graph: ModelGraph, model: nn.Module, vocab: int) -> Anatomy:
                    packed=tuple((_parent(lin.name).removeprefix(first + "."),
                                  lin.sections or (lin.out_features // lin.packed,) * lin.packed)
                                 for lin in block.linears if lin.packed > 1),
-                   experts=experts, routers=tuple(dict.fromkeys(rel["router"])))
+                   experts=experts, routers=tuple(dict.fromkeys(rel["router"])), head_norms=head_norms)
