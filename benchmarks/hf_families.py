@@ -28,7 +28,7 @@ FAMILIES = {
     "phi3": "hf:Phi3Config:pad_token_id=None",
     "gemma": "hf:GemmaConfig",
     "gemma2": "hf:Gemma2Config",
-    "gemma3": "hf:Gemma3TextConfig",
+    "gemma3": "hf:Gemma3TextConfig:seq=8192",  # 131072 by default: no device fits it without cp
     "qwen3": "hf:Qwen3Config",
     "olmo2": "hf:Olmo2Config",
     "starcoder2": "hf:Starcoder2Config",
