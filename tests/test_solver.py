@@ -228,6 +228,17 @@ def test_model_too_big_says_how_many_devices_would_fit():
         search(model, load_profile("dgx-a100-80g"), 8, 64, "bf16")
 
 
+def test_a_sequence_no_device_holds_names_the_sequence_length():
+    """More devices cannot split one micro-batch of one sequence: the message names its length
+    and the fix, and where the runtime refuses cp for the model, says so."""
+    model = gpt_profile(2, 1024, 8, 32000, 8192)
+    hw = dataclasses.replace(load_profile("dgx-a100-80g"), memory_gib=1.0, reserve_gib=0.0)
+    with pytest.raises(UserError, match=r"holds one sequence of 8,192 tokens; shorten --seq-len or use"):
+        search(model, hw, 8, 8, "bf16")
+    with pytest.raises(UserError, match=r"runs context parallelism on the built-in gpt/llama models only"):
+        search(model, hw, 8, 8, "bf16", Pins(refused=("cp",)))
+
+
 def test_time_limit_returns_or_explains_and_never_hangs():
     model = gpt_profile(96, 12288, 96, 51200, 2048)
     hw = load_profile("dgx-a100-80g")

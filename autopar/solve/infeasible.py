@@ -118,8 +118,11 @@ def does_not_fit(model: ModelProfile, hw: HardwareProfile, gpus: int, global_bat
             hi = more
             break
         lo = more
-    if hi is None:
-        return head + ": no device count up to 2^24 fits; use a device with more memory"
+    if hi is None:  # what more devices cannot split: one micro-batch of one sequence per device
+        cp = (" (autopar's runtime runs context parallelism on the built-in gpt/llama models only)"
+              if "cp" in pins.refused else "")
+        return (f"{head}: no device count up to 2^24 holds one sequence of {model.seq:,} tokens; "
+                f"shorten --seq-len{cp} or use a device with more memory")
     step = max(hw.devices_per_node, (hi - lo) // 16)
     for n in range(lo + step, hi, step):
         if fits_anywhere(model, hw, n, global_batch, dtype, pins.base()):
