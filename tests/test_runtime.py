@@ -124,11 +124,8 @@ PLANS_4 = {
     "hf phi pp2 x tp2 sp": make_plan(HF_PHI, pp=2, tp=2, sp=True, mbs=2, m=4),
     "hf bloom tp2 sp x dp2 zero1": make_plan(HF_BLOOM, tp=2, dp=2, zero=1, sp=True, mbs=2, m=2),
     "hf opt tp2 sp x dp2 zero2": make_plan(HF_OPT, tp=2, dp=2, zero=2, sp=True, mbs=2, m=2),
-    "hf falcon tp2 x dp2 zero2 selective": make_plan(HF_FALCON, tp=2, dp=2, zero=2, mbs=2, m=2,
-                                                      recompute="selective"),
     "hf gemma2 tp2 x dp2 zero3 selective": make_plan(HF_GEMMA2, tp=2, dp=2, zero=3, mbs=2, m=2,
                                                       recompute="selective"),
-    "hf qwen3 tp2 x dp2 zero2": make_plan(HF_QWEN3, tp=2, dp=2, zero=2, mbs=2, m=2),
     "hf qwen3 tp2 sp x dp2 zero3": make_plan(HF_QWEN3, tp=2, dp=2, zero=3, sp=True, mbs=2, m=2),
 }
 PLANS_8 = {
