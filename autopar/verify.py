@@ -270,7 +270,7 @@ def _cache_file(twin: str) -> Path:
     of the code that runs it: the runtime and the tracer whose layout it shards (changed code proves
     itself again)."""
     from autopar.profiles import _version  # installed versions, read without importing them
-    digest = hashlib.sha256(f"{twin}|{_version('torch')}|{_transformers_version()}".encode())
+    digest = hashlib.sha256(f"{twin}|{_version('torch')}|{_version('transformers')}".encode())
     here = Path(__file__).parent
     for f in sorted([*here.glob("runtime/*.py"), *here.glob("trace/*.py"), here / "layout.py", here / "model.py",
                      here / "hf.py", Path(__file__)]):
@@ -281,14 +281,6 @@ def _cache_file(twin: str) -> Path:
             digest.update(f.read_bytes())
     root = Path(os.environ.get("AUTOPAR_CACHE") or Path.home() / ".cache" / "autopar")
     return root / "verify" / f"{digest.hexdigest()[:24]}.json"
-
-
-def _transformers_version() -> str:
-    from importlib.metadata import PackageNotFoundError, version
-    try:
-        return version("transformers")
-    except PackageNotFoundError:
-        return ""
 
 
 def _load(path: Path, model: str) -> Verification | None:
