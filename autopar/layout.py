@@ -56,6 +56,10 @@ class Anatomy:
     """Norms of one attention head's width applied to each head of a column GEMM's output
     (Qwen3's and Gemma 3's q/k norms), relative to the block: under TP each rank norms its own
     heads, and their weight's gradient sums over the tp ranks."""
+    width_norms: tuple[str, ...] = ()
+    """Norms over the whole output of a column GEMM (OLMo 2's q/k norms, across every head),
+    relative to the block: under TP each rank holds a shard of the normed width, so the
+    statistic is reduced over the tp ranks (a DTensor sharded on the last dimension)."""
 
 
 def expert_parallel_unsupported(*, ep: int, dp: int, sequence_parallel: bool, moe: bool,

@@ -110,7 +110,7 @@ def twin_kv_heads(spec: ModelSpec) -> int:
 
 
 def _hf_twin(spec: ModelSpec) -> str:
-    from autopar.hf import make_config
+    from autopar.hf import _KEYS, make_config
     from autopar.spec import hf_option_values
     values = hf_option_values(spec.options)
     values.pop("seq", None)
@@ -132,8 +132,10 @@ def _hf_twin(spec: ModelSpec) -> str:
             twin[key] = hidden  # another width tied to the hidden size (OPT's word_embed_proj_dim)
         elif isinstance(value, int) and key.endswith("token_id") and value >= TWIN_VOCAB:
             twin[key] = TWIN_VOCAB - 1
+    shaped = {k for f in size if f in keys for k in _KEYS[f]}  # every alias of a field set above
     for key, value in values.items():  # the user's other options, as written
-        twin.setdefault(key, value)
+        if key not in shaped:
+            twin.setdefault(key, value)
     items = ",".join(f"{k}={v!r}" if isinstance(v, str) else f"{k}={v}" for k, v in sorted(twin.items()))
     return f"hf:{spec.source}:{items},seq={TWIN_SEQ}"
 

@@ -62,6 +62,10 @@ HF_GEMMA2 = ("hf:Gemma2Config:num_hidden_layers=4,hidden_size=64,num_attention_h
 # Qwen3 norms each query and key head (q_norm, k_norm: one head's width, shared by the heads).
 HF_QWEN3 = ("hf:Qwen3Config:num_hidden_layers=4,hidden_size=64,num_attention_heads=4,num_key_value_heads=2,"
             "head_dim=16,intermediate_size=96,vocab_size=128,seq=16")
+# OLMo 2 norms q and k across all their heads (RMS over the whole projection: reduced over
+# the tp ranks) and has no pre-norms (SP gathers each sub-layer's input where it is called).
+HF_OLMO2 = ("hf:Olmo2Config:num_hidden_layers=4,hidden_size=64,num_attention_heads=4,num_key_value_heads=2,"
+            "intermediate_size=96,vocab_size=128,seq=16")
 STEPS = 3
 LOSS_TOL = 2e-6
 PARAM_TOL = 1e-4
@@ -127,6 +131,7 @@ PLANS_4 = {
     "hf gemma2 tp2 x dp2 zero3 selective": make_plan(HF_GEMMA2, tp=2, dp=2, zero=3, mbs=2, m=2,
                                                       recompute="selective"),
     "hf qwen3 tp2 sp x dp2 zero3": make_plan(HF_QWEN3, tp=2, dp=2, zero=3, sp=True, mbs=2, m=2),
+    "hf olmo2 tp2 sp x dp2 zero2": make_plan(HF_OLMO2, tp=2, dp=2, zero=2, sp=True, mbs=2, m=2),
 }
 PLANS_8 = {
     "gpt tied 3d pp2 dp2 tp2 sp zero2, pp innermost": make_plan(GPT_TIED, pp=2, dp=2, tp=2, sp=True, zero=2, mbs=1, m=4,

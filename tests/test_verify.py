@@ -45,6 +45,10 @@ def test_twin_keeps_the_architecture_at_toy_size():
     assert (gqa.heads, gqa.num_kv_heads) == (4, 2)
     mqa = parse_model_spec(twin_spec_text(parse_model_spec("hf:FalconConfig:seq=128")))
     assert (mqa.heads, mqa.num_kv_heads) == (4, 1)  # Falcon-7B's multi-query stays multi-query
+    # an option naming a shape field by another of its names is replaced, not kept beside it
+    falcon = twin_spec_text(parse_model_spec("hf:FalconConfig:new_decoder_architecture=True,num_attention_heads=128,"
+                                             "hidden_size=8192,num_kv_heads=8"))
+    assert "num_kv_heads=8" not in falcon and parse_model_spec(falcon).num_kv_heads == 2
     assert twin_spec_text(parse_model_spec("llama3-8b")).startswith("llama:layers=2,")
 
 

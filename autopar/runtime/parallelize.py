@@ -85,6 +85,10 @@ def _block_tp_plans(anat: Anatomy, sp: bool) -> list[dict]:
     # replicated weight's gradient a partial sum over the ranks (torch's SequenceParallel
     # style, with the heads as its sharded dimension)
     plan.update({name: SequenceParallel(sequence_dim=-2, use_local_output=True) for name in anat.head_norms})
+    # a norm across a column GEMM's whole output: the rank's slice of that width enters as a
+    # DTensor sharded on its last dimension, so the mean over it is reduced over the tp ranks
+    # (an all-reduce of one number per token); the replicated weight is sliced for the product
+    plan.update({name: SequenceParallel(sequence_dim=-1, use_local_output=True) for name in anat.width_norms})
     pre = [name for name in anat.norms if name not in anat.post_norms]
     if not sp:
         # The pre-norm's output enters its sub-layer as a replicated DTensor, so the column
@@ -142,9 +146,16 @@ def apply_tensor_parallel(model: nn.Module, ctx: ParallelContext, sp: bool, anat
     if sp and whole_sequences_between_stages and anat.head not in here:
         parallelize_module(model, mesh, {blocks[-1]: PrepareModuleOutput(
             output_layouts=Shard(1), desired_output_layouts=Replicate(), use_local_output=True)})
+    # a block without pre-norms (OLMo 2 norms its sub-layers' outputs only) gathers each
+    # sub-layer's input where the sub-layer is called: the module owning its column GEMMs
+    owners = {c.rpartition(".")[0] for c in anat.column} \
+        if sp and not [n for n in anat.norms if n not in anat.post_norms] else set()
     for name in blocks:
         for plan in _block_tp_plans(anat, sp):
             parallelize_module(model.get_submodule(name), mesh, plan)
+        for owner in owners:
+            model.get_submodule(f"{name}.{owner}" if owner else name).register_forward_pre_hook(
+                _gather_sequence(mesh), with_kwargs=True)
         for row in anat.row:  # after the styles' own hooks
             model.get_submodule(f"{name}.{row}").register_forward_hook(_own_output)
 
@@ -181,6 +192,22 @@ def _scatter_sequence(mesh) -> Callable:
     def hook(module: nn.Module, args: tuple) -> tuple:
         x = DTensor.from_local(args[0], mesh, (Replicate(),), run_check=False)
         return (x.redistribute(mesh, (Shard(1),)).to_local(), *args[1:])
+    return hook
+
+
+def _gather_sequence(mesh) -> Callable:
+    """A forward pre-hook gathering a sub-layer's input from this rank's sequence shard into a
+    replicated DTensor (the backward reduce-scatters once for all the column GEMMs reading
+    it): its first positional argument, else the first tensor passed by keyword (HF
+    attentions take ``hidden_states=``). ``autopar verify`` proves the guess per model."""
+    def gather(x: torch.Tensor) -> DTensor:
+        return DTensor.from_local(x, mesh, (Shard(-2),), run_check=False).redistribute(mesh, (Replicate(),))
+
+    def hook(module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+        if args and isinstance(args[0], torch.Tensor):
+            return (gather(args[0]), *args[1:]), kwargs
+        key = next(k for k, v in kwargs.items() if isinstance(v, torch.Tensor))
+        return args, {**kwargs, key: gather(kwargs[key])}
     return hook
 
 

@@ -55,7 +55,8 @@ def anatomy(graph: ModelGraph, model: nn.Module, vocab: int) -> Anatomy:
     hidden = table.embedding_dim
     head_norms = tuple(n for n, m in every_norm.items() if block.head_dim != hidden
                        and all(p.numel() == block.head_dim for p in m.parameters()))
-    norms = tuple(n for n in every_norm if n not in head_norms)
+    width_norms = tuple(n for n in every_norm if n not in head_norms and f"{first}.{n}" in block.fed_by_column)
+    norms = tuple(n for n in every_norm if n not in head_norms + width_norms)
     before = list(dict.fromkeys(order[:order.index(head)]))
     after_blocks = [m for m in before if m != embed and m not in pre and _is_norm(model.get_submodule(m))]
     first_extra = tuple(m for m in before if m != embed and m not in after_blocks)
@@ -66,4 +67,5 @@ def anatomy(graph: ModelGraph, model: nn.Module, vocab: int) -> Anatomy:
                    packed=tuple((_parent(lin.name).removeprefix(first + "."),
                                  lin.sections or (lin.out_features // lin.packed,) * lin.packed)
                                 for lin in block.linears if lin.packed > 1),
-                   experts=experts, routers=tuple(dict.fromkeys(rel["router"])), head_norms=head_norms)
+                   experts=experts, routers=tuple(dict.fromkeys(rel["router"])), head_norms=head_norms,
+                   width_norms=width_norms)

@@ -111,6 +111,9 @@ class BlockInfo:
     fed_by_row: tuple[str, ...] = ()
     """Modules of the first repeat whose input is a row-parallel GEMM's output (Gemma-2's
     post-norms): with sequence parallelism they stay on sequence shards."""
+    fed_by_column: tuple[str, ...] = ()
+    """Modules of the first repeat whose input is a column-parallel GEMM's output (OLMo 2's
+    q/k norms, Qwen3's per-head ones): under tensor parallelism they see the rank's shard."""
     param_tensors: int = 0
     """Parameter tensors of one repeat (an optimizer steps each on its own)."""
 

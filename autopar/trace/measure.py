@@ -209,6 +209,8 @@ class Recorder:
     seen_modules: set[str] = field(default_factory=set)
     fed_by_row: dict[str, list[str]] = field(default_factory=lambda: defaultdict(list))
     """Segment -> modules whose first operation reads a row-parallel GEMM's output."""
+    fed_by_column: dict[str, list[str]] = field(default_factory=lambda: defaultdict(list))
+    """Segment -> modules whose first operation reads a column-parallel GEMM's output."""
     expert_counts: frozenset[int] = frozenset()
     """Leading sizes of stacked expert weights: a GEMM with that many outputs is a router."""
     segment: str = ""
@@ -435,14 +437,15 @@ def _mark_packed(rec: Recorder, x: torch.Tensor, widths: list[int]) -> None:
 
 
 def _note_first_input(rec: Recorder, module: str, acts: list[torch.Tensor]) -> None:
-    """On a module's first operation, whether it reads a row-parallel GEMM's output."""
+    """On a module's first operation, whether it reads a row- or column-parallel GEMM's output."""
     if not module or module in rec.seen_modules:
         return
     rec.seen_modules.add(module)
     for t in acts:
         at = rec.linear_at.get(rec.producer.get(_key(t), ""))
-        if at is not None and rec.linears[at[0]][at[1]].split == "row":
-            rec.fed_by_row[rec.segment].append(module)
+        split = rec.linears[at[0]][at[1]].split if at is not None else ""
+        if split in ("row", "column"):
+            (rec.fed_by_row if split == "row" else rec.fed_by_column)[rec.segment].append(module)
             return
 
 
