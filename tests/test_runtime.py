@@ -318,13 +318,16 @@ def test_refusals_name_the_fix():
         check_plan(make_plan(GPT, pp=2, dp=2, zero=2, mbs=2, m=2, schedule="zero-bubble", recompute="op"))
 
 
-@pytest.mark.parametrize("model", [LLAMA, HF_LLAMA, HF_FALCON, HF_GEMMA2])
+@pytest.mark.parametrize("model", [LLAMA, HF_LLAMA, HF_FALCON, HF_GEMMA2, HF_BLOOM])
 def test_recompute_keeps_fewer_activations(model):
     """What autograd keeps for backward (one forward, bytes per storage): selective drops the
     attention core's tensors, per-op recompute keeps every second GEMM's output and the
-    attention's, full keeps only each block's input. (Per-op recompute's kept outputs live in
-    its own cache, which saved-tensor hooks do not see: the hooks count its block inputs.)
-    Every mode computes the same logits."""
+    attention's, full keeps only each block's input. (Per-op and Bloom's selective recompute
+    keep their outputs in their own cache, which saved-tensor hooks do not see: the hooks
+    count the checkpointed modules' inputs.) Every mode computes the same logits. A fused
+    kernel (SDPA) keeps no s x s tensor, so selective keeps about what none does: the
+    log-sum-exp less, and under Falcon's fused QKV the whole projection output, of which the
+    checkpointed V is a view, more (0.9 %)."""
     ctx = ParallelContext(mesh=None, device=torch.device("cpu"))
     x, _ = synthetic_batch(make_plan(model, mbs=8, m=1), 0, 0)
     kept, logits = {}, {}
@@ -339,7 +342,8 @@ def test_recompute_keeps_fewer_activations(model):
         with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
             logits[mode] = module(x)
         kept[mode] = sum(seen.values())
-    assert kept["full"] < kept["selective"] < kept["none"]
+    eager_core = model in (HF_GEMMA2, HF_BLOOM)  # QKᵀ, softmax and AV as ops of their own
+    assert kept["full"] < kept["selective"] < (kept["none"] if eager_core else 1.01 * kept["none"])
     assert kept["op"] == kept["full"]
     for mode in ("selective", "full", "op"):
         assert torch.equal(logits[mode], logits["none"]), mode

@@ -258,7 +258,8 @@ def apply_recompute(model: nn.Module, recompute: tuple[str, ...], anat: Anatomy)
     built-in ``CoreAttention`` module, or for HF models the attention function, swapped for a
     checkpointed copy of the function it calls (SDPA, or its module's eager one) registered
     with transformers' ``AttentionInterface`` (an attention that calls SDPA itself: its calls,
-    ``CheckpointedSDPA``)."""
+    ``CheckpointedSDPA``; one that computes its core op by op: the module, under
+    ``_core_policy``)."""
     container = model.get_submodule(anat.container)
     for index, name in enumerate(anat.blocks):
         key = name.rpartition(".")[2]
@@ -307,6 +308,18 @@ def _per_op_contexts():
     return create_selective_checkpoint_contexts(_per_op_policy())
 
 
+def _core_policy(ctx, func, *args, **kwargs) -> CheckpointPolicy:  # type: ignore[no-untyped-def]
+    """Selective recompute of an attention module whose core is written op by op: keep its
+    weight GEMMs' outputs (Q, K, V; the output projection's) and its collectives' (TP's), recompute
+    the rest (QKᵀ, softmax, dropout, AV and the reshapes)."""
+    keep = func in _MATMULS or getattr(func, "namespace", "") == "_c10d_functional"
+    return CheckpointPolicy.MUST_SAVE if keep else CheckpointPolicy.PREFER_RECOMPUTE
+
+
+def _core_contexts():
+    return create_selective_checkpoint_contexts(_core_policy)
+
+
 class CheckpointedSDPA(TorchFunctionMode):
     """``scaled_dot_product_attention`` calls run under non-reentrant checkpointing (the
     selective recompute of attention that is not a module of its own)."""
@@ -350,8 +363,14 @@ def _recompute_attention_core(block: nn.Module, anat: Anatomy) -> None:
     eager = getattr(sys.modules[type(attention).__module__], "eager_attention_forward", None)
     if config is None or not interface or impl not in ("sdpa", "eager") or \
             (impl == "eager" and not callable(eager)):
-        raise ValueError("selective recompute needs the attention core as a module or an HF attention "
-                         "function; use recompute none or full for this model")
+        # a core written op by op in the module's forward (Bloom: baddbmm with ALiBi, softmax,
+        # bmm): the module checkpointed under a policy keeping its weight GEMMs' outputs and
+        # its collectives, so the backward repeats the core only
+        parent, _, attr = anat.column[0].rpartition(".")[0].rpartition(".")
+        owner = block.get_submodule(parent) if parent else block
+        owner._modules[attr] = checkpoint_wrapper(attention, checkpoint_impl=CheckpointImpl.NO_REENTRANT,
+                                                  context_fn=_core_contexts)
+        return
     from transformers import AttentionInterface
     from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
     function: Callable[..., Any] = ALL_ATTENTION_FUNCTIONS["sdpa"] if impl == "sdpa" else cast(Callable[..., Any], eager)
