@@ -128,6 +128,10 @@ def _hf_twin(spec: ModelSpec) -> str:
             twin[key] = 0.0
         elif isinstance(value, int) and key == "head_dim":
             twin[key] = TWIN_HEAD_DIM
+        elif isinstance(value, int) and key.endswith("rotary_dim") and spec.hidden % spec.heads == 0:
+            # the rotated part of a head (GPT-J's, CodeGen's 64 of 256): the same share of the twin's
+            share = value * TWIN_HEAD_DIM // (spec.hidden // spec.heads)
+            twin[key] = max(2, share - share % 2)
         elif isinstance(value, int) and value == spec.hidden and key not in ("max_position_embeddings",):
             twin[key] = hidden  # another width tied to the hidden size (OPT's word_embed_proj_dim)
         elif isinstance(value, int) and key.endswith("token_id") and value >= TWIN_VOCAB:

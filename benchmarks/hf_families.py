@@ -34,6 +34,16 @@ FAMILIES = {
     "starcoder2": "hf:Starcoder2Config",
     "granite": "hf:GraniteConfig",
     "cohere": "hf:CohereConfig",
+    "gptj": "hf:GPTJConfig",
+    "codegen": "hf:CodeGenConfig",
+    "mpt": "hf:MptConfig",
+    "gpt-bigcode": "hf:GPTBigCodeConfig",
+    "olmo": "hf:OlmoConfig",
+    "olmo3": "hf:Olmo3Config",
+    "glm4": "hf:Glm4Config",
+    "exaone4": "hf:Exaone4Config",
+    "ernie4.5": "hf:Ernie4_5Config",
+    "seed-oss": "hf:SeedOssConfig",
 }
 """Family -> ``--model`` (the config class's defaults: the released base model's shape)."""
 

@@ -49,6 +49,8 @@ def test_twin_keeps_the_architecture_at_toy_size():
     falcon = twin_spec_text(parse_model_spec("hf:FalconConfig:new_decoder_architecture=True,num_attention_heads=128,"
                                              "hidden_size=8192,num_kv_heads=8"))
     assert "num_kv_heads=8" not in falcon and parse_model_spec(falcon).num_kv_heads == 2
+    # GPT-J rotates 64 of each head's 256 dimensions: the twin, 4 of 16
+    assert "rotary_dim=4," in twin_spec_text(parse_model_spec("hf:GPTJConfig"))
     assert twin_spec_text(parse_model_spec("llama3-8b")).startswith("llama:layers=2,")
 
 

@@ -160,22 +160,29 @@ def apply_tensor_parallel(model: nn.Module, ctx: ParallelContext, sp: bool, anat
             model.get_submodule(f"{name}.{row}").register_forward_hook(_own_output)
 
 
+_HEAD_BIASES = ("alibi", "position_bias")
+"""Keyword arguments of an attention that carry a bias built by the model for every head, heads
+leading ([batch x heads, 1, s] for Bloom's ``alibi``, [heads, 1, s] for MPT's ``position_bias``)."""
+
+
 def _local_alibi(block: nn.Module, anat: Anatomy, heads: int, tp: int, rank: int) -> None:
-    """Cut the ALiBi bias that a block's attention takes as ``alibi`` (Bloom, Falcon-RW: the
-    model builds it for every head, [batch x heads, 1, s]) to this rank's heads, the slice
-    its column-parallel QKV computes."""
+    """Cut the ALiBi bias that a block's attention takes by keyword (``_HEAD_BIASES``: the
+    model builds it for every head) to this rank's heads, the slice its column-parallel QKV
+    computes."""
     k = heads // tp
 
     def hook(module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict] | None:
-        alibi = kwargs.get("alibi")
-        if alibi is None or alibi.shape[0] % heads:
-            return None
-        per_head = alibi.view(-1, heads, *alibi.shape[1:])[:, rank * k:(rank + 1) * k]
-        return args, {**kwargs, "alibi": per_head.reshape(-1, *alibi.shape[1:])}
+        cut = {}
+        for key in _HEAD_BIASES:
+            bias = kwargs.get(key)
+            if isinstance(bias, torch.Tensor) and bias.dim() and not bias.shape[0] % heads:
+                per_head = bias.view(-1, heads, *bias.shape[1:])[:, rank * k:(rank + 1) * k]
+                cut[key] = per_head.reshape(-1, *bias.shape[1:])
+        return (args, {**kwargs, **cut}) if cut else None
 
     for owner in {name.rpartition(".")[0] for name in anat.column}:
         module = block.get_submodule(owner)
-        if "alibi" in inspect.signature(type(module).forward).parameters:
+        if set(_HEAD_BIASES) & set(inspect.signature(type(module).forward).parameters):
             module.register_forward_pre_hook(hook, with_kwargs=True)
 
 

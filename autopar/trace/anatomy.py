@@ -60,6 +60,11 @@ def anatomy(graph: ModelGraph, model: nn.Module, vocab: int) -> Anatomy:
     before = list(dict.fromkeys(order[:order.index(head)]))
     after_blocks = [m for m in before if m != embed and m not in pre and _is_norm(model.get_submodule(m))]
     first_extra = tuple(m for m in before if m != embed and m not in after_blocks)
+    if not after_blocks:  # a final norm without weights (OLMo's LayerNorm without affine ones)
+        after_blocks = [m for m in dict.fromkeys(n.module for n in graph.nodes if n.module and not n.params)
+                        if m not in pre and m != head and m not in block_set and not m.startswith(inside)
+                        and not list(model.get_submodule(m).children())
+                        and "norm" in type(model.get_submodule(m)).__name__.lower()]
     return Anatomy(blocks=block.names, container=_parent(first), embed=embed, first_extra=first_extra,
                    final_norm=after_blocks[-1] if after_blocks else "", head=head,
                    column=tuple(rel.get("column", ())), row=tuple(rel.get("row", ())), norms=norms,
