@@ -30,6 +30,7 @@ from enum import StrEnum
 from pathlib import Path
 
 from autopar.errors import UserError
+from autopar.limits import shown
 from autopar.spec import ModelSpec, parse_model_spec
 
 TWIN_LAYERS = 2
@@ -307,7 +308,14 @@ def verify(model: str, *, checks: tuple[Check, ...] = tuple(Check), use_cache: b
     have = {v.check: v for v in cached.verdicts} if cached else {}
     todo = [c for c in checks if c not in have]
     if todo:
-        ref = _reference(twin)
+        try:
+            ref = _reference(twin)
+        except UserError:
+            raise
+        except Exception as exc:  # the model itself fails under autopar's runtime: one line, not a traceback
+            first = next((ln.strip() for ln in str(exc).splitlines() if ln.strip()), "")[:200]
+            raise UserError(f"autopar's runtime cannot train the twin of {shown(model)} in one process "
+                            f"({type(exc).__name__}: {first}); this model is not supported yet") from None
         have.update(_run(twin, todo, ref))
         try:
             path.parent.mkdir(parents=True, exist_ok=True)

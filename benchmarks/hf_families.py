@@ -44,6 +44,9 @@ FAMILIES = {
     "exaone4": "hf:Exaone4Config",
     "ernie4.5": "hf:Ernie4_5Config",
     "seed-oss": "hf:SeedOssConfig",
+    "mixtral": "hf:MixtralConfig",
+    "gpt-oss": "hf:GptOssConfig",
+    "llama4": "hf:Llama4TextConfig",
 }
 """Family -> ``--model`` (the config class's defaults: the released base model's shape)."""
 

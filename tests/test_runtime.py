@@ -66,6 +66,10 @@ HF_QWEN3 = ("hf:Qwen3Config:num_hidden_layers=4,hidden_size=64,num_attention_hea
 # the tp ranks) and has no pre-norms (SP gathers each sub-layer's input where it is called).
 HF_OLMO2 = ("hf:Olmo2Config:num_hidden_layers=4,hidden_size=64,num_attention_heads=4,num_key_value_heads=2,"
             "intermediate_size=96,vocab_size=128,seq=16")
+# GPT-OSS: an attention sink per head (a parameter the attention holds, sliced per tp rank),
+# experts, alternating sliding-window layers.
+HF_GPT_OSS = ("hf:GptOssConfig:num_hidden_layers=4,hidden_size=64,num_attention_heads=4,num_key_value_heads=2,"
+              "head_dim=16,intermediate_size=96,num_local_experts=4,vocab_size=128,seq=16")
 STEPS = 3
 LOSS_TOL = 2e-6
 PARAM_TOL = 1e-4
@@ -132,6 +136,7 @@ PLANS_4 = {
                                                       recompute="selective"),
     "hf qwen3 tp2 sp x dp2 zero3": make_plan(HF_QWEN3, tp=2, dp=2, zero=3, sp=True, mbs=2, m=2),
     "hf olmo2 tp2 sp x dp2 zero2": make_plan(HF_OLMO2, tp=2, dp=2, zero=2, sp=True, mbs=2, m=2),
+    "hf gpt-oss tp2 x dp2 zero3": make_plan(HF_GPT_OSS, tp=2, dp=2, zero=3, mbs=2, m=2),
 }
 PLANS_8 = {
     "gpt tied 3d pp2 dp2 tp2 sp zero2, pp innermost": make_plan(GPT_TIED, pp=2, dp=2, tp=2, sp=True, zero=2, mbs=1, m=4,

@@ -4,8 +4,8 @@ never searches it.
 
 OPT is the case that ran silently wrong before (its attention reshapes with the global head
 count held as ``self.num_heads``: with TP 2 and no SP the losses were 1e-2 off one process);
-Bloom's selective recompute is the refusal followed end to end (its attention has no SDPA call).
-The full family matrix (20 HF families) is ``benchmarks/hf_families.py`` (marker ``families``).
+Falcon-7B's multi-query TP is the refusal followed end to end (one K,V head that tp does not divide).
+The full family matrix (33 HF families) is ``benchmarks/hf_families.py`` (marker ``families``).
 """
 
 from __future__ import annotations
@@ -27,6 +27,7 @@ from cost_models import load_profile
 runner = CliRunner()
 OPT = "hf:OPTConfig:num_hidden_layers=4,hidden_size=256,num_attention_heads=8,ffn_dim=1024,seq=512"
 BLOOM = "hf:BloomConfig:n_layer=4,hidden_size=256,n_head=8,vocab_size=1024,seq=512"
+FALCON_MQA = "hf:FalconConfig:num_hidden_layers=4,hidden_size=256,num_attention_heads=8,vocab_size=1024,seq=512"
 
 
 @pytest.fixture
@@ -83,38 +84,47 @@ def test_a_plan_names_what_failed_on_its_twin():
 
 
 @pytest.mark.slow
-def test_bloom_tp_is_proved_and_its_selective_refused_end_to_end(cache, tmp_path):
-    """verify: Bloom's TP is equal to one process (its model-built ALiBi cut to each rank's
-    heads), its selective recompute (attention written out op by op: no SDPA call to
-    checkpoint) is refused with the rank's error. The planner then plans Bloom without it,
-    records the verdicts, and `run` refuses a hand-made selective plan before launching
-    anything."""
-    result = verify(BLOOM, checks=(Check.TP, Check.SELECTIVE))
-    assert result.allows(Check.TP), result.refusals()
-    assert not result.allows(Check.SELECTIVE)
-    reason = result.refusals()["selective"]
-    assert reason.startswith("rank ") and "\n" not in reason
+def test_bloom_is_proved_and_multi_query_tp_refused_end_to_end(cache, tmp_path):
+    """verify: Bloom's TP (its model-built ALiBi cut to each rank's heads) and selective
+    recompute (its attention written out op by op, checkpointed as a module under a policy)
+    are equal to one process. Falcon-7B's multi-query attention (one K,V head, which tp 2
+    does not divide) is refused TP with the rank's error; the planner plans it without,
+    records the verdicts, `run` refuses a hand-made TP plan before launching anything and
+    `explain` shows the refusal."""
+    bloom = verify(BLOOM, checks=(Check.TP, Check.SELECTIVE))
+    assert bloom.allows(Check.TP) and bloom.allows(Check.SELECTIVE), bloom.refusals()
+    result = verify(FALCON_MQA, checks=(Check.TP,))
+    assert not result.allows(Check.TP)
+    reason = result.refusals()["tp"]
+    assert reason.startswith("rank ") and "\n" not in reason and "1 kv heads" in reason
     assert any(cache.glob("verify/*.json"))
 
-    out = tmp_path / "bloom.json"
-    r = runner.invoke(app, ["plan", "--model", BLOOM, "--cluster", "dgx-h100", "--gpus", "64",
-                            "--global-batch", "512", "--tp", "2", "--out", str(out), "--json"])
+    out = tmp_path / "falcon.json"
+    r = runner.invoke(app, ["plan", "--model", FALCON_MQA, "--cluster", "dgx-h100", "--gpus", "64",
+                            "--global-batch", "512", "--out", str(out), "--json"])
     assert r.exit_code == 0, r.output
     plan = load_plan(out)
-    assert plan.mesh.tp == 2 and "selective" not in plan.recompute
-    assert dict(plan.verified)["selective"] == reason and dict(plan.verified)["tp"] == ""
+    assert plan.mesh.tp == 1 and dict(plan.verified)["tp"] == reason and dict(plan.verified)["pp"] == ""
 
-    r = runner.invoke(app, ["plan", "--model", BLOOM, "--cluster", "dgx-h100", "--gpus", "64",
-                            "--global-batch", "512", "--tp", "2", "--recompute", "selective"])
-    assert r.exit_code == 2 and "failed autopar verify's selective check" in r.output
-
-    bad_plan = dataclasses.replace(check_plan(result.twin, Check.SELECTIVE), model=BLOOM, seq_len=512,
-                                   global_batch=4, stage_layers=(4,), recompute=("selective",) * 4)
-    bad = tmp_path / "selective.json"
+    bad_plan = dataclasses.replace(check_plan(result.twin, Check.TP), model=FALCON_MQA, seq_len=512,
+                                   global_batch=4, stage_layers=(4,), recompute=("none",) * 4)
+    bad = tmp_path / "tp.json"
     bad_plan.save(bad)
     r = runner.invoke(app, ["run", str(bad), "--steps", "1"])
-    assert r.exit_code == 2 and "failed the selective check on its twin" in r.output, r.output
+    assert r.exit_code == 2 and "tp" in r.output and len(r.output.strip().splitlines()) == 1, r.output
 
     r = runner.invoke(app, ["explain", str(out), "--json", "--time-limit", "5"])
     assert r.exit_code == 0, r.output
-    assert json.loads(r.output)["refused"] == {"selective": reason}
+    assert json.loads(r.output)["refused"]["tp"] == reason
+
+
+def test_a_twin_that_cannot_run_in_one_process_is_one_line(cache, monkeypatch):
+    from autopar import verify as verify_module
+    from autopar.errors import UserError
+
+    def broken(twin):
+        raise AttributeError("'Llama4ForCausalLM' object has no attribute 'language_model'")
+    monkeypatch.setattr(verify_module, "_reference", broken)
+    with pytest.raises(UserError, match=r"cannot train the twin of .*\(AttributeError: 'Llama4ForCausalLM' object has "
+                                        r"no attribute 'language_model'\); this model is not supported yet"):
+        verify(OPT, checks=(Check.TP,))

@@ -74,13 +74,16 @@ def _seeded_normal_(p: torch.Tensor, name: str, seed: int, std: float) -> None:
 
 @torch.no_grad()
 def _init_hf(model: PreTrainedModel, seed: int, std: float, aliases: dict[str, str]) -> None:
-    """HF's own ``_init_weights`` first, on a forked RNG: it computes what ``to_empty`` left
-    uninitialised besides parameters (RoPE frequencies, Gemma's embedding scale) and the norms'
-    values (1, or Gemma's 0 for its 1 + w). Then every matrix is redrawn from a generator seeded
+    """HF's own ``_init_weights`` first, on a forked RNG seeded per module by its name: it
+    computes what ``to_empty`` left uninitialised besides parameters (RoPE frequencies, Gemma's
+    embedding scale), the norms' values (1, or Gemma's 0 for its 1 + w) and draws the rest. Then every matrix is redrawn from a generator seeded
     by its name and biases are zeroed, so values do not depend on the layout."""
     device = next(model.parameters()).device
     with torch.random.fork_rng(devices=[device.index or 0] if device.type == "cuda" else []):
-        for module in model.modules():
+        for name, module in model.named_modules():
+            # what it draws (GPT-OSS's attention sinks) seeded by the module's name, as the
+            # matrices are: the same values whichever stage or layout holds the module
+            torch.manual_seed(seed * 1_000_003 + zlib.crc32(f"hf-init:{name}".encode()))
             model._init_weights(module)
     for name, p in model.named_parameters():
         if p.dim() >= 2:
@@ -197,7 +200,9 @@ def runtime_state_dict(model: nn.Module, anat: Anatomy) -> dict[str, torch.Tenso
 
 def _hf_forward(self: PreTrainedModel, x: torch.Tensor) -> torch.Tensor:
     """tokens or hidden states [b, s(, h)] -> hidden states or logits, for one stage."""
-    base = getattr(self, self.base_model_prefix)
+    # the base model: under its prefix, else ``model`` (Llama 4's text model names its prefix
+    # ``language_model`` and keeps its decoder as ``model``)
+    base = getattr(self, self.base_model_prefix, None) or getattr(self, "model")
     kw = {"input_ids": x} if not torch.is_floating_point(x) else {"inputs_embeds": x}
     hidden = base(**kw, use_cache=False).last_hidden_state
     head = self.get_output_embeddings()

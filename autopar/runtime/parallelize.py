@@ -47,7 +47,7 @@ from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selectiv
 from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionPolicy, OffloadPolicy, fully_shard
 from torch.distributed._composable.replicate_with_fsdp import replicate
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import DTensor, Replicate, Shard
+from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
 from torch.distributed.tensor.parallel import (
     ColwiseParallel,
     PrepareModuleOutput,
@@ -126,6 +126,7 @@ def apply_tensor_parallel(model: nn.Module, ctx: ParallelContext, sp: bool, anat
     for name in blocks:
         _localize_block(model.get_submodule(name), anat, mesh.size(), set(heads))
         _local_alibi(model.get_submodule(name), anat, heads[0], mesh.size(), mesh.get_local_rank())
+        _local_head_params(model.get_submodule(name), anat, heads[0], mesh)
     here = {n for n, m in model.named_modules() if next(m.parameters(), None) is not None}  # not stand-ins
     top: dict = {}
     if anat.embed in here:
@@ -184,6 +185,36 @@ def _local_alibi(block: nn.Module, anat: Anatomy, heads: int, tp: int, rank: int
         module = block.get_submodule(owner)
         if set(_HEAD_BIASES) & set(inspect.signature(type(module).forward).parameters):
             module.register_forward_pre_hook(hook, with_kwargs=True)
+
+
+def _local_head_params(block: nn.Module, anat: Anatomy, heads: int, mesh: DeviceMesh) -> None:
+    """A parameter with one value per query head held by the attention itself (GPT-OSS's
+    ``sinks``): kept whole, replicated over tp (a checkpoint holds all of it), and shown to the
+    forward as this rank's heads' slice; its gradient is a partial sum over the tp ranks (each
+    fills its own heads), which the data-parallel wrapper or ``train._reduce_partial_grads``
+    completes, as for sequence parallelism's norms."""
+    k, rank = heads // mesh.size(), mesh.get_local_rank()
+    for owner in {name.rpartition(".")[0] for name in anat.column}:
+        module = block.get_submodule(owner)
+        names = [n for n, p in module.named_parameters(recurse=False) if p.dim() == 1 and p.numel() == heads]
+        for n in names:
+            module.register_parameter(n, nn.Parameter(DTensor.from_local(
+                getattr(module, n).data, mesh, (Replicate(),), run_check=False)))
+        if not names:
+            continue
+
+        def show(mod: nn.Module, args: tuple, _names: list[str] = names) -> None:
+            for n in _names:  # the rank's slice in the parameter's place, for this forward
+                whole = mod._parameters[n]
+                mod.__dict__[f"_autopar_whole_{n}"] = whole
+                part = cast(DTensor, whole).to_local(grad_placements=(Partial(),))[rank * k:(rank + 1) * k]
+                mod._parameters[n] = cast(nn.Parameter, part)  # read as an attribute, never registered
+
+        def restore(mod: nn.Module, args: tuple, out: object, _names: list[str] = names) -> None:
+            for n in _names:
+                mod._parameters[n] = mod.__dict__.pop(f"_autopar_whole_{n}")
+        module.register_forward_pre_hook(show)
+        module.register_forward_hook(restore)
 
 
 def _own_output(module: nn.Module, args: tuple, output: torch.Tensor) -> torch.Tensor:
