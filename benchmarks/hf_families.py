@@ -28,7 +28,7 @@ FAMILIES = {
     "phi3": "hf:Phi3Config:pad_token_id=None",
     "gemma": "hf:GemmaConfig",
     "gemma2": "hf:Gemma2Config",
-    "gemma3": "hf:Gemma3TextConfig:seq=8192",  # 131072 by default: no device fits it without cp
+    "gemma3": "hf:Gemma3TextConfig:seq=8192",  # 131072 by default (glm4 ... llama4 too): no device fits it without cp
     "qwen3": "hf:Qwen3Config",
     "olmo2": "hf:Olmo2Config",
     "starcoder2": "hf:Starcoder2Config",
@@ -40,13 +40,13 @@ FAMILIES = {
     "gpt-bigcode": "hf:GPTBigCodeConfig",
     "olmo": "hf:OlmoConfig",
     "olmo3": "hf:Olmo3Config",
-    "glm4": "hf:Glm4Config",
+    "glm4": "hf:Glm4Config:seq=8192",
     "exaone4": "hf:Exaone4Config",
-    "ernie4.5": "hf:Ernie4_5Config",
-    "seed-oss": "hf:SeedOssConfig",
-    "mixtral": "hf:MixtralConfig",
-    "gpt-oss": "hf:GptOssConfig",
-    "llama4": "hf:Llama4TextConfig",
+    "ernie4.5": "hf:Ernie4_5Config:seq=8192",
+    "seed-oss": "hf:SeedOssConfig:seq=8192",
+    "mixtral": "hf:MixtralConfig:seq=8192",
+    "gpt-oss": "hf:GptOssConfig:seq=8192",
+    "llama4": "hf:Llama4TextConfig:seq=8192",
 }
 """Family -> ``--model`` (the config class's defaults: the released base model's shape)."""
 
