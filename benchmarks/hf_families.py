@@ -70,8 +70,14 @@ def main(argv: list[str]) -> None:
     as_json = "--json" in argv
     names = [a for a in argv if not a.startswith("--")] or list(FAMILIES)
     rows = []
+    from autopar.errors import UserError
     for name in names:
-        row = family_row(name, use_cache="--no-cache" not in argv)
+        try:
+            row = family_row(name, use_cache="--no-cache" not in argv)
+        except UserError as exc:  # one family cannot be verified or planned: say so, go on
+            rows.append({"family": name, "error": str(exc)})
+            print(f"{name:11s} error: {exc}", flush=True)
+            continue
         rows.append(row)
         if not as_json:
             bad = {c: r for c, r in row["checks"].items() if r != "ok"}
