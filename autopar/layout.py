@@ -68,13 +68,14 @@ def expert_parallel_unsupported(*, ep: int, dp: int, sequence_parallel: bool, mo
     experts each, 0 if not known yet) with expert-parallel degree ``ep``, or None. Pure data
     (the planner may call it). What is refused has no parity proof yet: expert parallelism
     regroups the dp ranks (ep divides dp) and shards whole experts (ep divides their number);
-    MoE layers run on whole sequences, so not under sequence parallelism; and expert parallelism
-    is proved on HF/``moe:`` models only (``tests/test_runtime_ep.py``). Pipelining composes
+    under sequence parallelism MoE layers run on each tp rank's own tokens (``runtime.parallelize``),
+    not yet beside expert parallelism; and expert parallelism is proved on HF/``moe:`` models
+    only (``tests/test_runtime_ep.py``). Pipelining composes
     with it under every schedule: an ep group's ranks regroup dp, so they share a pipeline
     stage and run the same micro-batches in the same order, and the all-to-alls pair up."""
-    if moe and sequence_parallel:
-        return ("sequence parallelism does not shard mixture-of-experts layers in autopar's runtime yet; "
-                "use --no-sp")
+    if moe and sequence_parallel and ep > 1:
+        return (f"sequence parallelism with expert parallelism (ep={ep}) is not proved in autopar's runtime yet; "
+                "use --no-sp or ep = 1")
     if ep == 1:
         return None
     if not moe:

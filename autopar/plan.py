@@ -407,7 +407,7 @@ def runtime_unsupported(*, dp: int, pp: int, zero: int, schedule: str, virtual_s
     export``, compose them). Expert parallelism (``ep``; ``moe``: the model has
     mixture-of-experts blocks) is planned under every recipe; autopar's own program runs what
     ``autopar.layout.expert_parallel_unsupported`` allows (ep regroups dp, under any pipeline
-    schedule, no sequence parallelism of MoE layers), without context parallelism beside it."""
+    schedule, sequence parallelism of MoE layers without it), without context parallelism beside it."""
     rec = recipe or load_recipe()
     if rec.name == DEFAULT_RECIPE and (ep != 1 or moe):
         from autopar.layout import expert_parallel_unsupported

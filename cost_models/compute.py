@@ -280,7 +280,7 @@ def expert_gemms(model: ModelProfile, strat: Strategy) -> list[Gemm]:
     from cost_models.memory import moe_load  # memory imports nothing of compute
     t, h, f = strat.etp, model.hidden, model.expert_ffn
     local = model.experts / strat.mesh.ep
-    rows = strat.tokens(model.seq) * model.topk * strat.mesh.ep / model.experts * moe_load(model, strat)
+    rows = strat.tokens(model.seq) * strat.moe_rows * model.topk * strat.mesh.ep / model.experts * moe_load(model, strat)
     ups = max(1, round(model.expert_flops_per_token / (2 * model.topk * h * f) - 1))
     return [Gemm(batch=local, m=rows, n=ups * f / t, k=h), Gemm(batch=local, m=rows, n=h, k=f / t)]
 
@@ -293,7 +293,7 @@ def expert_gemm_s(model: ModelProfile, hw: HardwareProfile, strat: Strategy, bac
     if not model.moe:
         return 0.0
     from cost_models.memory import moe_load
-    flops = strat.tokens(model.seq) * model.expert_flops_per_token / strat.etp * moe_load(model, strat)
+    flops = strat.tokens(model.seq) * strat.moe_rows * model.expert_flops_per_token / strat.etp * moe_load(model, strat)
     return _scaled_s(expert_gemms(model, strat), flops, hw, strat, "fp8" if strat.fp8 else None, backward)
 
 
@@ -306,7 +306,7 @@ def moe_traffic_bytes(model: ModelProfile, strat: Strategy) -> float:
     if not model.moe:
         return 0.0
     from cost_models.memory import moe_load
-    tokens = strat.tokens(model.seq)
+    tokens = strat.tokens(model.seq) * strat.moe_rows
     router = 12.0 * model.experts * tokens
     permute = 4.0 * model.topk * model.hidden * elem_bytes(strat) * tokens * moe_load(model, strat) / strat.etp
     return router + permute

@@ -31,10 +31,11 @@ def moe_load(model: ModelProfile, strat: Strategy) -> float:
 def expert_extra_act_bytes(model: ModelProfile, strat: Strategy) -> float:
     """Saved bytes per micro-batch one block keeps beyond the traced (balanced) routing on the
     busiest rank: the routed copies' activations (``ModelProfile``) at load / etp where the
-    traced accounting keeps them at 1 / tp (``Strategy.etp``: replicated experts keep them whole)."""
+    traced accounting keeps them at 1 / tp (``Strategy.etp``: replicated experts keep them whole,
+    or 1 / tp of them on a sequence shard: ``Strategy.moe_rows``)."""
     if not model.moe:
         return 0.0
-    extra = moe_load(model, strat) / strat.etp - 1.0 / strat.mesh.tp
+    extra = moe_load(model, strat) * strat.moe_rows / strat.etp - 1.0 / strat.mesh.tp
     if extra <= 0:
         return 0.0
     return act_scale(strat) * strat.tokens(model.seq) * extra * model.expert_act_bytes_per_token()

@@ -139,6 +139,15 @@ class Strategy:
         the experts over tp (``ExecutionRecipe.expert_tensor_parallel``)."""
         return self.mesh.tp if self.recipe.expert_tensor_parallel else 1
 
+    @property
+    def moe_rows(self) -> float:
+        """The share of a micro-batch's tokens one rank's MoE layer routes and computes: 1 / tp
+        where each expert's GEMMs split over tp (its rows whole, ``etp``) is counted by the
+        caller; replicated experts run 1 / tp of the tokens under sequence parallelism (each
+        rank its own sequence shard: autopar's runtime, torchtitan), all of them without (every
+        tp rank computes the same tokens)."""
+        return 1.0 / self.mesh.tp if self.sequence_parallel and not self.recipe.expert_tensor_parallel else 1.0
+
     def uses_mode(self, mode: str) -> bool:
         """Whether some block (the leading ones included) is planned in recompute ``mode``."""
         i = RECOMPUTE.index(mode)

@@ -1381,3 +1381,22 @@ def test_fsdp_reduces_sequence_parallel_partial_gradients_one_parameter_at_a_tim
     groups, rep = comm.axis_groups(cpu, mc), comm.replica_group(cpu, mc)
     assert fsdp_partial_grads_s(model, mc, groups[Axis.TP], rep) == 0.0
     assert partial_grads_sync_s(model, mc, groups[Axis.TP], rep) > 0.0
+
+
+def test_replicated_experts_under_sp_run_the_ranks_own_tokens():
+    """autopar's runtime replicates the experts over tp (no expert TP): without SP every tp rank
+    routes and computes all the micro-batch's tokens, under SP only its sequence shard, 1 / tp
+    of them (``Strategy.moe_rows``). Expert TP (Megatron-Core) splits each expert's GEMMs
+    whatever SP does."""
+    from cost_models import memory
+    moe = profile_spec(parse_model_spec("moe:layers=2,hidden=1024,heads=8,vocab=1024,seq=2048,experts=8,topk=2"))
+    hw = load_profile("dgx-h100")
+    own = Strategy(recipe=load_recipe("autopar"), mesh=Degrees(tp=4), micro_batch=1)
+    shard = dataclasses.replace(own, sequence_parallel=True)
+    assert (own.moe_rows, shard.moe_rows) == (1.0, 0.25)
+    assert compute.expert_gemms(moe, shard)[0].m == pytest.approx(compute.expert_gemms(moe, own)[0].m / 4)
+    assert compute.expert_gemm_s(moe, hw, shard) < compute.expert_gemm_s(moe, hw, own)  # the weights read alike
+    assert compute.moe_traffic_bytes(moe, shard) == pytest.approx(compute.moe_traffic_bytes(moe, own) / 4)
+    assert memory.expert_extra_act_bytes(moe, shard) == 0.0 < memory.expert_extra_act_bytes(moe, own)
+    etp = dataclasses.replace(own, recipe=MC)
+    assert dataclasses.replace(etp, sequence_parallel=True).moe_rows == etp.moe_rows == 1.0

@@ -1,6 +1,7 @@
 """Expert parallelism on gloo trains exactly like one process: a tiny HF Mixtral (4 experts,
 top-2, 2 blocks, hidden 64) with EP 2, EP 2 x DP 2 (experts replicated over edp = 2), EP 2 x
-TP 2 (the experts replicated over tp), EP 2 x PP 2 (one block per stage; 1F1B, and the
+TP 2 (the experts replicated over tp), TP 2 with SP x DP 2 (ep = 1: the experts on each tp
+rank's own tokens), EP 2 x PP 2 (one block per stage; 1F1B, and the
 zero-bubble schedule, whose backward splits input and weight gradients) and plain DP 2 of the
 MoE model (ep = 1), each against the single process on the same seed and global batch (and a
 bf16 EP 2 run against it, loosely).
@@ -70,6 +71,9 @@ RUNS_4 = {
     # input-gradient pass and whose expert gradients reduce once, after the last weight pass.
     "dp2 pp2 ep2 zero0 1f1b": (make_plan(dp=2, pp=2, ep=2, mbs=2, m=2), 2),
     "dp2 pp2 ep2 zero2 zero-bubble": (make_plan(dp=2, pp=2, ep=2, zero=2, mbs=2, m=2, schedule="zero-bubble"), 2),
+    # SP without EP: the experts run on each tp rank's own tokens, replicated over tp, their
+    # gradients partial sums over the tp ranks (FSDP2 completes them)
+    "dp2 tp2 sp ep1 zero3": (make_plan(dp=2, tp=2, sp=True, zero=3, mbs=2, m=2), 1),
 }
 
 
@@ -202,7 +206,7 @@ def test_reference_moves_every_expert(reference):
     (make_plan(dp=4, mbs=1, m=2, ep=3), 3, "ep=3 must divide dp=4"),
     (make_plan(dp=2, tp=2, ep=4), 4, "ep=4 must divide dp=2"),
     (make_plan(dp=4, mbs=2, m=1, ep=4, model=MOE.replace("experts=4", "experts=6")), 4, "ep=4 must divide the 6 experts"),
-    (make_plan(dp=2, tp=2, sp=True), 1, "--no-sp"),
+    (make_plan(dp=2, tp=2, sp=True, ep=2), 2, "--no-sp or ep = 1"),
     (make_plan(dp=2, ep=2, model="llama:layers=2,hidden=64,heads=4,kv_heads=2,ffn=96,vocab=128,seq=16"), 2, "has none"),
 ])
 def test_refused_before_launch(plan, ep, match, tmp_path):

@@ -99,8 +99,13 @@ def _block_tp_plans(anat: Anatomy, sp: bool) -> list[dict]:
             return [plan]
         return [plan, {name: PrepareModuleOutput(output_layouts=Replicate(), desired_output_layouts=Replicate(),
                                                  use_local_output=False) for name in pre}]
-    plan.update({name: SequenceParallel(sequence_dim=-2) for name in pre})
     plan.update({name: SequenceParallel(sequence_dim=-2, use_local_output=True) for name in anat.post_norms})
+    if anat.experts:
+        # a mixture of experts runs on the rank's own tokens (the norm before it hands them
+        # on as they are); the sub-layers with column GEMMs gather where they are called
+        plan.update({name: SequenceParallel(sequence_dim=-2, use_local_output=True) for name in pre})
+        return [plan]
+    plan.update({name: SequenceParallel(sequence_dim=-2) for name in pre})
     gather = {name: PrepareModuleOutput(output_layouts=Shard(-2), desired_output_layouts=Replicate(),
                                         use_local_output=False) for name in pre}
     return [plan, gather]
@@ -147,16 +152,19 @@ def apply_tensor_parallel(model: nn.Module, ctx: ParallelContext, sp: bool, anat
     if sp and whole_sequences_between_stages and anat.head not in here:
         parallelize_module(model, mesh, {blocks[-1]: PrepareModuleOutput(
             output_layouts=Shard(1), desired_output_layouts=Replicate(), use_local_output=True)})
-    # a block without pre-norms (OLMo 2 norms its sub-layers' outputs only) gathers each
-    # sub-layer's input where the sub-layer is called: the module owning its column GEMMs
+    # a block without pre-norms (OLMo 2 norms its sub-layers' outputs only) or with experts
+    # gathers each sub-layer's input where the sub-layer is called: the module owning its
+    # column GEMMs (not the experts, which run on the rank's tokens)
     owners = {c.rpartition(".")[0] for c in anat.column} \
-        if sp and not [n for n in anat.norms if n not in anat.post_norms] else set()
+        if sp and (anat.experts or not [n for n in anat.norms if n not in anat.post_norms]) else set()
     for name in blocks:
         for plan in _block_tp_plans(anat, sp):
             parallelize_module(model.get_submodule(name), mesh, plan)
         for owner in owners:
             model.get_submodule(f"{name}.{owner}" if owner else name).register_forward_pre_hook(
                 _gather_sequence(mesh), with_kwargs=True)
+        if sp and anat.experts:
+            _experts_on_own_tokens(model.get_submodule(name), anat, mesh)
         for row in anat.row:  # after the styles' own hooks
             model.get_submodule(f"{name}.{row}").register_forward_hook(_own_output)
 
@@ -187,6 +195,44 @@ def _local_alibi(block: nn.Module, anat: Anatomy, heads: int, tp: int, rank: int
             module.register_forward_pre_hook(hook, with_kwargs=True)
 
 
+def _show_local(module: nn.Module, names: list[str], view: Callable[[DTensor], torch.Tensor]) -> None:
+    """Hooks showing ``module``'s forward ``view`` of each of its DTensor parameters ``names`` in
+    the parameter's place (an attribute read, never registered), the parameter back after."""
+    def show(mod: nn.Module, args: tuple) -> None:
+        for n in names:
+            whole = mod._parameters[n]
+            mod.__dict__[f"_autopar_whole_{n}"] = whole
+            mod._parameters[n] = cast(nn.Parameter, view(cast(DTensor, whole)))
+
+    def restore(mod: nn.Module, args: tuple, out: object) -> None:
+        for n in names:
+            mod._parameters[n] = mod.__dict__.pop(f"_autopar_whole_{n}")
+    module.register_forward_pre_hook(show)
+    module.register_forward_hook(restore)
+
+
+def _replicate_over(module: nn.Module, names: list[str], mesh: DeviceMesh) -> None:
+    """``module``'s parameters ``names`` as DTensors replicated over ``mesh`` (its tp axis)."""
+    for n in names:
+        module.register_parameter(n, nn.Parameter(DTensor.from_local(
+            getattr(module, n).data, mesh, (Replicate(),), run_check=False)))
+
+
+def _experts_on_own_tokens(block: nn.Module, anat: Anatomy, mesh: DeviceMesh) -> None:
+    """Under sequence parallelism a mixture of experts (its router, experts and any other
+    plain weight of the layer: Qwen2-MoE's shared-expert gate) runs on the rank's own tokens,
+    replicated over tp: each weight is a DTensor replicated over tp, shown to the forward as
+    its local tensor whose gradient is a partial sum over the ranks' tokens (completed as SP's
+    norms' are). A shared expert split by TP keeps its styles."""
+    layer = anat.experts[0].rpartition(".")[0]
+    root = block.get_submodule(layer) if layer else block
+    for module in root.modules():
+        names = [n for n, p in module.named_parameters(recurse=False) if not isinstance(p, DTensor)]
+        if names:
+            _replicate_over(module, names, mesh)
+            _show_local(module, names, lambda w: w.to_local(grad_placements=(Partial(),)))
+
+
 def _local_head_params(block: nn.Module, anat: Anatomy, heads: int, mesh: DeviceMesh) -> None:
     """A parameter with one value per query head held by the attention itself (GPT-OSS's
     ``sinks``): kept whole, replicated over tp (a checkpoint holds all of it), and shown to the
@@ -197,24 +243,9 @@ def _local_head_params(block: nn.Module, anat: Anatomy, heads: int, mesh: Device
     for owner in {name.rpartition(".")[0] for name in anat.column}:
         module = block.get_submodule(owner)
         names = [n for n, p in module.named_parameters(recurse=False) if p.dim() == 1 and p.numel() == heads]
-        for n in names:
-            module.register_parameter(n, nn.Parameter(DTensor.from_local(
-                getattr(module, n).data, mesh, (Replicate(),), run_check=False)))
-        if not names:
-            continue
-
-        def show(mod: nn.Module, args: tuple, _names: list[str] = names) -> None:
-            for n in _names:  # the rank's slice in the parameter's place, for this forward
-                whole = mod._parameters[n]
-                mod.__dict__[f"_autopar_whole_{n}"] = whole
-                part = cast(DTensor, whole).to_local(grad_placements=(Partial(),))[rank * k:(rank + 1) * k]
-                mod._parameters[n] = cast(nn.Parameter, part)  # read as an attribute, never registered
-
-        def restore(mod: nn.Module, args: tuple, out: object, _names: list[str] = names) -> None:
-            for n in _names:
-                mod._parameters[n] = mod.__dict__.pop(f"_autopar_whole_{n}")
-        module.register_forward_pre_hook(show)
-        module.register_forward_hook(restore)
+        if names:
+            _replicate_over(module, names, mesh)
+            _show_local(module, names, lambda w: w.to_local(grad_placements=(Partial(),))[rank * k:(rank + 1) * k])
 
 
 def _own_output(module: nn.Module, args: tuple, output: torch.Tensor) -> torch.Tensor:
