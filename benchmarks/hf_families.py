@@ -47,6 +47,8 @@ FAMILIES = {
     "mixtral": "hf:MixtralConfig:seq=8192",
     "gpt-oss": "hf:GptOssConfig:seq=8192",
     "llama4": "hf:Llama4TextConfig:seq=8192",
+    "qwen2-moe": "hf:Qwen2MoeConfig:seq=8192",
+    "qwen3-moe": "hf:Qwen3MoeConfig:seq=8192",
 }
 """Family -> ``--model`` (the config class's defaults: the released base model's shape)."""
 

@@ -365,7 +365,9 @@ class MeasureRun(fx.Interpreter):
             out_f = outputs[0].shape[-1] if outputs else w.shape[0]
             if w.dim() == 3:
                 split = "expert-" + split
-            elif out_f in rec.expert_counts:  # the MoE router: replicated, not split
+            elif out_f in rec.expert_counts or (out_f == 1 and rec.expert_counts):
+                # the MoE router, or a one-output gate beside it (Qwen2-MoE's shared-expert
+                # gate): replicated, not split
                 split, out_state = "router", REP
             if rec.recipe.dropout > 0 and split == "row" and rec.segment and not any(
                     u.target in _DROPOUT for u in n.users):
