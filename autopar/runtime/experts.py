@@ -30,7 +30,7 @@ over dp as before.
 
 With tp > 1 the router and the experts are replicated over tp (no expert-tensor parallelism):
 every tp rank routes and computes the same tokens, or under sequence parallelism (ep = 1)
-its own sequence shard (``runtime.parallelize._experts_on_own_tokens``); an ep group holds the
+its own sequence shard (``runtime.tp_families.experts_on_own_tokens``); an ep group holds the
 dp ranks of one tp coordinate. What cannot be proved equal to one process is refused
 (``autopar.layout.expert_parallel_unsupported``). The load-balancing auxiliary loss is not
 trained, in one process as in any layout: the runtime's loss is the LM cross-entropy (HF adds

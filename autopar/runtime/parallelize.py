@@ -47,7 +47,7 @@ from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selectiv
 from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionPolicy, OffloadPolicy, fully_shard
 from torch.distributed._composable.replicate_with_fsdp import replicate
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
+from torch.distributed.tensor import Replicate, Shard
 from torch.distributed.tensor.parallel import (
     ColwiseParallel,
     PrepareModuleOutput,
@@ -62,6 +62,8 @@ from autopar.plan import Plan
 from autopar.layout import Anatomy
 from autopar.runtime.context import DTYPES, ParallelContext
 from autopar.runtime.experts import ExpertMesh, is_expert_sharded
+from autopar.runtime.tp_families import (experts_on_own_tokens, gather_sequence, local_alibi, local_head_params,
+                                         localize_block, own_output, scatter_sequence)
 from cost_models.axes import Axis
 
 if TYPE_CHECKING:
@@ -129,9 +131,9 @@ def apply_tensor_parallel(model: nn.Module, ctx: ParallelContext, sp: bool, anat
                              "use tp=1 for this model")
     mesh = ctx.submesh(Axis.TP)
     for name in blocks:
-        _localize_block(model.get_submodule(name), anat, mesh.size(), set(heads))
-        _local_alibi(model.get_submodule(name), anat, heads[0], mesh.size(), mesh.get_local_rank())
-        _local_head_params(model.get_submodule(name), anat, heads[0], mesh)
+        localize_block(model.get_submodule(name), anat, mesh.size(), set(heads))
+        local_alibi(model.get_submodule(name), anat, heads[0], mesh.size(), mesh.get_local_rank())
+        local_head_params(model.get_submodule(name), anat, heads[0], mesh)
     here = {n for n, m in model.named_modules() if next(m.parameters(), None) is not None}  # not stand-ins
     top: dict = {}
     if anat.embed in here:
@@ -146,7 +148,7 @@ def apply_tensor_parallel(model: nn.Module, ctx: ParallelContext, sp: bool, anat
         model.get_submodule(anat.head).weight is model.get_submodule(anat.embed).weight
     parallelize_module(model, mesh, top)
     if sp and (anat.embed in here or whole_sequences_between_stages):
-        model.get_submodule(blocks[0]).register_forward_pre_hook(_scatter_sequence(mesh))
+        model.get_submodule(blocks[0]).register_forward_pre_hook(scatter_sequence(mesh))
     if tied:  # both sharded Shard(0) over the vocabulary: share the one DTensor again
         model.get_submodule(anat.head).weight = model.get_submodule(anat.embed).weight
     if sp and whole_sequences_between_stages and anat.head not in here:
@@ -162,162 +164,11 @@ def apply_tensor_parallel(model: nn.Module, ctx: ParallelContext, sp: bool, anat
             parallelize_module(model.get_submodule(name), mesh, plan)
         for owner in owners:
             model.get_submodule(f"{name}.{owner}" if owner else name).register_forward_pre_hook(
-                _gather_sequence(mesh), with_kwargs=True)
+                gather_sequence(mesh), with_kwargs=True)
         if sp and anat.experts:
-            _experts_on_own_tokens(model.get_submodule(name), anat, mesh)
+            experts_on_own_tokens(model.get_submodule(name), anat, mesh)
         for row in anat.row:  # after the styles' own hooks
-            model.get_submodule(f"{name}.{row}").register_forward_hook(_own_output)
-
-
-_HEAD_BIASES = ("alibi", "position_bias")
-"""Keyword arguments of an attention that carry a bias built by the model for every head, heads
-leading ([batch x heads, 1, s] for Bloom's ``alibi``, [heads, 1, s] for MPT's ``position_bias``)."""
-
-
-def _local_alibi(block: nn.Module, anat: Anatomy, heads: int, tp: int, rank: int) -> None:
-    """Cut the ALiBi bias that a block's attention takes by keyword (``_HEAD_BIASES``: the
-    model builds it for every head) to this rank's heads, the slice its column-parallel QKV
-    computes."""
-    k = heads // tp
-
-    def hook(module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict] | None:
-        cut = {}
-        for key in _HEAD_BIASES:
-            bias = kwargs.get(key)
-            if isinstance(bias, torch.Tensor) and bias.dim() and not bias.shape[0] % heads:
-                per_head = bias.view(-1, heads, *bias.shape[1:])[:, rank * k:(rank + 1) * k]
-                cut[key] = per_head.reshape(-1, *bias.shape[1:])
-        return (args, {**kwargs, **cut}) if cut else None
-
-    for owner in {name.rpartition(".")[0] for name in anat.column}:
-        module = block.get_submodule(owner)
-        if set(_HEAD_BIASES) & set(inspect.signature(type(module).forward).parameters):
-            module.register_forward_pre_hook(hook, with_kwargs=True)
-
-
-def _show_local(module: nn.Module, names: list[str], view: Callable[[DTensor], torch.Tensor]) -> None:
-    """Hooks showing ``module``'s forward ``view`` of each of its DTensor parameters ``names`` in
-    the parameter's place (an attribute read, never registered), the parameter back after."""
-    def show(mod: nn.Module, args: tuple) -> None:
-        for n in names:
-            whole = mod._parameters[n]
-            mod.__dict__[f"_autopar_whole_{n}"] = whole
-            mod._parameters[n] = cast(nn.Parameter, view(cast(DTensor, whole)))
-
-    def restore(mod: nn.Module, args: tuple, out: object) -> None:
-        for n in names:
-            mod._parameters[n] = mod.__dict__.pop(f"_autopar_whole_{n}")
-    module.register_forward_pre_hook(show)
-    module.register_forward_hook(restore)
-
-
-def _replicate_over(module: nn.Module, names: list[str], mesh: DeviceMesh) -> None:
-    """``module``'s parameters ``names`` as DTensors replicated over ``mesh`` (its tp axis)."""
-    for n in names:
-        module.register_parameter(n, nn.Parameter(DTensor.from_local(
-            getattr(module, n).data, mesh, (Replicate(),), run_check=False)))
-
-
-def _experts_on_own_tokens(block: nn.Module, anat: Anatomy, mesh: DeviceMesh) -> None:
-    """Under sequence parallelism a mixture of experts (its router, experts and any other
-    plain weight of the layer: Qwen2-MoE's shared-expert gate) runs on the rank's own tokens,
-    replicated over tp: each weight is a DTensor replicated over tp, shown to the forward as
-    its local tensor whose gradient is a partial sum over the ranks' tokens (completed as SP's
-    norms' are). A shared expert split by TP keeps its styles."""
-    layer = anat.experts[0].rpartition(".")[0]
-    root = block.get_submodule(layer) if layer else block
-    for module in root.modules():
-        names = [n for n, p in module.named_parameters(recurse=False) if not isinstance(p, DTensor)]
-        if names:
-            _replicate_over(module, names, mesh)
-            _show_local(module, names, lambda w: w.to_local(grad_placements=(Partial(),)))
-
-
-def _local_head_params(block: nn.Module, anat: Anatomy, heads: int, mesh: DeviceMesh) -> None:
-    """A parameter with one value per query head held by the attention itself (GPT-OSS's
-    ``sinks``): kept whole, replicated over tp (a checkpoint holds all of it), and shown to the
-    forward as this rank's heads' slice; its gradient is a partial sum over the tp ranks (each
-    fills its own heads), which the data-parallel wrapper or ``train._reduce_partial_grads``
-    completes, as for sequence parallelism's norms."""
-    k, rank = heads // mesh.size(), mesh.get_local_rank()
-    for owner in {name.rpartition(".")[0] for name in anat.column}:
-        module = block.get_submodule(owner)
-        names = [n for n, p in module.named_parameters(recurse=False) if p.dim() == 1 and p.numel() == heads]
-        if names:
-            _replicate_over(module, names, mesh)
-            _show_local(module, names, lambda w: w.to_local(grad_placements=(Partial(),))[rank * k:(rank + 1) * k])
-
-
-def _own_output(module: nn.Module, args: tuple, output: torch.Tensor) -> torch.Tensor:
-    """A row GEMM's output as a tensor of its own: TP hands back ``to_local()``'s view, which
-    autograd forbids modifying in place, and models do (Falcon: ``mlp_output += attn``)."""
-    return output.clone()
-
-
-def _scatter_sequence(mesh) -> Callable:
-    """A forward pre-hook cutting a block's first input (replicated [b, s, h]) into this rank's
-    sequence shard (the backward all-gathers); HF blocks take more positional inputs, which
-    ``PrepareModuleInput`` would need counted."""
-    def hook(module: nn.Module, args: tuple) -> tuple:
-        x = DTensor.from_local(args[0], mesh, (Replicate(),), run_check=False)
-        return (x.redistribute(mesh, (Shard(1),)).to_local(), *args[1:])
-    return hook
-
-
-def _gather_sequence(mesh) -> Callable:
-    """A forward pre-hook gathering a sub-layer's input from this rank's sequence shard into a
-    replicated DTensor (the backward reduce-scatters once for all the column GEMMs reading
-    it): its first positional argument, else the first tensor passed by keyword (HF
-    attentions take ``hidden_states=``). ``autopar verify`` proves the guess per model."""
-    def gather(x: torch.Tensor) -> DTensor:
-        return DTensor.from_local(x, mesh, (Shard(-2),), run_check=False).redistribute(mesh, (Replicate(),))
-
-    def hook(module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
-        if args and isinstance(args[0], torch.Tensor):
-            return (gather(args[0]), *args[1:]), kwargs
-        key = next(k for k, v in kwargs.items() if isinstance(v, torch.Tensor))
-        return args, {**kwargs, key: gather(kwargs[key])}
-    return hook
-
-
-def _is_count(name: str) -> bool:
-    """An attribute naming a number of heads (``num_heads``, ``n_head``, ``num_key_value_heads``),
-    not a size, a scale or a ratio of them."""
-    low = name.lower()
-    return "head" in low and not any(w in low for w in ("dim", "size", "scal", "group", "ratio"))
-
-
-def _localize(owner: nn.Module, widths: set[int], heads: set[int], tp: int) -> None:
-    """Divide by ``tp`` each plain int attribute of ``owner`` that a per-rank forward reshapes
-    with: head counts (named as such, equal to the model's heads or kv heads) and widths equal
-    to a column GEMM's output or one of its packed chunks (OPT's ``embed_dim``, GPT-2's
-    ``split_size``); the same for head counts in an HF ``config`` the module reads (Phi-3).
-    Nothing here is proved: ``autopar verify`` runs the result against one process."""
-    for name, value in list(vars(owner).items()):
-        if not isinstance(value, int) or isinstance(value, bool) or value % tp:
-            continue
-        if (_is_count(name) and value in heads) or (value in widths and "head" not in name.lower()):
-            setattr(owner, name, value // tp)
-    config = getattr(owner, "config", None)
-    if config is not None and hasattr(config, "to_dict"):
-        local = copy.copy(config)  # this module's view only
-        for name, value in config.to_dict().items():
-            if isinstance(value, int) and not isinstance(value, bool) and _is_count(name) and value in heads \
-                    and not value % tp:
-                setattr(local, name, value // tp)
-        owner.config = local
-
-
-def _localize_block(block: nn.Module, anat: Anatomy, tp: int, heads: set[int]) -> None:
-    """Make every module owning a column-parallel GEMM compute with this rank's heads and widths."""
-    packed = dict(anat.packed)
-    owners: dict[str, set[int]] = {}
-    for name in anat.column:
-        gemm = block.get_submodule(name)
-        widths = owners.setdefault(name.rpartition(".")[0], set())
-        widths.update({cast(int, gemm.out_features), *packed.get(name, ())})  # nn.Linear: apply_tensor_parallel checks
-    for owner, widths in owners.items():
-        _localize(block.get_submodule(owner), widths, heads, tp)
+            model.get_submodule(f"{name}.{row}").register_forward_hook(own_output)
 
 
 def apply_recompute(model: nn.Module, recompute: tuple[str, ...], anat: Anatomy) -> None:
@@ -435,7 +286,11 @@ def _recompute_attention_core(block: nn.Module, anat: Anatomy) -> None:
         # a core written op by op in the module's forward (Bloom: baddbmm with ALiBi, softmax,
         # bmm): the module checkpointed under a policy keeping its weight GEMMs' outputs and
         # its collectives, so the backward repeats the core only
-        parent, _, attr = anat.column[0].rpartition(".")[0].rpartition(".")
+        path = anat.column[0].rpartition(".")[0]
+        if not path:  # the block holds its GEMMs itself: no attention module to checkpoint
+            raise ValueError("selective recompute needs the attention core as a module of its own; "
+                             "use recompute none or full for this model")
+        parent, _, attr = path.rpartition(".")
         owner = block.get_submodule(parent) if parent else block
         owner._modules[attr] = checkpoint_wrapper(attention, checkpoint_impl=CheckpointImpl.NO_REENTRANT,
                                                   context_fn=_core_contexts)

@@ -29,7 +29,7 @@ Tensor parallelism shards the GEMMs the tracer labelled; a hand-written attentio
 its width off its input (nanoGPT's ``B, T, C = x.size()``) sees the local width: each module
 owning a column-parallel GEMM is called on a narrow view of its input (``C/tp`` wide, never
 read) and the column GEMMs get the whole input back; its width and head-count attributes are
-divided by ``parallelize._localize``. Selective recompute checkpoints the blocks'
+divided by ``tp_families.localize``. Selective recompute checkpoints the blocks'
 ``scaled_dot_product_attention`` calls; attention written out op by op has no call to
 checkpoint and is refused.
 """

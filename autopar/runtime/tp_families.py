@@ -1,0 +1,171 @@
+"""What HF families need under tensor and sequence parallelism beyond torch's styles
+(``runtime.parallelize`` applies the styles and calls these): module attributes that count
+heads or hold a projection's width divided by tp, a model-built per-head bias cut to the
+rank's heads, per-head and replicated weights shown to the forward as local tensors whose
+gradients are partial sums over the tp ranks, sequence shards gathered where a sub-layer is
+called, and a mixture of experts on the rank's own tokens. Nothing here is proved: ``autopar
+verify`` runs each family's twin against one process."""
+
+from __future__ import annotations
+
+import copy
+import inspect
+from typing import Callable, cast
+
+import torch
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
+
+from autopar.layout import Anatomy
+
+
+_HEAD_BIASES = ("alibi", "position_bias")
+"""Keyword arguments of an attention that carry a bias built by the model for every head, heads
+leading ([batch x heads, 1, s] for Bloom's ``alibi``, [heads, 1, s] for MPT's ``position_bias``)."""
+
+
+def local_alibi(block: nn.Module, anat: Anatomy, heads: int, tp: int, rank: int) -> None:
+    """Cut the ALiBi bias that a block's attention takes by keyword (``_HEAD_BIASES``: the
+    model builds it for every head) to this rank's heads, the slice its column-parallel QKV
+    computes."""
+    k = heads // tp
+
+    def hook(module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict] | None:
+        cut = {}
+        for key in _HEAD_BIASES:
+            bias = kwargs.get(key)
+            if isinstance(bias, torch.Tensor) and bias.dim() and not bias.shape[0] % heads:
+                per_head = bias.view(-1, heads, *bias.shape[1:])[:, rank * k:(rank + 1) * k]
+                cut[key] = per_head.reshape(-1, *bias.shape[1:])
+        return (args, {**kwargs, **cut}) if cut else None
+
+    for owner in {name.rpartition(".")[0] for name in anat.column}:
+        module = block.get_submodule(owner)
+        if set(_HEAD_BIASES) & set(inspect.signature(type(module).forward).parameters):
+            module.register_forward_pre_hook(hook, with_kwargs=True)
+
+
+def show_local(module: nn.Module, names: list[str], view: Callable[[DTensor], torch.Tensor]) -> None:
+    """Hooks showing ``module``'s forward ``view`` of each of its DTensor parameters ``names`` in
+    the parameter's place (an attribute read, never registered), the parameter back after."""
+    def show(mod: nn.Module, args: tuple) -> None:
+        for n in names:
+            whole = mod._parameters[n]
+            mod.__dict__[f"_autopar_whole_{n}"] = whole
+            mod._parameters[n] = cast(nn.Parameter, view(cast(DTensor, whole)))
+
+    def restore(mod: nn.Module, args: tuple, out: object) -> None:
+        for n in names:
+            mod._parameters[n] = mod.__dict__.pop(f"_autopar_whole_{n}")
+    module.register_forward_pre_hook(show)
+    module.register_forward_hook(restore)
+
+
+def replicate_over(module: nn.Module, names: list[str], mesh: DeviceMesh) -> None:
+    """``module``'s parameters ``names`` as DTensors replicated over ``mesh`` (its tp axis)."""
+    for n in names:
+        module.register_parameter(n, nn.Parameter(DTensor.from_local(
+            getattr(module, n).data, mesh, (Replicate(),), run_check=False)))
+
+
+def experts_on_own_tokens(block: nn.Module, anat: Anatomy, mesh: DeviceMesh) -> None:
+    """Under sequence parallelism a mixture of experts (its router, experts and any other
+    plain weight of the layer: Qwen2-MoE's shared-expert gate) runs on the rank's own tokens,
+    replicated over tp: each weight is a DTensor replicated over tp, shown to the forward as
+    its local tensor whose gradient is a partial sum over the ranks' tokens (completed as SP's
+    norms' are). A shared expert split by TP keeps its styles."""
+    layer = anat.experts[0].rpartition(".")[0]
+    root = block.get_submodule(layer) if layer else block
+    for module in root.modules():
+        names = [n for n, p in module.named_parameters(recurse=False) if not isinstance(p, DTensor)]
+        if names:
+            replicate_over(module, names, mesh)
+            show_local(module, names, lambda w: w.to_local(grad_placements=(Partial(),)))
+
+
+def local_head_params(block: nn.Module, anat: Anatomy, heads: int, mesh: DeviceMesh) -> None:
+    """A parameter with one value per query head held by the attention itself (GPT-OSS's
+    ``sinks``): kept whole, replicated over tp (a checkpoint holds all of it), and shown to the
+    forward as this rank's heads' slice; its gradient is a partial sum over the tp ranks (each
+    fills its own heads), which the data-parallel wrapper or ``train._reduce_partial_grads``
+    completes, as for sequence parallelism's norms."""
+    k, rank = heads // mesh.size(), mesh.get_local_rank()
+    for owner in {name.rpartition(".")[0] for name in anat.column}:
+        module = block.get_submodule(owner)
+        names = [n for n, p in module.named_parameters(recurse=False) if p.dim() == 1 and p.numel() == heads]
+        if names:
+            replicate_over(module, names, mesh)
+            show_local(module, names, lambda w: w.to_local(grad_placements=(Partial(),))[rank * k:(rank + 1) * k])
+
+
+def own_output(module: nn.Module, args: tuple, output: torch.Tensor) -> torch.Tensor:
+    """A row GEMM's output as a tensor of its own: TP hands back ``to_local()``'s view, which
+    autograd forbids modifying in place, and models do (Falcon: ``mlp_output += attn``)."""
+    return output.clone()
+
+
+def scatter_sequence(mesh) -> Callable:
+    """A forward pre-hook cutting a block's first input (replicated [b, s, h]) into this rank's
+    sequence shard (the backward all-gathers); HF blocks take more positional inputs, which
+    ``PrepareModuleInput`` would need counted."""
+    def hook(module: nn.Module, args: tuple) -> tuple:
+        x = DTensor.from_local(args[0], mesh, (Replicate(),), run_check=False)
+        return (x.redistribute(mesh, (Shard(1),)).to_local(), *args[1:])
+    return hook
+
+
+def gather_sequence(mesh) -> Callable:
+    """A forward pre-hook gathering a sub-layer's input from this rank's sequence shard into a
+    replicated DTensor (the backward reduce-scatters once for all the column GEMMs reading
+    it): its first positional argument, else the first tensor passed by keyword (HF
+    attentions take ``hidden_states=``). ``autopar verify`` proves the guess per model."""
+    def gather(x: torch.Tensor) -> DTensor:
+        return DTensor.from_local(x, mesh, (Shard(-2),), run_check=False).redistribute(mesh, (Replicate(),))
+
+    def hook(module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+        if args and isinstance(args[0], torch.Tensor):
+            return (gather(args[0]), *args[1:]), kwargs
+        key = next(k for k, v in kwargs.items() if isinstance(v, torch.Tensor))
+        return args, {**kwargs, key: gather(kwargs[key])}
+    return hook
+
+
+def is_count(name: str) -> bool:
+    """An attribute naming a number of heads (``num_heads``, ``n_head``, ``num_key_value_heads``),
+    not a size, a scale or a ratio of them."""
+    low = name.lower()
+    return "head" in low and not any(w in low for w in ("dim", "size", "scal", "group", "ratio"))
+
+
+def localize(owner: nn.Module, widths: set[int], heads: set[int], tp: int) -> None:
+    """Divide by ``tp`` each plain int attribute of ``owner`` that a per-rank forward reshapes
+    with: head counts (named as such, equal to the model's heads or kv heads) and widths equal
+    to a column GEMM's output or one of its packed chunks (OPT's ``embed_dim``, GPT-2's
+    ``split_size``); the same for head counts in an HF ``config`` the module reads (Phi-3).
+    Nothing here is proved: ``autopar verify`` runs the result against one process."""
+    for name, value in list(vars(owner).items()):
+        if not isinstance(value, int) or isinstance(value, bool) or value % tp:
+            continue
+        if (is_count(name) and value in heads) or (value in widths and "head" not in name.lower()):
+            setattr(owner, name, value // tp)
+    config = getattr(owner, "config", None)
+    if config is not None and hasattr(config, "to_dict"):
+        local = copy.copy(config)  # this module's view only
+        for name, value in config.to_dict().items():
+            if isinstance(value, int) and not isinstance(value, bool) and is_count(name) and value in heads \
+                    and not value % tp:
+                setattr(local, name, value // tp)
+        owner.config = local
+
+
+def localize_block(block: nn.Module, anat: Anatomy, tp: int, heads: set[int]) -> None:
+    """Make every module owning a column-parallel GEMM compute with this rank's heads and widths."""
+    packed = dict(anat.packed)
+    owners: dict[str, set[int]] = {}
+    for name in anat.column:
+        gemm = block.get_submodule(name)
+        widths = owners.setdefault(name.rpartition(".")[0], set())
+        widths.update({cast(int, gemm.out_features), *packed.get(name, ())})  # nn.Linear: apply_tensor_parallel checks
+    for owner, widths in owners.items():
+        localize(block.get_submodule(owner), widths, heads, tp)
