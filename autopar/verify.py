@@ -125,8 +125,8 @@ def _hf_twin(spec: ModelSpec) -> str:
     for key, value in real_dict.items():
         if key in twin or isinstance(value, bool):
             continue
-        if isinstance(value, float) and "drop" in key and value:
-            twin[key] = 0.0
+        if isinstance(value, float) and ("drop" in key or "jitter" in key) and value:
+            twin[key] = 0.0  # random in training (dropout, PhiMoE's router jitter): no layout can match it
         elif isinstance(value, int) and key == "head_dim":
             twin[key] = TWIN_HEAD_DIM
         elif isinstance(value, int) and key.endswith("rotary_dim") and spec.hidden % spec.heads == 0:

@@ -49,6 +49,8 @@ FAMILIES = {
     "llama4": "hf:Llama4TextConfig:seq=8192",
     "qwen2-moe": "hf:Qwen2MoeConfig:seq=8192",
     "qwen3-moe": "hf:Qwen3MoeConfig:seq=8192",
+    "phimoe": "hf:PhimoeConfig:seq=8192",
+    "granitemoe": "hf:GraniteMoeConfig",
 }
 """Family -> ``--model`` (the config class's defaults: the released base model's shape)."""
 

@@ -5,7 +5,7 @@ never searches it.
 OPT is the case that ran silently wrong before (its attention reshapes with the global head
 count held as ``self.num_heads``: with TP 2 and no SP the losses were 1e-2 off one process);
 Falcon-7B's multi-query TP is the refusal followed end to end (one K,V head that tp does not divide).
-The full family matrix (35 HF families) is ``benchmarks/hf_families.py`` (marker ``families``).
+The full family matrix (37 HF families) is ``benchmarks/hf_families.py`` (marker ``families``).
 """
 
 from __future__ import annotations
@@ -52,6 +52,8 @@ def test_twin_keeps_the_architecture_at_toy_size():
     assert "num_kv_heads=8" not in falcon and parse_model_spec(falcon).num_kv_heads == 2
     # GPT-J rotates 64 of each head's 256 dimensions: the twin, 4 of 16
     assert "rotary_dim=4," in twin_spec_text(parse_model_spec("hf:GPTJConfig"))
+    # PhiMoE's router jitter is random in training, like a dropout: off in the twin
+    assert "router_jitter_noise=0.0" in twin_spec_text(parse_model_spec("hf:PhimoeConfig"))
     assert twin_spec_text(parse_model_spec("llama3-8b")).startswith("llama:layers=2,")
 
 
