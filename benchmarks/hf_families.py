@@ -51,6 +51,10 @@ FAMILIES = {
     "qwen3-moe": "hf:Qwen3MoeConfig:seq=8192",
     "phimoe": "hf:PhimoeConfig:seq=8192",
     "granitemoe": "hf:GraniteMoeConfig",
+    "helium": "hf:HeliumConfig",
+    "arcee": "hf:ArceeConfig",
+    "persimmon": "hf:PersimmonConfig",
+    "cohere2": "hf:Cohere2Config",
 }
 """Family -> ``--model`` (the config class's defaults: the released base model's shape)."""
 

@@ -5,7 +5,7 @@ never searches it.
 OPT is the case that ran silently wrong before (its attention reshapes with the global head
 count held as ``self.num_heads``: with TP 2 and no SP the losses were 1e-2 off one process);
 Falcon-7B's multi-query TP is the refusal followed end to end (one K,V head that tp does not divide).
-The full family matrix (37 HF families) is ``benchmarks/hf_families.py`` (marker ``families``).
+The full family matrix (41 HF families) is ``benchmarks/hf_families.py`` (marker ``families``).
 """
 
 from __future__ import annotations
