@@ -62,6 +62,13 @@ class Anatomy:
     statistic is reduced over the tp ranks (a DTensor sharded on the last dimension)."""
 
 
+def tp_splits_heads(heads: int, kv_heads: int, tp: int) -> bool:
+    """Whether autopar's runtime splits a model's attention over ``tp`` ranks: tp divides the
+    query heads and the K,V heads, or there is one K,V head (multi-query attention), kept whole
+    on every rank (``runtime.tp_families.replicate_single_kv``)."""
+    return heads % tp == 0 and (kv_heads % tp == 0 or kv_heads == 1)
+
+
 def expert_parallel_unsupported(*, ep: int, dp: int, sequence_parallel: bool, moe: bool,
                                 experts: int = 0, user_module: bool = False) -> str | None:
     """Why autopar's runtime cannot run a model (``moe``: it has MoE blocks, of ``experts``

@@ -17,7 +17,7 @@ from enum import Enum
 from pathlib import Path
 
 from autopar.errors import UserError
-from autopar.layout import Anatomy
+from autopar.layout import Anatomy, tp_splits_heads
 from autopar.limits import (MAX_GLOBAL_BATCH, MAX_GPUS, MAX_LAYERS, MAX_SEQ, check_count, is_int,
                             shown)
 from cost_models.axes import DEFAULT_ORDER, Axis, Degrees, parse_order
@@ -179,7 +179,7 @@ class Plan:
         if self.seq_len % (2 * self.mesh.cp):
             raise UserError(f"plan mesh.cp={self.mesh.cp} needs seq_len a multiple of 2 x cp = {2 * self.mesh.cp} "
                             f"(load-balanced causal chunks), got {self.seq_len}")
-        if spec.heads and (spec.heads % self.mesh.tp or spec.num_kv_heads % self.mesh.tp):
+        if spec.heads and not tp_splits_heads(spec.heads, spec.num_kv_heads, self.mesh.tp):
             raise UserError(f"plan mesh.tp={self.mesh.tp} does not divide the {spec.heads} heads and "
                             f"{spec.num_kv_heads} kv heads of {shown(self.model)}; re-create it with `autopar plan`")
         if spec.layers and self.num_layers != spec.layers:

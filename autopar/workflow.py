@@ -14,7 +14,7 @@ from autopar.solve import Pins, Solution, search
 from autopar.solve.infeasible import op_refusal, op_unpriced
 from autopar.solve.space import recipe_refusal
 from autopar.spec import ModelSpec, parse_model_spec, with_seq
-from autopar.layout import Anatomy
+from autopar.layout import Anatomy, tp_splits_heads
 from autopar.profiles import profile_and_layout, profile_spec, shaped_spec
 from cost_models import HardwareProfile, ModelProfile, ProfileError, Strategy, estimate, load_profile
 from cost_models.axes import Degrees
@@ -251,7 +251,7 @@ def fixed_strategy(job: Job, *, tp: int, pp: int, dp: int | None, zero: int, mic
     if job.global_batch % (dp * micro_batch):
         raise UserError(f"--global-batch {job.global_batch} is not divisible by dp x mbs = "
                         f"{dp * micro_batch}")
-    if job.spec.heads % tp or job.spec.num_kv_heads % tp:
+    if not tp_splits_heads(job.spec.heads, job.spec.num_kv_heads, tp):
         raise UserError(f"--tp {tp} does not divide the model's {job.spec.heads} heads and "
                         f"{job.spec.num_kv_heads} kv heads")
     if pp > job.spec.layers:

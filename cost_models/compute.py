@@ -183,7 +183,8 @@ def block_gemms(model: ModelProfile, strat: Strategy) -> tuple[list[Gemm], list[
     d = h / model.heads
     tokens = strat.tokens(model.seq)
     qkv = (model.heads + 2 * model.kv_heads) * d
-    attn = [Gemm(batch=1, m=tokens, n=qkv / t, k=h), Gemm(batch=1, m=tokens, n=h, k=h / t)]
+    whole = model.kv_heads == 1 and model.heads > 1 and t > 1  # multi-query: QKV whole (states.whole_qkv_params)
+    attn = [Gemm(batch=1, m=tokens, n=qkv if whole else qkv / t, k=h), Gemm(batch=1, m=tokens, n=h, k=h / t)]
     if model.moe:
         rest = (model.block_matmul_flops_per_token - model.expert_flops_per_token) / 2 \
             - h * qkv - model.heads * d * h

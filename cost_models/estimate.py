@@ -141,13 +141,15 @@ def partial_grads_sync_s(model: ModelProfile, strat: Strategy, tp: comm.Group, r
     ``finalize_model_grads`` (its layer-norm all-reduce), autopar's runtime
     (``runtime.train._reduce_partial_grads``) where no data-parallel wrapper reduces them.
     Priced on the first and the last stage (``dp_tail_s``), whose reductions the step waits
-    for; a middle stage's, as short, is taken to hide behind theirs. 0 without SP, and where
+    for; a middle stage's, as short, is taken to hide behind theirs. Multi-query TP's whole QKV
+    projection (``states.whole_qkv_params``) is reduced with them. 0 without either, and where
     FSDP2 reduces them (``fsdp_partial_grads_s``)."""
-    if not strat.sequence_parallel or strat.mesh.tp == 1 or fsdp_reduces_partials(strat, rep):
+    per_block = (SP_REPLICATED_PER_BLOCK * model.hidden if strat.sequence_parallel else 0.0) \
+        + states.whole_qkv_params(model, strat)  # multi-query TP's whole QKV: partial too
+    if not per_block or strat.mesh.tp == 1 or fsdp_reduces_partials(strat, rep):
         return 0.0
     blocks = -(-model.layers // strat.mesh.pp)  # the most blocks a stage holds
-    elements = SP_REPLICATED_PER_BLOCK * model.hidden * blocks
-    return comm.all_reduce_s(elements * states.state_layout(strat).grad, tp)
+    return comm.all_reduce_s(per_block * blocks * states.state_layout(strat).grad, tp)
 
 
 def fsdp_reduces_partials(strat: Strategy, rep: comm.Group) -> bool:
@@ -165,10 +167,14 @@ def fsdp_partial_grads_s(model: ModelProfile, strat: Strategy, tp: comm.Group, r
     ZeRO-2/3 and once a step under ZeRO 0/1 and torch's pipelining (``estimate._parts``). A
     census of long-seq's dp 2 x tp 2 SP plan at 4 micro-batches (4 GPT blocks) counted 72 such
     all-reduces a step under ZeRO-2 and 18 under ZeRO 0 and 1: 4 a block and the final norm's
-    2 (not priced) at each reduction. 0 without SP or FSDP2."""
-    if not strat.sequence_parallel or strat.mesh.tp == 1 or not fsdp_reduces_partials(strat, rep):
+    2 (not priced) at each reduction; plus multi-query TP's whole QKV projection, one
+    all-reduce of it. 0 without SP and multi-query TP, or without FSDP2."""
+    if strat.mesh.tp == 1 or not fsdp_reduces_partials(strat, rep):
         return 0.0
-    return SP_REPLICATED_PER_BLOCK * comm.all_reduce_s(model.hidden * states.state_layout(strat).grad, tp)
+    grad = states.state_layout(strat).grad
+    whole = states.whole_qkv_params(model, strat)  # multi-query TP's whole QKV: partial too
+    return (SP_REPLICATED_PER_BLOCK * comm.all_reduce_s(model.hidden * grad, tp) if strat.sequence_parallel else 0.0) \
+        + (comm.all_reduce_s(whole * grad, tp) if whole else 0.0)
 
 
 def _ddp_tails(model: ModelProfile, hw: HardwareProfile, strat: Strategy, rep: comm.Group,

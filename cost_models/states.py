@@ -186,8 +186,22 @@ def layer_params(model: ModelProfile, strat: Strategy) -> float:
 
 
 def dense_layer_params(model: ModelProfile, strat: Strategy) -> float:
-    """Parameters of one block outside its routed experts on one device."""
-    return model.dense_block_params / strat.mesh.tp
+    """Parameters of one block outside its routed experts on one device (the QKV projection
+    whole under multi-query TP: ``whole_qkv_params``)."""
+    whole = whole_qkv_params(model, strat)
+    return (model.dense_block_params - whole) / strat.mesh.tp + whole
+
+
+def whole_qkv_params(model: ModelProfile, strat: Strategy) -> float:
+    """Parameters of one block's QKV projection that every tp rank holds whole: under
+    multi-query attention (one K,V head, which tp does not split) autopar's runtime keeps the
+    GEMMs making K and V whole and replicated over tp (``runtime.tp_families``). Priced as a
+    QKV packed in one GEMM (Falcon-7B, GPT-BigCode), all of it whole; with K and V
+    projections of their own (Gemma 2B) only they are, so this over-counts Q's share (h² of
+    h (h + 2d)). 0 otherwise."""
+    if strat.mesh.tp == 1 or model.kv_heads != 1 or model.heads == 1:
+        return 0.0
+    return (model.heads + 2 * model.kv_heads) * (model.hidden / model.heads) * model.hidden
 
 
 def expert_layer_params(model: ModelProfile, strat: Strategy) -> float:

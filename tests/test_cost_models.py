@@ -1400,3 +1400,20 @@ def test_replicated_experts_under_sp_run_the_ranks_own_tokens():
     assert memory.expert_extra_act_bytes(moe, shard) == 0.0 < memory.expert_extra_act_bytes(moe, own)
     etp = dataclasses.replace(own, recipe=MC)
     assert dataclasses.replace(etp, sequence_parallel=True).moe_rows == etp.moe_rows == 1.0
+
+
+def test_multi_query_tp_keeps_the_qkv_projection_whole():
+    """One K,V head, which tp does not split: autopar's runtime keeps the K,V-making GEMMs
+    whole on every tp rank, priced as a QKV packed in one GEMM (Falcon-7B's, GPT-BigCode's):
+    its parameters whole on each rank, its GEMM as wide as one process's, and its gradients a
+    partial sum reduced over tp. The solver plans tp for it under autopar's recipe only."""
+    from autopar.solve.space import splits_heads
+    mqa = profile_spec(parse_model_spec("llama:layers=2,hidden=1024,heads=8,kv_heads=1,ffn=2816,vocab=1024,seq=2048"))
+    qkv = (8 + 2) * 128 * 1024
+    one, four = Strategy(micro_batch=1), Strategy(mesh=Degrees(tp=4), micro_batch=1)
+    assert states.whole_qkv_params(mqa, one) == 0 and states.whole_qkv_params(mqa, four) == qkv
+    assert states.dense_layer_params(mqa, four) == pytest.approx((mqa.dense_block_params - qkv) / 4 + qkv)
+    assert compute.block_gemms(mqa, four)[0][0].n == compute.block_gemms(mqa, one)[0][0].n == 10 * 128
+    rep = comm.group(load_profile("dgx-h100"), 1)
+    assert partial_grads_sync_s(mqa, four, comm.group(load_profile("dgx-h100"), 4), rep) > 0
+    assert splits_heads(mqa, 4, load_recipe("autopar")) and not splits_heads(mqa, 4, MC)

@@ -70,6 +70,12 @@ HF_OLMO2 = ("hf:Olmo2Config:num_hidden_layers=4,hidden_size=64,num_attention_hea
 # experts, alternating sliding-window layers.
 HF_GPT_OSS = ("hf:GptOssConfig:num_hidden_layers=4,hidden_size=64,num_attention_heads=4,num_key_value_heads=2,"
               "head_dim=16,intermediate_size=96,num_local_experts=4,vocab_size=128,seq=16")
+# Multi-query attention (one K,V head, which tp does not split): Falcon-7B's Q, K, V cut by a
+# view of one GEMM, GPT-BigCode's packed c_attn; the K,V-making GEMMs stay whole on every rank.
+HF_FALCON_MQA = ("hf:FalconConfig:num_hidden_layers=4,hidden_size=64,num_attention_heads=4,vocab_size=128,"
+                 "attention_dropout=0,hidden_dropout=0,seq=16")
+HF_BIGCODE = ("hf:GPTBigCodeConfig:n_layer=4,n_embd=64,n_head=4,n_inner=96,vocab_size=128,resid_pdrop=0,"
+              "embd_pdrop=0,attn_pdrop=0,seq=16")
 STEPS = 3
 LOSS_TOL = 2e-6
 PARAM_TOL = 1e-4
@@ -138,6 +144,8 @@ PLANS_4 = {
     "hf qwen3 tp2 sp x dp2 zero3": make_plan(HF_QWEN3, tp=2, dp=2, zero=3, sp=True, mbs=2, m=2),
     "hf olmo2 tp2 sp x dp2 zero2": make_plan(HF_OLMO2, tp=2, dp=2, zero=2, sp=True, mbs=2, m=2),
     "hf gpt-oss tp2 x dp2 zero3": make_plan(HF_GPT_OSS, tp=2, dp=2, zero=3, mbs=2, m=2),
+    "hf falcon mqa tp2 x dp2 zero3": make_plan(HF_FALCON_MQA, tp=2, dp=2, zero=3, mbs=2, m=2),
+    "hf gpt-bigcode mqa tp2 sp x dp2": make_plan(HF_BIGCODE, tp=2, dp=2, sp=True, mbs=2, m=2),
 }
 PLANS_8 = {
     "gpt tied 3d pp2 dp2 tp2 sp zero2, pp innermost": make_plan(GPT_TIED, pp=2, dp=2, tp=2, sp=True, zero=2, mbs=1, m=4,

@@ -4,7 +4,8 @@ never searches it.
 
 OPT is the case that ran silently wrong before (its attention reshapes with the global head
 count held as ``self.num_heads``: with TP 2 and no SP the losses were 1e-2 off one process);
-Falcon-7B's multi-query TP is the refusal followed end to end (one K,V head that tp does not divide).
+minGPT's selective recompute is the refusal followed end to end (a user module whose attention is
+written out op by op in its block's forward).
 The full family matrix (41 HF families) is ``benchmarks/hf_families.py`` (marker ``families``).
 """
 
@@ -12,6 +13,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+from pathlib import Path
 
 import pytest
 from typer.testing import CliRunner
@@ -28,6 +30,7 @@ runner = CliRunner()
 OPT = "hf:OPTConfig:num_hidden_layers=4,hidden_size=256,num_attention_heads=8,ffn_dim=1024,seq=512"
 BLOOM = "hf:BloomConfig:n_layer=4,hidden_size=256,n_head=8,vocab_size=1024,seq=512"
 FALCON_MQA = "hf:FalconConfig:num_hidden_layers=4,hidden_size=256,num_attention_heads=8,vocab_size=1024,seq=512"
+MINI = f"{Path(__file__).resolve().parent / 'fixtures' / 'mingpt' / 'make.py'}:make"
 
 
 @pytest.fixture
@@ -86,38 +89,41 @@ def test_a_plan_names_what_failed_on_its_twin():
 
 
 @pytest.mark.slow
-def test_bloom_is_proved_and_multi_query_tp_refused_end_to_end(cache, tmp_path):
+def test_bloom_and_multi_query_are_proved_and_mingpt_selective_refused_end_to_end(cache, tmp_path):
     """verify: Bloom's TP (its model-built ALiBi cut to each rank's heads) and selective
-    recompute (its attention written out op by op, checkpointed as a module under a policy)
-    are equal to one process. Falcon-7B's multi-query attention (one K,V head, which tp 2
-    does not divide) is refused TP with the rank's error; the planner plans it without,
-    records the verdicts, `run` refuses a hand-made TP plan before launching anything and
-    `explain` shows the refusal."""
+    recompute (its attention written out op by op, checkpointed as a module under a policy),
+    and Falcon-7B's multi-query TP (one K,V head, kept whole on every rank) are equal to one
+    process. minGPT (a module of the user's own) writes its attention out op by op in its
+    block's forward: its selective recompute is refused with the rank's error; the planner
+    plans it without, records the verdicts, a pinned ``--recompute selective`` exits 2, `run`
+    refuses a hand-made selective plan before launching anything and `explain` shows the
+    refusal."""
     bloom = verify(BLOOM, checks=(Check.TP, Check.SELECTIVE))
     assert bloom.allows(Check.TP) and bloom.allows(Check.SELECTIVE), bloom.refusals()
-    result = verify(FALCON_MQA, checks=(Check.TP,))
-    assert not result.allows(Check.TP)
-    reason = result.refusals()["tp"]
-    assert reason.startswith("rank ") and "\n" not in reason and "1 kv heads" in reason
+    assert verify(FALCON_MQA, checks=(Check.TP,)).allows(Check.TP)
+    result = verify(MINI, checks=(Check.SELECTIVE,))
+    assert not result.allows(Check.SELECTIVE)
+    reason = result.refusals()["selective"]
+    assert reason.startswith("rank ") and "\n" not in reason and "op by op" in reason
     assert any(cache.glob("verify/*.json"))
 
-    out = tmp_path / "falcon.json"
-    r = runner.invoke(app, ["plan", "--model", FALCON_MQA, "--cluster", "dgx-h100", "--gpus", "64",
-                            "--global-batch", "512", "--out", str(out), "--json"])
+    out = tmp_path / "mingpt.json"
+    job = ["--model", MINI, "--cluster", "cpu-local", "--gpus", "2", "--global-batch", "8", "--dtype", "fp32"]
+    r = runner.invoke(app, ["plan", *job, "--out", str(out), "--json"])
     assert r.exit_code == 0, r.output
     plan = load_plan(out)
-    assert plan.mesh.tp == 1 and dict(plan.verified)["tp"] == reason and dict(plan.verified)["pp"] == ""
+    assert "selective" not in plan.recompute and dict(plan.verified)["selective"] == reason
+    r = runner.invoke(app, ["plan", *job, "--recompute", "selective"])
+    assert r.exit_code == 2 and "failed autopar verify's selective check" in r.output, r.output
 
-    bad_plan = dataclasses.replace(check_plan(result.twin, Check.TP), model=FALCON_MQA, seq_len=512,
-                                   global_batch=4, stage_layers=(4,), recompute=("none",) * 4)
-    bad = tmp_path / "tp.json"
-    bad_plan.save(bad)
-    r = runner.invoke(app, ["run", str(bad), "--steps", "1"])
-    assert r.exit_code == 2 and "tp" in r.output and len(r.output.strip().splitlines()) == 1, r.output
+    bad = tmp_path / "selective.json"
+    dataclasses.replace(check_plan(MINI, Check.SELECTIVE), recompute=("selective",) * 4).save(bad)
+    r = runner.invoke(app, ["run", str(bad), "--steps", "1", "--trust-code"])
+    assert r.exit_code == 2 and "failed the selective check on its twin" in r.output, r.output
 
-    r = runner.invoke(app, ["explain", str(out), "--json", "--time-limit", "5"])
+    r = runner.invoke(app, ["explain", str(out), "--json", "--time-limit", "5", "--trust-code"])
     assert r.exit_code == 0, r.output
-    assert json.loads(r.output)["refused"]["tp"] == reason
+    assert json.JSONDecoder().raw_decode(r.stdout)[0]["refused"]["selective"] == reason
 
 
 def test_a_twin_that_cannot_run_in_one_process_is_one_line(cache, monkeypatch):

@@ -26,7 +26,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
-from autopar.layout import context_parallel_unsupported
+from autopar.layout import context_parallel_unsupported, tp_splits_heads
 from autopar.plan import Plan, op_unsupported, runtime_unsupported
 from autopar.spec import parse_model_spec
 from cost_models.axes import Axis
@@ -113,7 +113,7 @@ def check_plan(plan: Plan, traced: Traced | None = None) -> None:
         op_unsupported(plan.recompute, plan.schedule, m.pp, m.cp)
     if reason:
         raise ValueError(reason)
-    if spec.heads % plan.mesh.tp or spec.num_kv_heads % plan.mesh.tp:
+    if not tp_splits_heads(spec.heads, spec.num_kv_heads, plan.mesh.tp):
         raise ValueError(f"tp={plan.mesh.tp} does not divide the model's {spec.heads} heads and "
                          f"{spec.num_kv_heads} kv heads")
     if plan.dtype not in DTYPES:

@@ -63,7 +63,8 @@ from autopar.layout import Anatomy
 from autopar.runtime.context import DTYPES, ParallelContext
 from autopar.runtime.experts import ExpertMesh, is_expert_sharded
 from autopar.runtime.tp_families import (experts_on_own_tokens, gather_sequence, local_alibi, local_head_params,
-                                         localize_block, own_output, scatter_sequence)
+                                         localize_block, own_output, replicate_single_kv, scatter_sequence,
+                                         single_kv_gemms)
 from cost_models.axes import Axis
 
 if TYPE_CHECKING:
@@ -71,7 +72,7 @@ if TYPE_CHECKING:
 
 
 
-def _block_tp_plans(anat: Anatomy, sp: bool) -> list[dict]:
+def _block_tp_plans(anat: Anatomy, sp: bool, whole: frozenset[str] = frozenset()) -> list[dict]:
     """Column-parallel GEMMs into each sub-layer, row-parallel out of it. With SP the row
     GEMMs reduce-scatter onto sequence shards, the norms run on them, and each pre-norm's
     output is all-gathered for its sub-layer — one all-gather per sub-layer however the
@@ -81,7 +82,7 @@ def _block_tp_plans(anat: Anatomy, sp: bool) -> list[dict]:
     -2: dim 1 of [b, s, h], dim 0 of a block that flattens its tokens to [b·s, h] around a
     sub-layer (OPT's MLP), where each rank's shard is its own b·s/tp tokens, gathered and
     scattered back in the same order."""
-    plan: dict = {name: ColwiseParallel() for name in anat.column}
+    plan: dict = {name: ColwiseParallel() for name in anat.column if name not in whole}
     plan.update({name: RowwiseParallel(output_layouts=Shard(-2) if sp else Replicate()) for name in anat.row})
     # a per-head norm on this rank's heads ([b, s, heads, head_dim]: heads at -2), its
     # replicated weight's gradient a partial sum over the ranks (torch's SequenceParallel
@@ -130,8 +131,10 @@ def apply_tensor_parallel(model: nn.Module, ctx: ParallelContext, sp: bool, anat
             raise ValueError(f"tensor parallelism needs nn.Linear projections; {name} is a {kind.__name__}; "
                              "use tp=1 for this model")
     mesh = ctx.submesh(Axis.TP)
+    # multi-query attention: the K,V GEMMs stay whole on every rank (single_kv_gemms)
+    single_kv = single_kv_gemms(model.get_submodule(blocks[0]), anat, heads[0]) if heads[1] == 1 else {}
     for name in blocks:
-        localize_block(model.get_submodule(name), anat, mesh.size(), set(heads))
+        localize_block(model.get_submodule(name), anat, mesh.size(), set(heads), single_kv)
         local_alibi(model.get_submodule(name), anat, heads[0], mesh.size(), mesh.get_local_rank())
         local_head_params(model.get_submodule(name), anat, heads[0], mesh)
     here = {n for n, m in model.named_modules() if next(m.parameters(), None) is not None}  # not stand-ins
@@ -160,8 +163,9 @@ def apply_tensor_parallel(model: nn.Module, ctx: ParallelContext, sp: bool, anat
     owners = {c.rpartition(".")[0] for c in anat.column} \
         if sp and (anat.experts or not [n for n in anat.norms if n not in anat.post_norms]) else set()
     for name in blocks:
-        for plan in _block_tp_plans(anat, sp):
+        for plan in _block_tp_plans(anat, sp, frozenset(single_kv)):
             parallelize_module(model.get_submodule(name), mesh, plan)
+        replicate_single_kv(model.get_submodule(name), single_kv, mesh)
         for owner in owners:
             model.get_submodule(f"{name}.{owner}" if owner else name).register_forward_pre_hook(
                 gather_sequence(mesh), with_kwargs=True)

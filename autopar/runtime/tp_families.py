@@ -138,7 +138,7 @@ def is_count(name: str) -> bool:
     return "head" in low and not any(w in low for w in ("dim", "size", "scal", "group", "ratio"))
 
 
-def localize(owner: nn.Module, widths: set[int], heads: set[int], tp: int) -> None:
+def localize(owner: nn.Module, widths: set[int], heads: set[int], tp: int, single_kv: bool = False) -> None:
     """Divide by ``tp`` each plain int attribute of ``owner`` that a per-rank forward reshapes
     with: head counts (named as such, equal to the model's heads or kv heads) and widths equal
     to a column GEMM's output or one of its packed chunks (OPT's ``embed_dim``, GPT-2's
@@ -149,6 +149,8 @@ def localize(owner: nn.Module, widths: set[int], heads: set[int], tp: int) -> No
             continue
         if (is_count(name) and value in heads) or (value in widths and "head" not in name.lower()):
             setattr(owner, name, value // tp)
+        elif single_kv and "group" in name.lower() and value == max(heads):
+            setattr(owner, name, value // tp)  # query heads per K,V head (all of them, one K,V head)
     config = getattr(owner, "config", None)
     if config is not None and hasattr(config, "to_dict"):
         local = copy.copy(config)  # this module's view only
@@ -159,13 +161,65 @@ def localize(owner: nn.Module, widths: set[int], heads: set[int], tp: int) -> No
         owner.config = local
 
 
-def localize_block(block: nn.Module, anat: Anatomy, tp: int, heads: set[int]) -> None:
-    """Make every module owning a column-parallel GEMM compute with this rank's heads and widths."""
+def localize_block(block: nn.Module, anat: Anatomy, tp: int, heads: set[int],
+                   single_kv: dict[str, int] | None = None) -> None:
+    """Make every module owning a column-parallel GEMM compute with this rank's heads and widths
+    (``single_kv``: multi-query GEMMs, ``single_kv_gemms``, whose K and V widths stay whole)."""
     packed = dict(anat.packed)
+    single_kv = single_kv or {}
     owners: dict[str, set[int]] = {}
     for name in anat.column:
         gemm = block.get_submodule(name)
         widths = owners.setdefault(name.rpartition(".")[0], set())
+        if name in single_kv:
+            widths.update({single_kv[name]} - {0})  # Q's width only
+            continue
         widths.update({cast(int, gemm.out_features), *packed.get(name, ())})  # nn.Linear: apply_tensor_parallel checks
     for owner, widths in owners.items():
-        localize(block.get_submodule(owner), widths, heads, tp)
+        localize(block.get_submodule(owner), widths, heads, tp, bool(single_kv))
+
+
+def single_kv_gemms(block: nn.Module, anat: Anatomy, heads: int) -> dict[str, int]:
+    """Under multi-query attention (one K,V head, which tp does not split), the attention's
+    column GEMMs that make K or V: name -> the width of their output kept whole on every rank
+    (0: all of it, a K or V projection of its own; w > 0: a GEMM packing Q with K and V, of
+    whose output the first w columns are Q, split by heads, the rest K and V)."""
+    packed = dict(anat.packed)
+    attention = anat.column[0].rpartition(".")[0]
+    mine = [n for n in anat.column if n.rpartition(".")[0] == attention]
+    outs = {n: cast(int, block.get_submodule(n).out_features) for n in mine}
+    q = max(outs.values())
+    found: dict[str, int] = {}
+    for n, w in outs.items():
+        width = cast(int, block.get_submodule(n).in_features)
+        if w * heads == q and len(mine) > 1:
+            found[n] = 0  # one head's width: K or V (RoPE's halves of it may look packed)
+        elif len(packed.get(n, ())) > 1:
+            found[n] = packed[n][0]  # Q packed with K and V (GPT-BigCode's c_attn)
+        elif width % heads == 0 and w == width + 2 * (width // heads):
+            found[n] = width  # Q's heads and one K, V head, cut by a view (Falcon-7B's query_key_value)
+    return found
+
+
+def replicate_single_kv(block: nn.Module, gemms: dict[str, int], mesh: DeviceMesh) -> None:
+    """Multi-query attention under TP: each GEMM of ``single_kv_gemms`` kept whole and
+    replicated over tp, computed on the whole input by every rank (the input, a replicated
+    DTensor, read as its local tensor), its weights' and input's gradients partial sums over
+    the ranks (each rank's query heads read K and V); a GEMM packing Q with K, V hands on this
+    rank's heads of Q and all of K, V."""
+    tp, rank = mesh.size(), mesh.get_local_rank()
+    for name, q in gemms.items():
+        gemm = block.get_submodule(name)
+        names = [n for n, _ in gemm.named_parameters(recurse=False)]
+        replicate_over(gemm, names, mesh)
+        show_local(gemm, names, lambda w: w.to_local(grad_placements=(Partial(),)))
+
+        def local_input(mod: nn.Module, args: tuple) -> tuple:
+            x = args[0]
+            return (x.to_local(grad_placements=(Partial(),)) if isinstance(x, DTensor) else x, *args[1:])
+        gemm.register_forward_pre_hook(local_input)
+        if q:
+            def own_heads(mod: nn.Module, args: tuple, y: torch.Tensor, _q: int = q) -> torch.Tensor:
+                k = _q // tp
+                return torch.cat([y[..., rank * k:(rank + 1) * k], y[..., _q:]], dim=-1)
+            gemm.register_forward_hook(own_heads)

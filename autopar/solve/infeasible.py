@@ -6,7 +6,7 @@ import dataclasses
 from typing import Any
 
 from autopar.solve.core import stage_upper_bounds
-from autopar.solve.space import Pins, outer_candidates
+from autopar.solve.space import Pins, outer_candidates, splits_heads
 from cost_models import HardwareProfile, ModelProfile, stage_costs
 from cost_models.recipe import load_recipe
 
@@ -68,7 +68,7 @@ def no_candidate_reason(model: ModelProfile, hw: HardwareProfile, gpus: int,
                     "--recipe autopar or megatron-core, or drop --cp")
         if model.seq % (2 * pins.cp):
             return f"--cp {pins.cp} needs --seq-len a multiple of 2 x cp = {2 * pins.cp}, got {model.seq}"
-    if pins.tp and (model.heads % pins.tp or model.kv_heads % pins.tp):
+    if pins.tp and not splits_heads(model, pins.tp, pins.recipe or load_recipe()):
         return f"--tp {pins.tp} does not divide the {model.heads} heads / {model.kv_heads} kv heads"
     if pins.tp and hw.devices_per_node % pins.tp:
         return (f"--tp {pins.tp} does not divide the {hw.devices_per_node} devices per node of "

@@ -26,12 +26,13 @@ import math
 from dataclasses import dataclass, replace
 from typing import Iterator
 
+from autopar.layout import tp_splits_heads
 from autopar.plan import runtime_unsupported
 from cost_models import HardwareProfile, ModelProfile, Strategy
 from cost_models.axes import DEFAULT_ORDER, Axis, Degrees
 from cost_models.comm import (Group, mesh_expert_data_group, mesh_expert_group, mesh_groups,
                               mesh_replica_group)
-from cost_models.recipe import ExecutionRecipe, load_recipe
+from cost_models.recipe import DEFAULT_RECIPE, ExecutionRecipe, load_recipe
 from cost_models.strategy import RECOMPUTE
 
 
@@ -337,6 +338,15 @@ class Block:
     num_microbatches: int
 
 
+def splits_heads(model: ModelProfile, tp: int, recipe: ExecutionRecipe) -> bool:
+    """Whether the recipe's program splits the model's attention over ``tp`` ranks: tp divides
+    the query and K,V heads; autopar's runtime also keeps one K,V head whole on every rank
+    (``autopar.layout.tp_splits_heads``)."""
+    if recipe.name == DEFAULT_RECIPE:
+        return tp_splits_heads(model.heads, model.kv_heads, tp)
+    return model.heads % tp == 0 and model.kv_heads % tp == 0
+
+
 def outer_blocks(model: ModelProfile, hw: HardwareProfile, gpus: int, global_batch: int,
                  pins: Pins = Pins()) -> Iterator[Block]:
     """Every (degrees, micro-batch) with outer candidates the runtime can run, in a fixed order
@@ -344,7 +354,7 @@ def outer_blocks(model: ModelProfile, hw: HardwareProfile, gpus: int, global_bat
     recipe = pins.recipe or load_recipe()
     refused = set(pins.refused)
     for tp in _choices(pins.tp, _divisors(gpus)):
-        if hw.devices_per_node % tp or model.heads % tp or model.kv_heads % tp or gpus % tp \
+        if hw.devices_per_node % tp or not splits_heads(model, tp, recipe) or gpus % tp \
                 or (tp > 1 and "tp" in refused):
             continue
         for cp, pp in ((c, p) for c in cp_degrees(model, gpus // tp, recipe, pins)
