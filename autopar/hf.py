@@ -30,7 +30,7 @@ _KEYS = {
     "ffn": ("intermediate_size", "n_inner", "ffn_dim", "ffn_hidden_size"),
     "vocab": ("vocab_size",),
     "seq": ("max_position_embeddings", "n_positions", "n_ctx", "max_seq_len", "seq_length"),
-    "experts": ("num_local_experts", "num_experts", "n_routed_experts"),
+    "experts": ("num_local_experts", "num_experts", "n_routed_experts", "moe_num_experts"),
     "topk": ("num_experts_per_tok",),
 }
 _REQUIRED = ("layers", "hidden", "heads", "vocab", "seq")

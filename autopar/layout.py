@@ -22,7 +22,7 @@ class Anatomy:
     """Module names (fully qualified in the whole model, or relative to a block)."""
 
     blocks: tuple[str, ...]
-    """The repeated blocks, in order."""
+    """The repeated blocks, in order (the leading ones of another kind first: ``lead``)."""
     container: str
     """The ModuleList/ModuleDict holding them."""
     embed: str
@@ -60,6 +60,22 @@ class Anatomy:
     """Norms over the whole output of a column GEMM (OLMo 2's q/k norms, across every head),
     relative to the block: under TP each rank holds a shard of the normed width, so the
     statistic is reduced over the tp ranks (a DTensor sharded on the last dimension)."""
+    lead: Anatomy | None = None
+    """The leading blocks of another kind (DeepSeek-V3's, GLM-4.5's dense blocks before their
+    mixture-of-experts ones): their names (``lead.blocks``, the first of ``blocks``) and their
+    GEMMs, norms and experts relative to them; None where every block is of one kind."""
+
+    def kind(self, block: str) -> Anatomy:
+        """The anatomy of ``block``'s kind: whose column/row GEMMs, norms, experts it has."""
+        return self.lead if self.lead is not None and block in self.lead.blocks else self
+
+    def kinds(self) -> tuple[Anatomy, ...]:
+        """Every block kind's anatomy, the leading one first."""
+        return (self.lead, self) if self.lead is not None else (self,)
+
+    def any_experts(self) -> bool:
+        """Whether any block kind holds stacked experts (a mixture-of-experts model)."""
+        return any(k.experts for k in self.kinds())
 
 
 def tp_splits_heads(heads: int, kv_heads: int, tp: int) -> bool:

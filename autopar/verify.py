@@ -39,6 +39,13 @@ TWIN_HEAD_DIM = 16
 TWIN_FFN = 128
 TWIN_VOCAB = 128
 TWIN_SEQ = 16
+TWIN_MAX_EXPERTS = 32
+"""Routed experts of a twin at most (halved from the real count)."""
+MLA_KEYS = ("qk_rope_head_dim", "qk_nope_head_dim", "v_head_dim", "kv_lora_rank", "q_lora_rank")
+"""Widths of DeepSeek's multi-head latent attention, scaled with the twin's head."""
+LEAD_KEYS = ("first_k_dense_replace", "moe_layer_start_index")
+"""HF config fields counting a model's leading dense blocks before its mixture-of-experts ones
+(DeepSeek-V3, GLM-4.5; Ernie 4.5): the twin keeps one."""
 TWIN_BATCH = 4
 """Global batch of every check (sequences of ``TWIN_SEQ`` tokens)."""
 STEPS = 2
@@ -110,6 +117,11 @@ def twin_kv_heads(spec: ModelSpec) -> int:
     return 1 if spec.num_kv_heads == 1 else 2
 
 
+def _twin_widths(size: dict[str, int]) -> set[int]:
+    """Output widths of the twin's dense GEMMs (hidden, FFN, vocabulary, K/V)."""
+    return {size["hidden"], size["ffn"], size["vocab"], size["kv_heads"] * TWIN_HEAD_DIM}
+
+
 def _hf_twin(spec: ModelSpec) -> str:
     from autopar.hf import _KEYS, make_config
     from autopar.spec import hf_option_values
@@ -120,13 +132,28 @@ def _hf_twin(spec: ModelSpec) -> str:
     hidden = TWIN_HEADS * TWIN_HEAD_DIM
     size = {"layers": TWIN_LAYERS, "hidden": hidden, "heads": TWIN_HEADS, "kv_heads": twin_kv_heads(spec),
             "ffn": TWIN_FFN, "vocab": TWIN_VOCAB}
-    twin: dict[str, object] = {keys[f]: v for f, v in size.items() if f in keys}
     real_dict = real.to_dict()
+    lead = next((real_dict[k] for k in LEAD_KEYS if isinstance(real_dict.get(k), int) and real_dict[k] > 0), 0)
+    if lead:  # one leading dense block, then the twin's repeated ones
+        size["layers"] = TWIN_LAYERS + 1
+    twin: dict[str, object] = {keys[f]: v for f, v in size.items() if f in keys}
+    for key in LEAD_KEYS:
+        if key in real_dict and lead:
+            twin[key] = 1
+    if "moe_layer_end_index" in real_dict and lead:
+        twin["moe_layer_end_index"] = TWIN_LAYERS  # Ernie 4.5: the last block's index
     for key, value in real_dict.items():
         if key in twin or isinstance(value, bool):
             continue
         if isinstance(value, float) and ("drop" in key or "jitter" in key) and value:
             twin[key] = 0.0  # random in training (dropout, PhiMoE's router jitter): no layout can match it
+        elif isinstance(value, int) and "kv_lora_rank" in real_dict and (key in MLA_KEYS or key == "head_dim"):
+            # multi-head latent attention (DeepSeek-V2/V3): its head parts and low ranks at
+            # the twin's head size over the real value head's; its head_dim is the RoPE part
+            real_v = int(real_dict.get("v_head_dim") or value)
+            part = real_dict["qk_rope_head_dim"] if key == "head_dim" else value
+            share = int(part) * TWIN_HEAD_DIM // real_v
+            twin[key] = max(2, share - share % 2)
         elif isinstance(value, int) and key == "head_dim":
             twin[key] = TWIN_HEAD_DIM
         elif isinstance(value, int) and key.endswith("rotary_dim") and spec.hidden % spec.heads == 0:
@@ -135,6 +162,16 @@ def _hf_twin(spec: ModelSpec) -> str:
             twin[key] = max(2, share - share % 2)
         elif isinstance(value, int) and value == spec.hidden and key not in ("max_position_embeddings",):
             twin[key] = hidden  # another width tied to the hidden size (OPT's word_embed_proj_dim)
+        elif isinstance(value, int) and key in _KEYS["experts"] and \
+                (value in _twin_widths(size) or value > TWIN_MAX_EXPERTS):
+            # as many experts as a twin GEMM has outputs (Ernie 4.5's 64, the twin's width):
+            # the tracer would take that GEMM for a router; more than TWIN_MAX_EXPERTS (DeepSeek-
+            # V3's 256): fewer, as many to a routing group (n_group) and at least top-k
+            topk, groups = (int(real_dict.get(k) or 1) for k in ("num_experts_per_tok", "n_group"))
+            while (value in _twin_widths(size) or value > TWIN_MAX_EXPERTS) and value // 2 >= topk \
+                    and (value // 2) % groups == 0:
+                value //= 2
+            twin[key] = value
         elif isinstance(value, int) and key.endswith("token_id") and value >= TWIN_VOCAB:
             twin[key] = TWIN_VOCAB - 1
     shaped = {k for f in size if f in keys for k in _KEYS[f]}  # every alias of a field set above
@@ -170,11 +207,12 @@ def _text(value: object) -> str:
 
 
 def twin_shape(twin: str) -> tuple[int, int]:
-    """(blocks, sequence length) the twin's checks train: ``TWIN_LAYERS`` and ``TWIN_SEQ``,
-    or a user module's own blocks and at most ``TWIN_SEQ`` of its tokens."""
+    """(blocks, sequence length) the twin's checks train: its spec's (``TWIN_LAYERS``, one more
+    with a leading dense block) and ``TWIN_SEQ``, or a user module's own blocks and at most
+    ``TWIN_SEQ`` of its tokens."""
     spec = parse_model_spec(twin)
     if spec.arch != "module":
-        return TWIN_LAYERS, TWIN_SEQ
+        return spec.layers or TWIN_LAYERS, TWIN_SEQ
     from autopar.runtime.usermodule import traced_file
     own = traced_file(twin, 0).spec  # at the factory's own sequence length
     return own.layers, min(TWIN_SEQ, own.seq) if own.seq else TWIN_SEQ

@@ -74,6 +74,10 @@ HF_GPT_OSS = ("hf:GptOssConfig:num_hidden_layers=4,hidden_size=64,num_attention_
 # view of one GEMM, GPT-BigCode's packed c_attn; the K,V-making GEMMs stay whole on every rank.
 HF_FALCON_MQA = ("hf:FalconConfig:num_hidden_layers=4,hidden_size=64,num_attention_heads=4,vocab_size=128,"
                  "attention_dropout=0,hidden_dropout=0,seq=16")
+# GLM-4.5: a leading dense block before mixture-of-experts blocks (two block kinds).
+HF_GLM4_MOE = ("hf:Glm4MoeConfig:num_hidden_layers=4,first_k_dense_replace=1,hidden_size=64,num_attention_heads=4,"
+               "num_key_value_heads=2,intermediate_size=96,moe_intermediate_size=32,n_routed_experts=4,"
+               "num_experts_per_tok=2,n_group=1,topk_group=1,vocab_size=128,seq=16")
 HF_BIGCODE = ("hf:GPTBigCodeConfig:n_layer=4,n_embd=64,n_head=4,n_inner=96,vocab_size=128,resid_pdrop=0,"
               "embd_pdrop=0,attn_pdrop=0,seq=16")
 STEPS = 3
@@ -146,6 +150,9 @@ PLANS_4 = {
     "hf gpt-oss tp2 x dp2 zero3": make_plan(HF_GPT_OSS, tp=2, dp=2, zero=3, mbs=2, m=2),
     "hf falcon mqa tp2 x dp2 zero3": make_plan(HF_FALCON_MQA, tp=2, dp=2, zero=3, mbs=2, m=2),
     "hf gpt-bigcode mqa tp2 sp x dp2": make_plan(HF_BIGCODE, tp=2, dp=2, sp=True, mbs=2, m=2),
+    "hf glm4-moe dense lead tp2 sp x dp2 zero3": make_plan(HF_GLM4_MOE, tp=2, dp=2, zero=3, sp=True, mbs=2, m=2),
+    "hf glm4-moe dense lead pp2 x tp2 full recompute": make_plan(HF_GLM4_MOE, pp=2, tp=2, mbs=2, m=4,
+                                                                 layers=(2, 2), recompute="full"),
 }
 PLANS_8 = {
     "gpt tied 3d pp2 dp2 tp2 sp zero2, pp innermost": make_plan(GPT_TIED, pp=2, dp=2, tp=2, sp=True, zero=2, mbs=1, m=4,

@@ -38,6 +38,10 @@ from autopar.runtime.train import build_program
 from parity import dumped, single_process
 
 MOE = "moe:layers=2,hidden=64,heads=4,kv_heads=2,ffn=96,vocab=128,seq=16,experts=4,topk=2"
+# GLM-4.5: one dense block, then mixture-of-experts blocks with a shared expert (test_runtime's parity)
+HF_GLM4_MOE = ("hf:Glm4MoeConfig:num_hidden_layers=4,first_k_dense_replace=1,hidden_size=64,num_attention_heads=4,"
+               "num_key_value_heads=2,intermediate_size=96,moe_intermediate_size=32,n_routed_experts=4,"
+               "num_experts_per_tok=2,n_group=1,topk_group=1,vocab_size=128,seq=16")
 STEPS = 2
 CFG = TrainConfig(optimizer="sgd", lr=0.1)
 LOSS_TOL = 2e-6
@@ -165,6 +169,26 @@ def test_anatomy_of_moe_blocks():
     assert moe.row == ("self_attn.o_proj",)
     dense = _traced_layout(parse_model_spec("llama:layers=2,hidden=64,heads=4,kv_heads=2,ffn=96,vocab=128,seq=16"))
     assert dense.experts == () and dense.routers == () and len(dense.column) == 5
+
+
+def test_anatomy_of_a_leading_dense_block():
+    """GLM-4.5's leading dense block is a kind of its own (``Anatomy.lead``): its MLP's GEMMs
+    are column/row even where its width equals the expert count (96 here), since a router is
+    a GEMM of a block that holds experts; the MoE blocks keep their own labels."""
+    from autopar.runtime.train import _traced_layout
+    from autopar.spec import parse_model_spec
+    anat = _traced_layout(parse_model_spec(HF_GLM4_MOE.replace("n_routed_experts=4", "n_routed_experts=96")))
+    assert anat.lead is not None and anat.lead.blocks == ("model.layers.0",)
+    assert anat.blocks == tuple(f"model.layers.{i}" for i in range(4))
+    assert anat.kind("model.layers.0") is anat.lead and anat.kind("model.layers.2") is anat
+    assert set(anat.lead.column) >= {"mlp.gate_proj", "mlp.up_proj"} and "mlp.down_proj" in anat.lead.row
+    assert anat.lead.experts == () and anat.lead.routers == ()
+    assert anat.experts == ("mlp.experts",) and "mlp.shared_experts.down_proj" in anat.row
+    assert anat.any_experts() and not anat.lead.any_experts()
+    import dataclasses
+    from autopar.layout import Anatomy
+    from autopar.plan import rebuild
+    assert rebuild(Anatomy, dataclasses.asdict(anat), "layout") == anat  # as a plan and the cache keep it
 
 
 def test_experts_contract_is_checked():

@@ -128,6 +128,19 @@ def test_find_repeated_blocks_groups_identical_siblings():
     assert find_repeated_blocks(Net()) == [["a.0", "a.1"]]
 
 
+def test_one_leading_block_of_another_kind_is_a_kind():
+    """GLM-4.5's one dense block before its mixture-of-experts ones is a block kind of its own
+    (the leading kind), not a module outside the blocks; a different block after them is not."""
+    class Net(nn.Module):
+        def __init__(self, lead: bool):
+            super().__init__()
+            odd, same = nn.Linear(4, 8), [nn.Linear(4, 4) for _ in range(3)]
+            self.a = nn.ModuleList([odd, *same] if lead else [*same, odd])
+
+    assert find_repeated_blocks(Net(lead=True)) == [["a.0"], ["a.1", "a.2", "a.3"]]
+    assert find_repeated_blocks(Net(lead=False)) == [["a.0", "a.1", "a.2"]]
+
+
 class Branchy(nn.Module):
     def forward(self, x):
         return x if x.sum() > 0 else -x

@@ -58,6 +58,14 @@ def test_twin_keeps_the_architecture_at_toy_size():
     # PhiMoE's router jitter is random in training, like a dropout: off in the twin
     assert "router_jitter_noise=0.0" in twin_spec_text(parse_model_spec("hf:PhimoeConfig"))
     assert twin_spec_text(parse_model_spec("llama3-8b")).startswith("llama:layers=2,")
+    # leading dense blocks (GLM-4.5's one, Ernie 4.5's): one, then the twin's two repeated ones
+    glm = twin_spec_text(parse_model_spec("hf:Glm4MoeConfig"))
+    assert "first_k_dense_replace=1," in glm and parse_model_spec(glm).layers == 3
+    ernie = twin_spec_text(parse_model_spec("hf:Ernie4_5_MoeConfig"))
+    assert "moe_layer_start_index=1," in ernie and "moe_layer_end_index=2," in ernie
+    # Ernie 4.5's 64 experts, as many as the twin's hidden width (and 32 its K/V width): 16,
+    # so that no twin GEMM looks like a router
+    assert "moe_num_experts=16," in ernie
 
 
 def test_check_plans_use_exactly_their_feature():

@@ -102,7 +102,7 @@ def check_plan(plan: Plan, traced: Traced | None = None) -> None:
         traced = traced_file(plan.model, plan.seq_len)
         spec = traced.spec
     m = plan.mesh
-    moe = bool(spec.experts) or (plan.layout is not None and bool(plan.layout.experts))
+    moe = bool(spec.experts) or (plan.layout is not None and plan.layout.any_experts())
     reason = runtime_unsupported(dp=m.dp * m.cp, pp=m.pp, zero=plan.zero_stage, schedule=plan.schedule,
                                  virtual_stages=plan.virtual_stages, cp=m.cp, ep=m.ep, offload=plan.offload,
                                  moe=moe, sequence_parallel=plan.sequence_parallel)

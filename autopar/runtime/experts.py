@@ -117,7 +117,7 @@ def apply_expert_parallel(model: nn.Module, anat: Anatomy, mesh: ExpertMesh) -> 
     (torchtitan's order: TP, EP, recompute, FSDP)."""
     names = {n for n, _ in model.named_modules()}
     for block in (b for b in anat.blocks if b in names):
-        for rel in anat.experts:
+        for rel in anat.kind(block).experts:
             _shard_experts(model.get_submodule(f"{block}.{rel}"), mesh.ep)
 
 

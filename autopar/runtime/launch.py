@@ -54,7 +54,7 @@ def _check_experts(plan: Plan) -> None:
     from autopar.layout import expert_parallel_unsupported
     from autopar.spec import parse_model_spec
     spec, ep = parse_model_spec(plan.model), plan.mesh.ep
-    moe = bool(spec.experts) or (plan.layout is not None and bool(plan.layout.experts))
+    moe = bool(spec.experts) or (plan.layout is not None and plan.layout.any_experts())
     if not moe and ep == 1:
         return
     if spec.arch == "hf" and plan.layout is None:  # MoE or not: its trace tells (the worker checks that)

@@ -150,11 +150,10 @@ def _to_pack(model: nn.Module, anat: Anatomy) -> list[tuple[str, nn.Module, tupl
     """(name, module, projection widths) of each module the runtime stores in another layout:
     HF's ``Conv1D`` (GPT-2: ``x @ W + b``, W [in, out]) and any packed ``nn.Linear``."""
     conv1d = _conv1d()
-    packed = dict(anat.packed)
     found: list[tuple[str, nn.Module, tuple[int, ...]]] = []
     for name, mod in model.named_modules():
         block = next((b for b in anat.blocks if name.startswith(b + ".")), None)
-        sections = packed.get(name.removeprefix(f"{block}."), ()) if block else ()
+        sections = dict(anat.kind(block).packed).get(name.removeprefix(f"{block}."), ()) if block else ()
         if isinstance(mod, conv1d) or (len(sections) > 1 and type(mod) is nn.Linear):
             found.append((name, mod, sections))
     return found

@@ -125,18 +125,24 @@ def apply_tensor_parallel(model: nn.Module, ctx: ParallelContext, sp: bool, anat
     ``heads``: the model's (query heads, kv heads), which modules holding them as attributes
     see divided by tp."""
     blocks = [b for b in anat.blocks if b in {n for n, _ in model.named_modules()}]
-    for name in anat.column + anat.row:
-        kind = type(model.get_submodule(f"{blocks[0]}.{name}"))
-        if not issubclass(kind, nn.Linear):
-            raise ValueError(f"tensor parallelism needs nn.Linear projections; {name} is a {kind.__name__}; "
-                             "use tp=1 for this model")
     mesh = ctx.submesh(Axis.TP)
-    # multi-query attention: the K,V GEMMs stay whole on every rank (single_kv_gemms)
-    single_kv = single_kv_gemms(model.get_submodule(blocks[0]), anat, heads[0]) if heads[1] == 1 else {}
+    single_kv: dict[Anatomy, dict] = {}
+    for kind in anat.kinds():
+        mine = [b for b in blocks if anat.kind(b) is kind]
+        if not mine:
+            continue
+        for name in kind.column + kind.row:
+            cls = type(model.get_submodule(f"{mine[0]}.{name}"))
+            if not issubclass(cls, nn.Linear):
+                raise ValueError(f"tensor parallelism needs nn.Linear projections; {name} is a {cls.__name__}; "
+                                 "use tp=1 for this model")
+        # multi-query attention: the K,V GEMMs stay whole on every rank (single_kv_gemms)
+        single_kv[kind] = single_kv_gemms(model.get_submodule(mine[0]), kind, heads[0]) if heads[1] == 1 else {}
     for name in blocks:
-        localize_block(model.get_submodule(name), anat, mesh.size(), set(heads), single_kv)
-        local_alibi(model.get_submodule(name), anat, heads[0], mesh.size(), mesh.get_local_rank())
-        local_head_params(model.get_submodule(name), anat, heads[0], mesh)
+        kind = anat.kind(name)
+        localize_block(model.get_submodule(name), kind, mesh.size(), set(heads), single_kv[kind])
+        local_alibi(model.get_submodule(name), kind, heads[0], mesh.size(), mesh.get_local_rank())
+        local_head_params(model.get_submodule(name), kind, heads[0], mesh)
     here = {n for n, m in model.named_modules() if next(m.parameters(), None) is not None}  # not stand-ins
     top: dict = {}
     if anat.embed in here:
@@ -160,18 +166,19 @@ def apply_tensor_parallel(model: nn.Module, ctx: ParallelContext, sp: bool, anat
     # a block without pre-norms (OLMo 2 norms its sub-layers' outputs only) or with experts
     # gathers each sub-layer's input where the sub-layer is called: the module owning its
     # column GEMMs (not the experts, which run on the rank's tokens)
-    owners = {c.rpartition(".")[0] for c in anat.column} \
-        if sp and (anat.experts or not [n for n in anat.norms if n not in anat.post_norms]) else set()
     for name in blocks:
-        for plan in _block_tp_plans(anat, sp, frozenset(single_kv)):
+        kind = anat.kind(name)
+        owners = {c.rpartition(".")[0] for c in kind.column} \
+            if sp and (kind.experts or not [n for n in kind.norms if n not in kind.post_norms]) else set()
+        for plan in _block_tp_plans(kind, sp, frozenset(single_kv[kind])):
             parallelize_module(model.get_submodule(name), mesh, plan)
-        replicate_single_kv(model.get_submodule(name), single_kv, mesh)
+        replicate_single_kv(model.get_submodule(name), single_kv[kind], mesh)
         for owner in owners:
             model.get_submodule(f"{name}.{owner}" if owner else name).register_forward_pre_hook(
                 gather_sequence(mesh), with_kwargs=True)
-        if sp and anat.experts:
-            experts_on_own_tokens(model.get_submodule(name), anat, mesh)
-        for row in anat.row:  # after the styles' own hooks
+        if sp and kind.experts:
+            experts_on_own_tokens(model.get_submodule(name), kind, mesh)
+        for row in kind.row:  # after the styles' own hooks
             model.get_submodule(f"{name}.{row}").register_forward_hook(own_output)
 
 
@@ -198,7 +205,7 @@ def apply_recompute(model: nn.Module, recompute: tuple[str, ...], anat: Anatomy)
             container._modules[key] = checkpoint_wrapper(block, checkpoint_impl=CheckpointImpl.NO_REENTRANT,
                                                          context_fn=_per_op_contexts)
         elif mode == "selective":
-            _recompute_attention_core(block, anat)
+            _recompute_attention_core(block, anat.kind(name))
 
 
 _MATMULS = frozenset({torch.ops.aten.mm.default, torch.ops.aten.addmm.default, torch.ops.aten.linear.default})

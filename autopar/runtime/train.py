@@ -148,7 +148,7 @@ def build_program(plan: Plan, ctx: ParallelContext, cfg: TrainConfig = TrainConf
                          "make the plan for this model with autopar plan")
     ep = plan.mesh.ep
     reason = expert_parallel_unsupported(ep=ep, dp=plan.mesh.dp, sequence_parallel=plan.sequence_parallel,
-                                         moe=bool(anat.experts), user_module=source is not None)
+                                         moe=anat.any_experts(), user_module=source is not None)
     if reason:
         raise ValueError(reason)
     if ep > 1 and plan.mesh.cp > 1:

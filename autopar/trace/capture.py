@@ -35,15 +35,26 @@ def _signature(module: nn.Module) -> tuple:
 
 def find_repeated_blocks(model: nn.Module) -> list[list[str]]:
     """Groups of fully-qualified names of structurally identical siblings in module containers
-    (same class and parameter shapes), outer containers first."""
+    (same class and parameter shapes), outer containers first. Children alike that come before
+    every member of a container's largest group are a group even when there is one of them
+    (GLM-4.5's one dense block before its mixture-of-experts ones)."""
     groups: list[list[str]] = []
     for prefix, container in model.named_modules():
         if not isinstance(container, (nn.ModuleList, nn.ModuleDict)):
             continue
         by_sig: dict[tuple, list[str]] = defaultdict(list)
+        order = []
         for child_name, child in container.named_children():
-            by_sig[_signature(child)].append(f"{prefix}.{child_name}" if prefix else child_name)
-        groups.extend(names for names in by_sig.values() if len(names) > 1)
+            name = f"{prefix}.{child_name}" if prefix else child_name
+            by_sig[_signature(child)].append(name)
+            order.append((name, _signature(child)))
+        repeated = [names for names in by_sig.values() if len(names) > 1]
+        if repeated:
+            largest = max(repeated, key=len)
+            leading = order[:[n for n, _ in order].index(largest[0])]
+            if len(leading) == 1:
+                repeated.insert(0, [leading[0][0]])
+        groups.extend(repeated)
     return groups
 
 
@@ -168,10 +179,10 @@ def _quiet_torch() -> Iterator[None]:
     """Keep torch's own warnings (graph dumps on a failed export) off the user's terminal; the
     failure is reported as one UserError line instead."""
     loggers = [logging.getLogger(n) for n in ("torch", "torch.fx.experimental.symbolic_shapes",
-                                               "torch._dynamo", "torch.export")]
+                                               "torch._dynamo", "torch.export", "torch._subclasses.fake_tensor")]
     levels = [lg.level for lg in loggers]
     for lg in loggers:
-        lg.setLevel(logging.ERROR)
+        lg.setLevel(logging.CRITICAL)  # the fake-tensor logger prints a failed op's traceback as an error
     try:
         with redirect_stderr(io.StringIO()):  # export prints its partial graph on failure
             yield

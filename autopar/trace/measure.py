@@ -211,8 +211,9 @@ class Recorder:
     """Segment -> modules whose first operation reads a row-parallel GEMM's output."""
     fed_by_column: dict[str, list[str]] = field(default_factory=lambda: defaultdict(list))
     """Segment -> modules whose first operation reads a column-parallel GEMM's output."""
-    expert_counts: frozenset[int] = frozenset()
-    """Leading sizes of stacked expert weights: a GEMM with that many outputs is a router."""
+    stacked: tuple[tuple[str, int], ...] = ()
+    """(name, leading size) of each stacked expert weight: a GEMM of a block holding such
+    weights, with that many outputs, is its router (``expert_counts``)."""
     segment: str = ""
     node: str = ""
     node_state: str = REP
@@ -230,12 +231,17 @@ class Recorder:
         same module, whose parameter and buffer lookup it shares (read-only; storage keys are
         slow to take)."""
         if like is not None:
-            return cls(recipe=recipe, params=like.params, expert_counts=like.expert_counts, batch=batch)
+            return cls(recipe=recipe, params=like.params, stacked=like.stacked, batch=batch)
         params: dict[int, tuple[str, torch.Tensor]] = {
             _key(p): (n, p) for n, p in module.named_parameters(remove_duplicate=False)}
         params.update({_key(b): (n, b) for n, b in module.named_buffers(remove_duplicate=False)})
-        experts = frozenset(p.shape[0] for p in module.parameters() if p.dim() == 3)
-        return cls(recipe=recipe, params=params, expert_counts=experts, batch=batch)
+        stacked = tuple((n, p.shape[0]) for n, p in module.named_parameters() if p.dim() == 3)
+        return cls(recipe=recipe, params=params, stacked=stacked, batch=batch)
+
+    def expert_counts(self, segment: str) -> frozenset[int]:
+        """Leading sizes of the stacked expert weights inside block ``segment`` (none outside
+        a block, nor in a dense block beside mixture-of-experts ones: GLM-4.5's first)."""
+        return frozenset(c for n, c in self.stacked if segment and n.startswith(segment + "."))
 
     def pack(self, t: torch.Tensor) -> torch.Tensor:
         try:
@@ -365,7 +371,7 @@ class MeasureRun(fx.Interpreter):
             out_f = outputs[0].shape[-1] if outputs else w.shape[0]
             if w.dim() == 3:
                 split = "expert-" + split
-            elif out_f in rec.expert_counts or (out_f == 1 and rec.expert_counts):
+            elif out_f in (counts := rec.expert_counts(rec.segment)) or (out_f == 1 and counts):
                 # the MoE router, or a one-output gate beside it (Qwen2-MoE's shared-expert
                 # gate): replicated, not split
                 split, out_state = "router", REP
