@@ -60,6 +60,17 @@ class Anatomy:
     """Norms over the whole output of a column GEMM (OLMo 2's q/k norms, across every head),
     relative to the block: under TP each rank holds a shard of the normed width, so the
     statistic is reduced over the tp ranks (a DTensor sharded on the last dimension)."""
+    replicated: tuple[str, ...] = ()
+    """Low-rank GEMMs of a block, relative to it, that tensor parallelism keeps whole on every
+    rank (DeepSeek's ``q_a_proj``, ``kv_a_proj_with_mqa``: a norm hands their output to a
+    column GEMM); their weights' gradients are whole on each rank."""
+    partial_outputs: tuple[tuple[str, tuple[int, int]], ...] = ()
+    """(GEMM of ``replicated``, its output columns [start, end)) that every query head reads
+    (DeepSeek's RoPE key): each tp rank's heads give a partial sum of their gradient, summed
+    over the ranks in the backward."""
+    inner_norms: tuple[str, ...] = ()
+    """Norms of a low-rank GEMM's output (DeepSeek's ``q_a_layernorm``), relative to the block:
+    whole on every rank, no sequence shards."""
     lead: Anatomy | None = None
     """The leading blocks of another kind (DeepSeek-V3's, GLM-4.5's dense blocks before their
     mixture-of-experts ones): their names (``lead.blocks``, the first of ``blocks``) and their

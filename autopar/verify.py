@@ -150,10 +150,11 @@ def _hf_twin(spec: ModelSpec) -> str:
         elif isinstance(value, int) and "kv_lora_rank" in real_dict and (key in MLA_KEYS or key == "head_dim"):
             # multi-head latent attention (DeepSeek-V2/V3): its head parts and low ranks at
             # the twin's head size over the real value head's; its head_dim is the RoPE part
+            # (the ranks at the twin's width over the real one's: below it, as low ranks are)
             real_v = int(real_dict.get("v_head_dim") or value)
             part = real_dict["qk_rope_head_dim"] if key == "head_dim" else value
-            share = int(part) * TWIN_HEAD_DIM // real_v
-            twin[key] = max(2, share - share % 2)
+            share = int(part) * TWIN_HEAD_DIM // real_v if "rank" not in key else int(part) * hidden // spec.hidden
+            twin[key] = max(8 if "rank" in key else 2, share - share % 2)
         elif isinstance(value, int) and key == "head_dim":
             twin[key] = TWIN_HEAD_DIM
         elif isinstance(value, int) and key.endswith("rotary_dim") and spec.hidden % spec.heads == 0:

@@ -57,6 +57,7 @@ from cost_models.hardware import HardwareProfile, ProfileError
 from cost_models.host import checkpoint_s, dispatch_s, tp_host_s, with_host
 from cost_models.model_profile import ModelProfile
 from cost_models.recipe import ContextParallel, Fp8WeightCast
+from cost_models.states import tp_whole_params
 from cost_models.strategy import Strategy
 
 FLASH_TILE = 128
@@ -201,6 +202,15 @@ def block_gemms(model: ModelProfile, strat: Strategy) -> tuple[list[Gemm], list[
     return weights, core
 
 
+def dense_flops_per_token(model: ModelProfile, strat: Strategy) -> float:
+    """Forward FLOPs per token of one block's weight GEMMs outside the routed experts on one
+    tp rank: split over tp, but for the weights every rank holds whole (``states.
+    tp_whole_params``: multi-query TP's QKV, latent attention's low-rank projections), which
+    each rank computes whole (2 FLOPs per weight and token)."""
+    whole = 2 * tp_whole_params(model, strat)
+    return (model.block_matmul_flops_per_token - model.expert_flops_per_token - whole) / strat.mesh.tp + whole
+
+
 def _scaled_s(gemms: list[Gemm], flops: float, hw: HardwareProfile, strat: Strategy,
               dtype: str | None = None, backward: bool = False) -> float:
     """Time of ``gemms`` (``backward``: of their gradients, ``grad_gemms``) rescaled to
@@ -327,7 +337,7 @@ def block_gemm_s(model: ModelProfile, hw: HardwareProfile, strat: Strategy,
         core_s *= FLASH_BWD_RATIO if backward else 1.0
     else:
         core_s = _scaled_s(core, attn_flops, hw, strat, backward=backward)
-    dense = tokens * (model.block_matmul_flops_per_token - model.expert_flops_per_token) / strat.mesh.tp
+    dense = tokens * dense_flops_per_token(model, strat)
     return (_scaled_s(weights, dense, hw, strat, "fp8" if strat.fp8 else None, backward)
             + expert_gemm_s(model, hw, strat, backward), core_s)
 
@@ -452,7 +462,7 @@ def tp_windows_s(model: ModelProfile, hw: HardwareProfile, strat: Strategy,
     that makes or takes the exchanged gradient. A mixture of experts' MLP counts as one GEMM
     (its dense rest and routed experts), half behind each of its two exchanges."""
     weights, _ = block_gemms(model, strat)
-    dense = strat.tokens(model.seq) * (model.block_matmul_flops_per_token - model.expert_flops_per_token) / strat.mesh.tp
+    dense = strat.tokens(model.seq) * dense_flops_per_token(model, strat)
     scale = dense / sum(g.flops for g in weights)
     dtype, elem = ("fp8", 1) if strat.fp8 else (strat.dtype, elem_bytes(strat))
     run = [grad_gemms(g)[0] for g in weights] if backward else weights

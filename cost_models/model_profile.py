@@ -110,6 +110,10 @@ class ModelProfile:
     """Linear modules of one block that tensor parallelism splits (column- and row-parallel:
     4 to 7 in a dense block), each a DTensor module under the autopar runtime (0: not traced)."""
 
+    block_tp_whole_params: int = 0
+    """Parameters of one block's low-rank GEMMs that tensor parallelism keeps whole on every
+    rank (DeepSeek's ``q_a_proj`` and ``kv_a_proj_with_mqa``: the tracer's ``replicate``)."""
+
     lead: ModelProfile | None = None
     """The dense blocks before the repeated ones, as a profile of their own (``layers``: how
     many; per-block fields as above; no embedding or head), or None. They run on the first

@@ -187,9 +187,19 @@ def layer_params(model: ModelProfile, strat: Strategy) -> float:
 
 def dense_layer_params(model: ModelProfile, strat: Strategy) -> float:
     """Parameters of one block outside its routed experts on one device (the QKV projection
-    whole under multi-query TP: ``whole_qkv_params``)."""
-    whole = whole_qkv_params(model, strat)
+    whole under multi-query TP: ``whole_qkv_params``; low-rank projections whole under any TP:
+    ``ModelProfile.block_tp_whole_params``)."""
+    whole = tp_whole_params(model, strat)
     return (model.dense_block_params - whole) / strat.mesh.tp + whole
+
+
+def tp_whole_params(model: ModelProfile, strat: Strategy) -> float:
+    """Parameters of one block that every tp rank holds whole: multi-query TP's QKV
+    (``whole_qkv_params``) and latent attention's low-rank projections
+    (``ModelProfile.block_tp_whole_params``). 0 without TP."""
+    if strat.mesh.tp == 1:
+        return 0.0
+    return whole_qkv_params(model, strat) + model.block_tp_whole_params
 
 
 def whole_qkv_params(model: ModelProfile, strat: Strategy) -> float:

@@ -1417,3 +1417,23 @@ def test_multi_query_tp_keeps_the_qkv_projection_whole():
     rep = comm.group(load_profile("dgx-h100"), 1)
     assert partial_grads_sync_s(mqa, four, comm.group(load_profile("dgx-h100"), 4), rep) > 0
     assert splits_heads(mqa, 4, load_recipe("autopar")) and not splits_heads(mqa, 4, MC)
+
+
+def test_latent_attention_low_rank_projections_are_whole_under_tp():
+    """DeepSeek's latent attention: the tracer labels ``q_a_proj`` and ``kv_a_proj_with_mqa``
+    (a norm hands their output to a column GEMM) ``replicate``, and the cost model keeps their
+    weights whole on every tp rank."""
+    ds = profile_spec(parse_model_spec(
+        "hf:DeepseekV3Config:first_k_dense_replace=1,hidden_size=256,intermediate_size=512,kv_lora_rank=32,"
+        "q_lora_rank=48,qk_nope_head_dim=16,qk_rope_head_dim=8,v_head_dim=16,n_routed_experts=8,n_group=1,"
+        "topk_group=1,num_experts_per_tok=2,moe_intermediate_size=64,num_attention_heads=4,num_key_value_heads=4,"
+        "num_hidden_layers=3,"
+        "vocab_size=1024,seq=64"))
+    whole = 256 * 48 + 256 * (32 + 8)  # q_a_proj, kv_a_proj_with_mqa
+    assert ds.block_tp_whole_params == whole and ds.lead is not None and ds.lead.block_tp_whole_params == whole
+    one, four = Strategy(micro_batch=1), Strategy(mesh=Degrees(tp=4), micro_batch=1)
+    assert states.dense_layer_params(ds, one) == ds.dense_block_params
+    assert states.dense_layer_params(ds, four) == pytest.approx((ds.dense_block_params - whole) / 4 + whole)
+    dense = ds.block_matmul_flops_per_token - ds.expert_flops_per_token  # each rank computes them whole
+    assert compute.dense_flops_per_token(ds, one) == pytest.approx(dense)
+    assert compute.dense_flops_per_token(ds, four) == pytest.approx((dense - 2 * whole) / 4 + 2 * whole)

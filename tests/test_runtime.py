@@ -74,6 +74,12 @@ HF_GPT_OSS = ("hf:GptOssConfig:num_hidden_layers=4,hidden_size=64,num_attention_
 # view of one GEMM, GPT-BigCode's packed c_attn; the K,V-making GEMMs stay whole on every rank.
 HF_FALCON_MQA = ("hf:FalconConfig:num_hidden_layers=4,hidden_size=64,num_attention_heads=4,vocab_size=128,"
                  "attention_dropout=0,hidden_dropout=0,seq=16")
+# DeepSeek-V3: latent attention (low-rank q_a_proj, kv_a_proj_with_mqa kept whole on every tp
+# rank, the RoPE key's gradient summed over them), one leading dense block, MoE blocks.
+HF_DEEPSEEK_V3 = ("hf:DeepseekV3Config:num_hidden_layers=4,first_k_dense_replace=1,hidden_size=64,"
+                  "num_attention_heads=4,num_key_value_heads=4,intermediate_size=96,kv_lora_rank=8,q_lora_rank=12,"
+                  "qk_nope_head_dim=16,qk_rope_head_dim=8,v_head_dim=16,n_routed_experts=4,n_group=1,topk_group=1,"
+                  "num_experts_per_tok=2,moe_intermediate_size=32,vocab_size=128,seq=16")
 # GLM-4.5: a leading dense block before mixture-of-experts blocks (two block kinds).
 HF_GLM4_MOE = ("hf:Glm4MoeConfig:num_hidden_layers=4,first_k_dense_replace=1,hidden_size=64,num_attention_heads=4,"
                "num_key_value_heads=2,intermediate_size=96,moe_intermediate_size=32,n_routed_experts=4,"
@@ -151,6 +157,9 @@ PLANS_4 = {
     "hf falcon mqa tp2 x dp2 zero3": make_plan(HF_FALCON_MQA, tp=2, dp=2, zero=3, mbs=2, m=2),
     "hf gpt-bigcode mqa tp2 sp x dp2": make_plan(HF_BIGCODE, tp=2, dp=2, sp=True, mbs=2, m=2),
     "hf glm4-moe dense lead tp2 sp x dp2 zero3": make_plan(HF_GLM4_MOE, tp=2, dp=2, zero=3, sp=True, mbs=2, m=2),
+    "hf deepseek-v3 mla tp2 x dp2 zero2": make_plan(HF_DEEPSEEK_V3, tp=2, dp=2, zero=2, mbs=2, m=2),
+    "hf deepseek-v3 mla tp2 sp x dp2 zero3 selective": make_plan(HF_DEEPSEEK_V3, tp=2, dp=2, zero=3, sp=True,
+                                                                 mbs=2, m=2, recompute="selective"),
     "hf glm4-moe dense lead pp2 x tp2 full recompute": make_plan(HF_GLM4_MOE, pp=2, tp=2, mbs=2, m=4,
                                                                  layers=(2, 2), recompute="full"),
 }

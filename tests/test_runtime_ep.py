@@ -38,6 +38,11 @@ from autopar.runtime.train import build_program
 from parity import dumped, single_process
 
 MOE = "moe:layers=2,hidden=64,heads=4,kv_heads=2,ffn=96,vocab=128,seq=16,experts=4,topk=2"
+# DeepSeek-V3: latent attention, three dense blocks, then MoE blocks with a shared expert
+HF_DEEPSEEK_V3 = ("hf:DeepseekV3Config:num_hidden_layers=5,first_k_dense_replace=3,hidden_size=64,"
+                  "num_attention_heads=4,num_key_value_heads=4,intermediate_size=96,kv_lora_rank=8,q_lora_rank=12,"
+                  "qk_nope_head_dim=16,qk_rope_head_dim=8,v_head_dim=16,n_routed_experts=4,n_group=1,topk_group=1,"
+                  "num_experts_per_tok=2,moe_intermediate_size=32,vocab_size=128,seq=16")
 # GLM-4.5: one dense block, then mixture-of-experts blocks with a shared expert (test_runtime's parity)
 HF_GLM4_MOE = ("hf:Glm4MoeConfig:num_hidden_layers=4,first_k_dense_replace=1,hidden_size=64,num_attention_heads=4,"
                "num_key_value_heads=2,intermediate_size=96,moe_intermediate_size=32,n_routed_experts=4,"
@@ -169,6 +174,23 @@ def test_anatomy_of_moe_blocks():
     assert moe.row == ("self_attn.o_proj",)
     dense = _traced_layout(parse_model_spec("llama:layers=2,hidden=64,heads=4,kv_heads=2,ffn=96,vocab=128,seq=16"))
     assert dense.experts == () and dense.routers == () and len(dense.column) == 5
+
+
+def test_anatomy_of_latent_attention():
+    """DeepSeek-V3's latent attention: the low-rank GEMMs kept whole (``replicated``), their
+    norms whole (``inner_norms``), the GEMMs after them column, and the RoPE key every head
+    reads (the last 8 of ``kv_a_proj_with_mqa``'s 16 outputs) summed over the tp ranks in the
+    backward; in its three leading dense blocks as in its MoE ones."""
+    from autopar.runtime.train import _traced_layout
+    from autopar.spec import parse_model_spec
+    anat = _traced_layout(parse_model_spec(HF_DEEPSEEK_V3))
+    for kind in anat.kinds():
+        assert kind.replicated == ("self_attn.q_a_proj", "self_attn.kv_a_proj_with_mqa")
+        assert kind.inner_norms == ("self_attn.q_a_layernorm", "self_attn.kv_a_layernorm")
+        assert {"self_attn.q_b_proj", "self_attn.kv_b_proj"} <= set(kind.column) and "self_attn.o_proj" in kind.row
+        assert kind.partial_outputs == (("self_attn.kv_a_proj_with_mqa", (8, 16)),)
+        assert not set(kind.inner_norms) & set(kind.norms + kind.width_norms)
+    assert anat.lead is not None and len(anat.lead.blocks) == 3 and anat.experts == ("mlp.experts",)
 
 
 def test_anatomy_of_a_leading_dense_block():

@@ -64,7 +64,7 @@ from autopar.runtime.context import DTYPES, ParallelContext
 from autopar.runtime.experts import ExpertMesh, is_expert_sharded
 from autopar.runtime.tp_families import (experts_on_own_tokens, gather_sequence, local_alibi, local_head_params,
                                          localize_block, own_output, replicate_single_kv, scatter_sequence,
-                                         single_kv_gemms)
+                                         single_kv_gemms, sum_partial_outputs)
 from cost_models.axes import Axis
 
 if TYPE_CHECKING:
@@ -97,15 +97,17 @@ def _block_tp_plans(anat: Anatomy, sp: bool, whole: frozenset[str] = frozenset()
         # The pre-norm's output enters its sub-layer as a replicated DTensor, so the column
         # GEMMs reading it (q, k, v; gate, up) sum their input gradients as one partial
         # DTensor: one all-reduce per sub-layer in the backward, not one per GEMM. Not in a
-        # mixture-of-experts block, whose router and experts take plain tensors.
-        if anat.experts:
+        # mixture-of-experts block, whose router and experts take plain tensors, nor where
+        # low-rank GEMMs kept whole (plain modules) read it.
+        if anat.experts or anat.replicated:
             return [plan]
         return [plan, {name: PrepareModuleOutput(output_layouts=Replicate(), desired_output_layouts=Replicate(),
                                                  use_local_output=False) for name in pre}]
     plan.update({name: SequenceParallel(sequence_dim=-2, use_local_output=True) for name in anat.post_norms})
-    if anat.experts:
+    if anat.experts or anat.replicated:
         # a mixture of experts runs on the rank's own tokens (the norm before it hands them
-        # on as they are); the sub-layers with column GEMMs gather where they are called
+        # on as they are); the sub-layers with column GEMMs gather where they are called (as
+        # plain tensors, which low-rank GEMMs kept whole take)
         plan.update({name: SequenceParallel(sequence_dim=-2, use_local_output=True) for name in pre})
         return [plan]
     plan.update({name: SequenceParallel(sequence_dim=-2) for name in pre})
@@ -169,13 +171,15 @@ def apply_tensor_parallel(model: nn.Module, ctx: ParallelContext, sp: bool, anat
     for name in blocks:
         kind = anat.kind(name)
         owners = {c.rpartition(".")[0] for c in kind.column} \
-            if sp and (kind.experts or not [n for n in kind.norms if n not in kind.post_norms]) else set()
+            if sp and (kind.experts or kind.replicated or not [n for n in kind.norms if n not in kind.post_norms]) \
+            else set()
         for plan in _block_tp_plans(kind, sp, frozenset(single_kv[kind])):
             parallelize_module(model.get_submodule(name), mesh, plan)
         replicate_single_kv(model.get_submodule(name), single_kv[kind], mesh)
+        sum_partial_outputs(model.get_submodule(name), kind, mesh)
         for owner in owners:
             model.get_submodule(f"{name}.{owner}" if owner else name).register_forward_pre_hook(
-                gather_sequence(mesh), with_kwargs=True)
+                gather_sequence(mesh, local=bool(kind.replicated)), with_kwargs=True)
         if sp and kind.experts:
             experts_on_own_tokens(model.get_submodule(name), kind, mesh)
         for row in kind.row:  # after the styles' own hooks

@@ -105,6 +105,28 @@ def own_output(module: nn.Module, args: tuple, output: torch.Tensor) -> torch.Te
     return output.clone()
 
 
+def sum_partial_outputs(block: nn.Module, anat: Anatomy, mesh: DeviceMesh) -> None:
+    """A low-rank GEMM kept whole (``Anatomy.replicated``) whose output columns every query
+    head reads (``Anatomy.partial_outputs``: DeepSeek's RoPE key): each rank's heads give a
+    partial sum of those columns' gradient, so the backward sums them over the tp ranks (an
+    all-reduce; the forward is unchanged), and the weight's gradient is whole on every rank."""
+    parts: dict[str, list[tuple[int, int]]] = {}
+    for name, part in anat.partial_outputs:
+        parts.setdefault(name, []).append(part)
+
+    def summed(y: torch.Tensor) -> torch.Tensor:
+        return DTensor.from_local(y, mesh, (Replicate(),), run_check=False).to_local(grad_placements=(Partial(),))
+
+    for name, ranges in parts.items():
+        def hook(module: nn.Module, args: tuple, y: torch.Tensor, _ranges=tuple(ranges)) -> torch.Tensor:
+            pieces, at = [], 0
+            for start, end in _ranges:
+                pieces += [y[..., at:start], summed(y[..., start:end])]
+                at = end
+            return torch.cat([*pieces, y[..., at:]], dim=-1)
+        block.get_submodule(name).register_forward_hook(hook)
+
+
 def scatter_sequence(mesh) -> Callable:
     """A forward pre-hook cutting a block's first input (replicated [b, s, h]) into this rank's
     sequence shard (the backward all-gathers); HF blocks take more positional inputs, which
@@ -115,13 +137,17 @@ def scatter_sequence(mesh) -> Callable:
     return hook
 
 
-def gather_sequence(mesh) -> Callable:
+def gather_sequence(mesh, local: bool = False) -> Callable:
     """A forward pre-hook gathering a sub-layer's input from this rank's sequence shard into a
     replicated DTensor (the backward reduce-scatters once for all the column GEMMs reading
     it): its first positional argument, else the first tensor passed by keyword (HF
-    attentions take ``hidden_states=``). ``autopar verify`` proves the guess per model."""
-    def gather(x: torch.Tensor) -> DTensor:
-        return DTensor.from_local(x, mesh, (Shard(-2),), run_check=False).redistribute(mesh, (Replicate(),))
+    attentions take ``hidden_states=``). ``local``: as the whole plain tensor, for a sub-layer
+    whose low-rank GEMMs, kept whole, read it (each GEMM after them completes its own input
+    gradient, so the gathered input's gradient is whole on every rank and the backward keeps
+    the rank's shard of it). ``autopar verify`` proves the guess per model."""
+    def gather(x: torch.Tensor) -> torch.Tensor:
+        whole = DTensor.from_local(x, mesh, (Shard(-2),), run_check=False).redistribute(mesh, (Replicate(),))
+        return whole.to_local() if local else whole
 
     def hook(module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
         if args and isinstance(args[0], torch.Tensor):

@@ -12,7 +12,7 @@ from autopar.trace.graph import BlockInfo, ModelGraph
 from autopar.trace.shape import leading_blocks
 
 
-_SPLITS = ("column", "row", "expert-column", "expert-row", "router")
+_SPLITS = ("column", "row", "expert-column", "expert-row", "router", "replicate")
 """Labels of a block's GEMMs the runtime takes: Megatron's column/row split of the dense ones
 (tensor parallelism), the stacked expert weights (expert parallelism shards them by experts,
 ``runtime.experts``) and the router (replicated)."""
@@ -41,14 +41,18 @@ def _kind(block: BlockInfo, model: nn.Module, hidden: int) -> dict[str, Any]:
     head_norms = tuple(n for n, m in every_norm.items() if block.head_dim != hidden
                        and all(p.numel() == block.head_dim for p in m.parameters()))
     width_norms = tuple(n for n in every_norm if n not in head_norms and f"{first}.{n}" in block.fed_by_column)
-    norms = tuple(n for n in every_norm if n not in head_norms + width_norms)
+    inner_norms = tuple(n for n in every_norm if f"{first}.{n}" in block.fed_by_replicated)
+    norms = tuple(n for n in every_norm if n not in head_norms + width_norms + inner_norms)
     return dict(column=tuple(rel.get("column", ())), row=tuple(rel.get("row", ())), norms=norms,
                 post_norms=tuple(n for n in norms if f"{first}.{n}" in block.fed_by_row),
                 packed=tuple((_parent(lin.name).removeprefix(first + "."),
                               lin.sections or (lin.out_features // lin.packed,) * lin.packed)
-                             for lin in block.linears if lin.packed > 1),
+                             for lin in block.linears if lin.packed > 1 and lin.split == "column"),
                 experts=tuple(dict.fromkeys(rel["expert-column"] + rel["expert-row"])),
-                routers=tuple(dict.fromkeys(rel["router"])), head_norms=head_norms, width_norms=width_norms)
+                routers=tuple(dict.fromkeys(rel["router"])), head_norms=head_norms, width_norms=width_norms,
+                replicated=tuple(rel["replicate"]), inner_norms=inner_norms,
+                partial_outputs=tuple((_parent(lin.name).removeprefix(first + "."), part)
+                                      for lin in block.linears if lin.split == "replicate" for part in lin.core_parts))
 
 
 def anatomy(graph: ModelGraph, model: nn.Module, vocab: int) -> Anatomy:

@@ -10,11 +10,13 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-SPLITS = ("column", "row", "vocab", "expert-column", "expert-row", "router")
+SPLITS = ("column", "row", "vocab", "expert-column", "expert-row", "router", "replicate")
 """How a weight can be split for tensor (or expert) parallelism, Megatron-style: a ``column``
 GEMM reads a replicated input and writes a sharded output, the following ``row`` GEMM reads the
 sharded activation and all-reduces its output; ``vocab``: a vocabulary-parallel embedding or
-output head; ``expert-*``: the same inside each expert of an MoE layer (or split by experts); ``router``: an MoE gate, kept replicated."""
+output head; ``expert-*``: the same inside each expert of an MoE layer (or split by experts); ``router``: an MoE gate, kept replicated;
+``replicate``: a low-rank projection whose output a norm hands to another GEMM (DeepSeek's
+latent attention), kept whole on every tp rank."""
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -80,6 +82,10 @@ class LinearInfo:
     fused Q/K/V: 3): a column split must shard each one."""
     sections: tuple[int, ...] = ()
     """Their widths in output order when packed (Phi-3's GQA ``qkv_proj``: q, k, v widths)."""
+    core_parts: tuple[tuple[int, int], ...] = ()
+    """A ``replicate`` GEMM's output columns [start, end) that reach the attention core before
+    any other weight GEMM (DeepSeek's RoPE key, read by every head): under TP each rank's
+    heads read them, so their gradient is a partial sum over the ranks."""
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -114,6 +120,9 @@ class BlockInfo:
     fed_by_column: tuple[str, ...] = ()
     """Modules of the first repeat whose input is a column-parallel GEMM's output (OLMo 2's
     q/k norms, Qwen3's per-head ones): under tensor parallelism they see the rank's shard."""
+    fed_by_replicated: tuple[str, ...] = ()
+    """Modules of the first repeat whose input is a low-rank (``replicate``) GEMM's output
+    (DeepSeek's ``q_a_layernorm``, ``kv_a_layernorm``): whole on every tp rank."""
     param_tensors: int = 0
     """Parameter tensors of one repeat (an optimizer steps each on its own)."""
 

@@ -127,6 +127,8 @@ def _block_fields(block: BlockInfo, tokens: int) -> dict:
         block_params=block.params,
         block_param_tensors=block.param_tensors,
         block_tp_linears=sum(lin.split in ("column", "row") for lin in block.linears),
+        block_tp_whole_params=sum(lin.in_features * lin.out_features for lin in block.linears
+                                  if lin.split == "replicate"),
         block_matmul_flops_per_token=matmul / tokens,
         block_attn_flops_per_token=(block.flops - matmul) / tokens,
         block_act_bytes_replicated_per_token=act.replicated / tokens,

@@ -128,7 +128,8 @@ def trace_module(model: nn.Module, example: torch.Tensor | tuple[torch.Tensor, .
             recipe_activations=recipe.activations(rep), linears=linears,
             heads=heads, kv_heads=kv_heads, head_dim=head_dim,
             experts=max([lin.experts for lin in linears] + nested + [0]),
-            fed_by_row=tuple(measured.fed_by_row[rep]), fed_by_column=tuple(measured.fed_by_column[rep])))
+            fed_by_row=tuple(measured.fed_by_row[rep]), fed_by_column=tuple(measured.fed_by_column[rep]),
+            fed_by_replicated=tuple(measured.fed_by_replicated[rep])))
     top = tuple(measured.nodes[""])
     vocab = max([m.num_embeddings for m in model.modules() if isinstance(m, nn.Embedding)] + [0])
     vocab_mods = {n.module for n in top if n.split == "vocab"
