@@ -31,7 +31,7 @@ from autopar.runtime import RunResult, RunSpec, TrainConfig, run_job
 from autopar.runtime.context import ParallelContext
 from autopar.runtime.train import build_program, synthetic_batch, train, train_step
 from autopar.runtime.state import full_state
-from parity import dumped
+from parity import HF_GLM4_MOE, dumped, hf_deepseek_v3
 
 GPT = "gpt:layers=4,hidden=64,heads=4,vocab=128,seq=16,tied=0"
 GPT_TIED = "gpt:layers=4,hidden=64,heads=4,vocab=131,seq=16,tied=1"  # odd, like GPT-2's 50257: uneven vocab shards
@@ -76,14 +76,7 @@ HF_FALCON_MQA = ("hf:FalconConfig:num_hidden_layers=4,hidden_size=64,num_attenti
                  "attention_dropout=0,hidden_dropout=0,seq=16")
 # DeepSeek-V3: latent attention (low-rank q_a_proj, kv_a_proj_with_mqa kept whole on every tp
 # rank, the RoPE key's gradient summed over them), one leading dense block, MoE blocks.
-HF_DEEPSEEK_V3 = ("hf:DeepseekV3Config:num_hidden_layers=4,first_k_dense_replace=1,hidden_size=64,"
-                  "num_attention_heads=4,num_key_value_heads=4,intermediate_size=96,kv_lora_rank=8,q_lora_rank=12,"
-                  "qk_nope_head_dim=16,qk_rope_head_dim=8,v_head_dim=16,n_routed_experts=4,n_group=1,topk_group=1,"
-                  "num_experts_per_tok=2,moe_intermediate_size=32,vocab_size=128,seq=16")
-# GLM-4.5: a leading dense block before mixture-of-experts blocks (two block kinds).
-HF_GLM4_MOE = ("hf:Glm4MoeConfig:num_hidden_layers=4,first_k_dense_replace=1,hidden_size=64,num_attention_heads=4,"
-               "num_key_value_heads=2,intermediate_size=96,moe_intermediate_size=32,n_routed_experts=4,"
-               "num_experts_per_tok=2,n_group=1,topk_group=1,vocab_size=128,seq=16")
+HF_DEEPSEEK_V3 = hf_deepseek_v3(layers=4, lead=1)
 HF_BIGCODE = ("hf:GPTBigCodeConfig:n_layer=4,n_embd=64,n_head=4,n_inner=96,vocab_size=128,resid_pdrop=0,"
               "embd_pdrop=0,attn_pdrop=0,seq=16")
 STEPS = 3

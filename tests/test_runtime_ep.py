@@ -35,18 +35,10 @@ from autopar.runtime import RunSpec, TrainConfig, run_job
 from autopar.runtime.context import ParallelContext
 from autopar.runtime.state import full_state
 from autopar.runtime.train import build_program
-from parity import dumped, single_process
+from parity import HF_GLM4_MOE, dumped, hf_deepseek_v3, single_process
 
 MOE = "moe:layers=2,hidden=64,heads=4,kv_heads=2,ffn=96,vocab=128,seq=16,experts=4,topk=2"
-# DeepSeek-V3: latent attention, three dense blocks, then MoE blocks with a shared expert
-HF_DEEPSEEK_V3 = ("hf:DeepseekV3Config:num_hidden_layers=5,first_k_dense_replace=3,hidden_size=64,"
-                  "num_attention_heads=4,num_key_value_heads=4,intermediate_size=96,kv_lora_rank=8,q_lora_rank=12,"
-                  "qk_nope_head_dim=16,qk_rope_head_dim=8,v_head_dim=16,n_routed_experts=4,n_group=1,topk_group=1,"
-                  "num_experts_per_tok=2,moe_intermediate_size=32,vocab_size=128,seq=16")
-# GLM-4.5: one dense block, then mixture-of-experts blocks with a shared expert (test_runtime's parity)
-HF_GLM4_MOE = ("hf:Glm4MoeConfig:num_hidden_layers=4,first_k_dense_replace=1,hidden_size=64,num_attention_heads=4,"
-               "num_key_value_heads=2,intermediate_size=96,moe_intermediate_size=32,n_routed_experts=4,"
-               "num_experts_per_tok=2,n_group=1,topk_group=1,vocab_size=128,seq=16")
+HF_DEEPSEEK_V3 = hf_deepseek_v3(layers=5, lead=3)  # three dense blocks, as DeepSeek-V3 has
 STEPS = 2
 CFG = TrainConfig(optimizer="sgd", lr=0.1)
 LOSS_TOL = 2e-6
