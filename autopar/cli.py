@@ -23,7 +23,7 @@ from autopar.spec import parse_model_spec
 from autopar.export.common import Target as ExportTarget
 from autopar.limits import check_seconds
 from autopar.solve import Pins, Solution, explain as explain_plan, explanation_dict
-from autopar.workflow import estimate_strategy, fixed_strategy, lead_refusal, make_plan, read_job
+from autopar.workflow import estimate_strategy, export_lead_refusal, fixed_strategy, make_plan, read_job
 
 __all__ = ("app", "main", "DEMO_MODEL", "DEMO_TEXT")
 
@@ -288,7 +288,7 @@ def export(plan_file: Path = typer.Argument(..., help="A plan JSON from `autopar
     def body() -> None:
         from autopar.export import export_plan
         the_plan = load_plan_file(plan_file, trust_code)
-        lead = lead_refusal(parse_model_spec(the_plan.model))
+        lead = export_lead_refusal(parse_model_spec(the_plan.model))
         if lead:
             raise UserError(lead)
         result = export_plan(the_plan, to, str(out) if out is not None else None)
@@ -332,7 +332,7 @@ def launch(plan_file: Path = typer.Argument(..., help="A plan JSON from `autopar
             raise UserError(f"--save-every {save_every} saves into --save DIR; add --save DIR")
         the_plan = load_plan_file(plan_file, trust_code)
         # A user module may live on the cluster only: not traced here (an HF model is).
-        refusal = the_plan.refusal() or lead_refusal(parse_model_spec(the_plan.model), trace_modules=False)
+        refusal = the_plan.refusal()
         if refusal:
             raise UserError(refusal)
         spec = plan_launch(the_plan, out, nodes=nodes, gpus_per_node=gpus_per_node, endpoint=rdzv_endpoint,

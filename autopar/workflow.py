@@ -150,32 +150,28 @@ def verdicts(spec: ModelSpec) -> tuple[tuple[str, str], ...]:
     return tuple((v.check.value, v.reason) for v in verify(spec.name).verdicts)
 
 
-def lead_refusal(spec: ModelSpec, trace_modules: bool = True) -> str | None:
-    """Why no runtime or export takes ``spec``'s model (one line), or None: it leads with blocks
-    of another kind (``ModelProfile.lead``, DeepSeek-V2/V3's dense blocks before the MoE
-    ones), which autopar prices and plans but does not run or export. Read off the (cached)
-    trace of an HF model, and of a user module unless ``trace_modules`` is False."""
-    if spec.arch not in ("hf", "module") or (spec.arch == "module" and not trace_modules):
+def export_lead_refusal(spec: ModelSpec) -> str | None:
+    """Why no export takes ``spec``'s model (one line), or None: it leads with blocks of another
+    kind (``ModelProfile.lead``, DeepSeek-V3's dense blocks before the MoE ones), which autopar
+    prices, plans and runs, but its exports write one kind of block for. Read off the
+    (cached) trace of an HF model or a user module."""
+    if spec.arch not in ("hf", "module"):
         return None
     profile = profile_spec(spec)
     if profile.lead is None:
         return None
     return (f"{spec.name} leads with {profile.lead_layers} dense blocks before its {profile.layers} repeated ones: "
-            "autopar prices and plans it, but its runtime and exports train one kind of block; "
-            "use the plan's figures with a framework that runs the model (e.g. Megatron-Core's --moe-layer-freq)")
+            "autopar plans and runs it (`autopar run`, `autopar launch`), but its exports write one kind of block; "
+            "set the leading blocks in the framework yourself (e.g. Megatron-Core's --moe-layer-freq)")
 
 
 def launch_refusal(plan: Plan) -> str | None:
     """Why ``plan`` must not start (one line), or None: a feature it uses failed on the model's
-    twin, as recorded in the plan or, for a plan made without verification, as verified now;
-    a model that leads with blocks of another kind (``lead_refusal``)."""
+    twin, as recorded in the plan or, for a plan made without verification, as verified now."""
     known = plan.refusal()
     if known:
         return known
     spec = parse_model_spec(plan.model)
-    lead = lead_refusal(spec)
-    if lead:
-        return lead
     if plan.verified or not plan.features():
         return None
     if spec.arch not in ("hf", "module"):
