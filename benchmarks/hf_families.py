@@ -54,6 +54,11 @@ FAMILIES = {
     "glm4-moe": "hf:Glm4MoeConfig:seq=8192",
     "ernie4.5-moe": "hf:Ernie4_5_MoeConfig:seq=8192",
     "deepseek-v3": "hf:DeepseekV3Config",
+    "deepseek-v2-lite": "hf:DeepseekV2Config:num_hidden_layers=27,hidden_size=2048,num_attention_heads=16,"
+                        "num_key_value_heads=16,intermediate_size=10944,moe_intermediate_size=1408,n_routed_experts=64,"
+                        "n_shared_experts=2,num_experts_per_tok=6,first_k_dense_replace=1,q_lora_rank=None,"
+                        "kv_lora_rank=512",  # the default config has no top-k: DeepSeek-V2-Lite's published shape
+    "olmoe": "hf:OlmoeConfig",
     "helium": "hf:HeliumConfig",
     "arcee": "hf:ArceeConfig",
     "persimmon": "hf:PersimmonConfig",
