@@ -39,6 +39,8 @@ import torch
 import torch.nn.functional as F
 from torch import fx, nn
 from torch.utils._pytree import tree_flatten
+
+from autopar.trace.lowrank import RMS_NORM, SDPA, core_parts, low_rank
 from torch.utils.flop_counter import FlopCounterMode, flop_registry, sdpa_flop_count
 
 from autopar.trace.graph import ActivationBytes, LinearInfo, NodeInfo
@@ -69,119 +71,8 @@ def _tensors(tree: Any) -> list[torch.Tensor]:
     return [t for t in tree_flatten(tree)[0] if isinstance(t, torch.Tensor)]
 
 
-_SDPA = {F.scaled_dot_product_attention, torch.ops.aten.scaled_dot_product_attention.default}
 _SDPA_ARGS = ("q", "k", "v", "attn_mask", "dropout_p", "is_causal", "scale", "enable_gqa")
 _DROPOUT = {F.dropout, torch.ops.aten.dropout.default, torch.ops.aten.native_dropout.default}
-_RMS_NORM = {F.rms_norm, torch.ops.aten.rms_norm.default}
-_NORM_OPS = _RMS_NORM | {torch.rsqrt, torch.ops.aten.rsqrt.default, F.layer_norm, torch.ops.aten.layer_norm.default,
-                         torch.ops.aten.native_layer_norm.default}
-"""Ops of a normalisation (an RMS norm written out computes an ``rsqrt``)."""
-_GEMM_OPS = {F.linear, torch.ops.aten.linear.default, torch.ops.aten.mm.default, torch.ops.aten.addmm.default,
-             torch.matmul, torch.ops.aten.matmul.default, torch.ops.aten.bmm.default, operator.matmul}
-_LOW_RANK_SEARCH = 64
-"""Nodes a low-rank check visits at most (DeepSeek's norm between its GEMMs is about 10)."""
-
-
-def _holds_weight(node: fx.Node, root: nn.Module) -> bool:
-    """Whether a GEMM node multiplies by a parameter (an ``nn.Linear``, a ``get_attr``)."""
-    if node.op == "call_module":
-        assert isinstance(node.target, str)
-        return isinstance(root.get_submodule(node.target), nn.Linear)
-    return any(isinstance(a, fx.Node) and a.op == "get_attr" for a in tree_flatten((node.args, node.kwargs))[0])
-
-
-def _is_norm_node(node: fx.Node, root: nn.Module) -> bool:
-    if node.op == "call_module":
-        assert isinstance(node.target, str)
-        return isinstance(root.get_submodule(node.target), (nn.LayerNorm, nn.RMSNorm))
-    return node.target in _NORM_OPS or (node.op == "call_method" and node.target == "rsqrt")
-
-
-def _readers(node: fx.Node) -> list[fx.Node]:
-    """The nodes reading ``node``'s value: its users, and for an op writing into its first
-    argument in place (``copy_`` into a slice of a buffer: DeepSeek's query and key states) the
-    readers of that argument and of every tensor it is a view of."""
-    found = list(node.users)
-    op = node.target
-    if isinstance(op, torch._ops.OpOverload) and op._schema.arguments and \
-            (info := op._schema.arguments[0].alias_info) is not None and info.is_write:
-        dst = node.args[0]
-        while isinstance(dst, fx.Node):
-            found += [u for u in dst.users if u is not node]
-            target = dst.target
-            dst = dst.args[0] if isinstance(target, torch._ops.OpOverload) and target.is_view and dst.args else None
-    return found
-
-
-def _reaches_core(start: list[fx.Node], root: nn.Module, inside: Callable[[fx.Node], bool]) -> bool:
-    """Whether a value read by the ``start`` nodes reaches the attention core (SDPA, or a
-    product of two activations) before any weight GEMM."""
-    stack, seen = list(start), set[fx.Node]()
-    while stack and len(seen) < _LOW_RANK_SEARCH:
-        node = stack.pop()
-        if node in seen or node.op == "output" or not inside(node):
-            continue
-        seen.add(node)
-        if node.target in _SDPA:
-            return True
-        if node.target in _GEMM_OPS or node.op == "call_module" and _holds_weight(node, root):
-            if not _holds_weight(node, root):
-                return True
-            continue
-        stack.extend(_readers(node))
-    return False
-
-
-def _core_parts(n: fx.Node, out_features: int, ndim: int, root: nn.Module,
-                inside: Callable[[fx.Node], bool]) -> tuple[tuple[int, int], ...]:
-    """(start, end) columns of GEMM node ``n``'s output that reach the attention core before
-    any weight GEMM: its parts cut by a split along the last dimension (DeepSeek's
-    ``kv_a_proj_with_mqa``: the compressed K,V, normed into ``kv_b_proj``, and the RoPE key
-    every head reads), or all of it."""
-    for split in n.users:
-        if split.target not in (torch.split, torch.ops.aten.split_with_sizes.default, torch.ops.aten.split.Tensor,
-                                torch.functional.split) or len(split.args) < 2:
-            continue
-        sizes, dim = split.args[1], split.args[2] if len(split.args) > 2 else split.kwargs.get("dim", 0)
-        if not isinstance(dim, int) or dim % ndim != ndim - 1:
-            continue
-        widths = list(sizes) if isinstance(sizes, (list, tuple)) else \
-            [sizes] * (out_features // sizes) if isinstance(sizes, int) and sizes else []
-        if sum(widths) != out_features:
-            continue
-        starts = [sum(widths[:i]) for i in range(len(widths))]
-        parts = []
-        for item in split.users:
-            if item.target is operator.getitem and isinstance(item.args[1], int) and \
-                    _reaches_core([item], root, inside):
-                i = item.args[1]
-                parts.append((starts[i], starts[i] + widths[i]))
-        return tuple(sorted(parts))
-    return ((0, out_features),) if _reaches_core([n], root, inside) else ()
-
-
-def _low_rank(n: fx.Node, root: nn.Module, inside: Callable[[fx.Node], bool]) -> bool:
-    """Whether GEMM node ``n``'s output reaches another weight GEMM through a normalisation,
-    before any attention core: a low-rank projection (DeepSeek's latent attention:
-    ``q_a_proj`` -> ``q_a_layernorm`` -> ``q_b_proj``), which tensor parallelism keeps whole
-    on every rank, as Megatron-Core and torchtitan do, splitting the GEMM after the norm.
-    The search stays ``inside`` the block (not through the residual into the next one's norm)."""
-    stack = [(u, False) for u in n.users]
-    seen: set[tuple[fx.Node, bool]] = set()
-    while stack and len(seen) < _LOW_RANK_SEARCH:
-        node, normed = stack.pop()
-        if (node, normed) in seen or node.op == "output" or node.target in _SDPA or not inside(node):
-            continue
-        seen.add((node, normed))
-        if node.target in _GEMM_OPS or (node.op == "call_module" and _holds_weight(node, root)):
-            if normed and _holds_weight(node, root):
-                return True
-            continue  # another weight GEMM before any norm, or the attention core's product
-        normed = normed or _is_norm_node(node, root)
-        stack.extend((u, normed) for u in node.users)
-    return False
-
-
 def _grouped_mm_flops(a_shape, b_shape, *args, out_shape=None, **kwargs) -> int:
     """[S, in] x [E, in, out] grouped by expert: each routed row meets one expert."""
     return 2 * a_shape[0] * a_shape[-1] * b_shape[-1]
@@ -410,7 +301,7 @@ class MeasureRun(fx.Interpreter):
     def _call(self, n: fx.Node, args: tuple, kwargs: dict) -> tuple[Any, float]:
         """Run one node; returns (result, FLOPs FlopCounterMode does not see)."""
         rec, mod, target = self.rec, self._module(n), n.target
-        if target in _SDPA:
+        if target in SDPA:
             q, k = args[0], args[1]
             rec.in_attention = True
             rec.attention_shape = (q.shape[-2], k.shape[-2], q.shape[0] * q.shape[1] * q.shape[-2])
@@ -428,7 +319,7 @@ class MeasureRun(fx.Interpreter):
             train = mod.training if mod is not None else kwargs.get("train", kwargs.get("training", args[2] if len(args) > 2 else True))
             out = dropout(args[0], p if train else 0.0)
             return ((out, None) if target is torch.ops.aten.native_dropout.default else out), 0.0
-        if target in _RMS_NORM or isinstance(mod, nn.RMSNorm):
+        if target in RMS_NORM or isinstance(mod, nn.RMSNorm):
             if isinstance(mod, nn.RMSNorm):
                 return rms_norm(args[0], list(mod.normalized_shape), mod.weight, mod.eps), 0.0
             return rms_norm(*args, **kwargs), 0.0
@@ -474,7 +365,7 @@ class MeasureRun(fx.Interpreter):
         def inside(u: fx.Node) -> bool:
             return self.segment_of(u) == rec.segment
         gemm_weights = [w for w in weights if w.dim() >= 2 and w.is_floating_point()]
-        if rec.segment and not gemm_weights and n.target not in _SDPA:
+        if rec.segment and not gemm_weights and n.target not in SDPA:
             _follow_core(rec, acts, outputs, flops)
         if flops > 0 and gemm_weights:
             w = max(gemm_weights, key=lambda t: t.numel())
@@ -489,9 +380,9 @@ class MeasureRun(fx.Interpreter):
                 # the MoE router, or a one-output gate beside it (Qwen2-MoE's shared-expert
                 # gate): replicated, not split
                 split, out_state = "router", REP
-            elif split == "column" and rec.segment and out_f < in_f and _low_rank(n, self.module, inside):
+            elif split == "column" and rec.segment and out_f < in_f and low_rank(n, self.module, inside):
                 split, out_state = "replicate", REP
-                core = _core_parts(n, int(out_f), outputs[0].dim() if outputs else 2, self.module, inside)
+                core = core_parts(n, int(out_f), outputs[0].dim() if outputs else 2, self.module, inside)
             if rec.recipe.dropout > 0 and split == "row" and rec.segment and not any(
                     u.target in _DROPOUT for u in n.users):
                 rec.node_state = out_state  # the mask is of the replicated output
