@@ -165,9 +165,10 @@ def apply_tensor_parallel(model: nn.Module, ctx: ParallelContext, sp: bool, anat
     if sp and whole_sequences_between_stages and anat.head not in here:
         parallelize_module(model, mesh, {blocks[-1]: PrepareModuleOutput(
             output_layouts=Shard(1), desired_output_layouts=Replicate(), use_local_output=True)})
-    # a block without pre-norms (OLMo 2 norms its sub-layers' outputs only) or with experts
-    # gathers each sub-layer's input where the sub-layer is called: the module owning its
-    # column GEMMs (not the experts, which run on the rank's tokens)
+    # a block without pre-norms (OLMo 2 norms its sub-layers' outputs only), with experts or
+    # with low-rank GEMMs kept whole (DeepSeek's) gathers each sub-layer's input where the
+    # sub-layer is called: the module owning its column GEMMs (not the experts, which run on
+    # the rank's tokens)
     for name in blocks:
         kind = anat.kind(name)
         owners = {c.rpartition(".")[0] for c in kind.column} \
