@@ -57,7 +57,7 @@ from cost_models.hardware import HardwareProfile, ProfileError
 from cost_models.host import checkpoint_s, dispatch_s, tp_host_s, with_host
 from cost_models.model_profile import ModelProfile
 from cost_models.recipe import ContextParallel, Fp8WeightCast
-from cost_models.states import tp_whole_params
+from cost_models.states import tp_whole_params, whole_qkv_params
 from cost_models.strategy import Strategy
 
 FLASH_TILE = 128
@@ -184,7 +184,7 @@ def block_gemms(model: ModelProfile, strat: Strategy) -> tuple[list[Gemm], list[
     d = h / model.heads
     tokens = strat.tokens(model.seq)
     qkv = (model.heads + 2 * model.kv_heads) * d
-    whole = model.kv_heads == 1 and model.heads > 1 and t > 1  # multi-query: QKV whole (states.whole_qkv_params)
+    whole = whole_qkv_params(model, strat) > 0  # multi-query TP: the QKV projection whole on every rank
     attn = [Gemm(batch=1, m=tokens, n=qkv if whole else qkv / t, k=h), Gemm(batch=1, m=tokens, n=h, k=h / t)]
     if model.moe:
         rest = (model.block_matmul_flops_per_token - model.expert_flops_per_token) / 2 \
