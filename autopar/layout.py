@@ -3,13 +3,16 @@ column/row GEMMs, packed projections and norms, by module name. Read off the tra
 (``autopar.trace.anatomy``), recorded in the Plan, read by the runtime. Pure data: no torch.
 
 A decoder-only LM is: parameterised modules before the first block (the vocabulary embedding,
-learned positions), a stack of identical blocks, a final norm and the output head. Inside a
+learned positions), a stack of identical blocks (after a few leading blocks of another kind:
+DeepSeek-V3's dense ones, ``Anatomy.lead``), a final norm and the output head. Inside a
 block, the tracer labels every weight GEMM ``column`` (reads the replicated input, writes a
 sharded output) or ``row`` (reads the sharded activation, all-reduces its output) — Megatron's
-split — and the modules whose parameters are all 1-D are the norms. A mixture-of-experts block
-also has a router (a GEMM whose outputs are the experts: kept replicated) and a module holding
-every expert's weights stacked in their leading dim (HF transformers 5's ``*Experts``), which
-expert parallelism shards by experts (``autopar.runtime.experts``).
+split — or ``replicate`` (a low-rank projection whose output a norm hands to a column GEMM:
+DeepSeek's latent attention, kept whole), and the modules whose parameters are all 1-D are the
+norms. A mixture-of-experts block also has a router (a GEMM whose outputs are the experts: kept
+replicated) and a module holding every expert's weights stacked in their leading dim (HF
+transformers 5's ``*Experts``), which expert parallelism shards by experts
+(``autopar.runtime.experts``).
 """
 
 from __future__ import annotations
