@@ -134,6 +134,9 @@ def _hf_twin(spec: ModelSpec) -> str:
             "ffn": TWIN_FFN, "vocab": TWIN_VOCAB}
     real_dict = real.to_dict()
     lead = next((real_dict[k] for k in LEAD_KEYS if isinstance(real_dict.get(k), int) and real_dict[k] > 0), 0)
+    kinds = real_dict.get("mlp_layer_types")  # GLM-4.7-Flash: ["dense", "sparse", ...], one dense by default
+    if not lead and isinstance(kinds, list) and kinds and kinds[0] == "dense" and "sparse" in kinds:
+        lead = kinds.index("sparse")
     if lead:  # one leading dense block, then the twin's repeated ones
         size["layers"] = TWIN_LAYERS + 1
     twin: dict[str, object] = {keys[f]: v for f, v in size.items() if f in keys}

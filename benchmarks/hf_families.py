@@ -59,6 +59,13 @@ FAMILIES = {
                         "n_shared_experts=2,num_experts_per_tok=6,first_k_dense_replace=1,q_lora_rank=None,"
                         "kv_lora_rank=512",  # the default config has no top-k: DeepSeek-V2-Lite's published shape
     "olmoe": "hf:OlmoeConfig",
+    "glm4-moe-lite": "hf:Glm4MoeLiteConfig:seq=8192",  # GLM-4.7-Flash: latent attention, one dense block
+    "minimax-m2": "hf:MiniMaxM2Config:seq=8192",
+    "exaone-moe": "hf:ExaoneMoeConfig",
+    "cohere2-moe": "hf:Cohere2MoeConfig",
+    "smollm3": "hf:SmolLM3Config",
+    "flexolmo": "hf:FlexOlmoConfig",
+    "cwm": "hf:CwmConfig:seq=8192",
     "helium": "hf:HeliumConfig",
     "arcee": "hf:ArceeConfig",
     "persimmon": "hf:PersimmonConfig",

@@ -183,6 +183,10 @@ def test_anatomy_of_latent_attention():
         assert kind.partial_outputs == (("self_attn.kv_a_proj_with_mqa", (8, 16)),)
         assert not set(kind.inner_norms) & set(kind.norms + kind.width_norms)
     assert anat.lead is not None and len(anat.lead.blocks) == 3 and anat.experts == ("mlp.experts",)
+    # a latent rank as wide as a head (24 = 16 + 8 here; GLM-4.7-Flash's twin): its norm is
+    # still the low-rank GEMM's, whole, not a per-head one
+    wide = _traced_layout(parse_model_spec(HF_DEEPSEEK_V3.replace("kv_lora_rank=8", "kv_lora_rank=24")))
+    assert "self_attn.kv_a_layernorm" in wide.inner_norms and wide.head_norms == ()
 
 
 def test_anatomy_of_a_leading_dense_block():

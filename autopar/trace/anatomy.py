@@ -38,10 +38,12 @@ def _kind(block: BlockInfo, model: nn.Module, hidden: int) -> dict[str, Any]:
         rel[lin.split].append(_parent(lin.name).removeprefix(first + "."))  # the module owning the weight
     block_mod = model.get_submodule(first)
     every_norm = {n: m for n, m in block_mod.named_modules() if n and _is_norm(m)}
-    head_norms = tuple(n for n, m in every_norm.items() if block.head_dim != hidden
-                       and all(p.numel() == block.head_dim for p in m.parameters()))
-    width_norms = tuple(n for n in every_norm if n not in head_norms and f"{first}.{n}" in block.fed_by_column)
+    # a low-rank GEMM's norm first: its width may equal a head's (GLM-4.7-Flash's twin)
     inner_norms = tuple(n for n in every_norm if f"{first}.{n}" in block.fed_by_replicated)
+    head_norms = tuple(n for n, m in every_norm.items() if block.head_dim != hidden and n not in inner_norms
+                       and all(p.numel() == block.head_dim for p in m.parameters()))
+    width_norms = tuple(n for n in every_norm if n not in head_norms + inner_norms
+                        and f"{first}.{n}" in block.fed_by_column)
     norms = tuple(n for n in every_norm if n not in head_norms + width_norms + inner_norms)
     return dict(column=tuple(rel.get("column", ())), row=tuple(rel.get("row", ())), norms=norms,
                 post_norms=tuple(n for n in norms if f"{first}.{n}" in block.fed_by_row),
