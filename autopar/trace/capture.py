@@ -45,15 +45,11 @@ def find_repeated_blocks(model: nn.Module) -> list[list[str]]:
         by_sig: dict[tuple, list[str]] = defaultdict(list)
         order = []
         for child_name, child in container.named_children():
-            name = f"{prefix}.{child_name}" if prefix else child_name
-            by_sig[_signature(child)].append(name)
-            order.append((name, _signature(child)))
+            order.append(f"{prefix}.{child_name}" if prefix else child_name)
+            by_sig[_signature(child)].append(order[-1])
         repeated = [names for names in by_sig.values() if len(names) > 1]
-        if repeated:
-            largest = max(repeated, key=len)
-            leading = order[:[n for n, _ in order].index(largest[0])]
-            if len(leading) == 1:
-                repeated.insert(0, [leading[0][0]])
+        if repeated and order.index(max(repeated, key=len)[0]) == 1:
+            repeated.insert(0, order[:1])  # one block before the largest group
         groups.extend(repeated)
     return groups
 
