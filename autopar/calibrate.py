@@ -185,7 +185,7 @@ def measured(step_times_s: list[float], warmup: int, ranks: tuple[dict[str, floa
 
 def _gemm_tflops(model: ModelProfile, hw: HardwareProfile, plan: Plan) -> float:
     """The GEMM rate ``hw`` predicts for one block's weight GEMMs of ``plan``, TFLOP/s."""
-    strat = plan.strategy()
+    strat = plan.strategy(lead=model.lead_layers)
     weights, _ = block_gemms(model, strat)
     return sum(g.flops for g in weights) / sum(gemm_s(g, hw, strat.dtype, elem_bytes(strat)) for g in weights) / 1e12
 
@@ -238,7 +238,7 @@ def refit_runs(runs: Sequence[Run], hw: HardwareProfile,
         raise ValueError("refit_runs needs at least one run")
 
     def est(profile: HardwareProfile, run: Run) -> Estimate:
-        return estimate(run[1], profile, run[0].strategy(), global_batch=run[0].global_batch)
+        return estimate(run[1], profile, run[0].strategy(lead=run[1].lead_layers), global_batch=run[0].global_batch)
 
     dtypes = {plan.dtype for plan, _, _ in runs}
     if len(dtypes) > 1:
@@ -378,8 +378,9 @@ def calibrate_runs(jobs: Sequence[tuple[Plan, ModelProfile, RunFn]], hw: Hardwar
     profile = replace(new, notes=notes)
     out = []
     for plan, model, run in runs:
-        before = estimate(model, hw, plan.strategy(), global_batch=plan.global_batch)
-        after = estimate(model, new, plan.strategy(), global_batch=plan.global_batch)
+        strat = plan.strategy(lead=model.lead_layers)
+        before = estimate(model, hw, strat, global_batch=plan.global_batch)
+        after = estimate(model, new, strat, global_batch=plan.global_batch)
         out.append(Calibration(phases=phases(before, run, after), fits=fits, profile=profile,
                                gemm_tflops=run.gemm_tflops,
                                peak_predicted_bytes=max(before.stage_peak_bytes or (before.memory.peak_bytes,)),

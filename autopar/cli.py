@@ -288,7 +288,7 @@ def export(plan_file: Path = typer.Argument(..., help="A plan JSON from `autopar
     def body() -> None:
         from autopar.export import export_plan
         the_plan = load_plan_file(plan_file, trust_code)
-        lead = export_lead_refusal(parse_model_spec(the_plan.model))
+        lead = export_lead_refusal(parse_model_spec(the_plan.model), to.value)
         if lead:
             raise UserError(lead)
         result = export_plan(the_plan, to, str(out) if out is not None else None)

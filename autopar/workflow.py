@@ -150,19 +150,24 @@ def verdicts(spec: ModelSpec) -> tuple[tuple[str, str], ...]:
     return tuple((v.check.value, v.reason) for v in verify(spec.name).verdicts)
 
 
-def export_lead_refusal(spec: ModelSpec) -> str | None:
-    """Why no export takes ``spec``'s model (one line), or None: it leads with blocks of another
-    kind (``ModelProfile.lead``, DeepSeek-V3's dense blocks before the MoE ones), which autopar
-    prices, plans and runs, but its exports write one kind of block for. Read off the
-    (cached) trace of an HF model or a user module."""
-    if spec.arch not in ("hf", "module"):
+def export_lead_refusal(spec: ModelSpec, target: str) -> str | None:
+    """Why the ``target`` export does not take ``spec``'s model (one line), or None: it leads
+    with blocks of another kind (``ModelProfile.lead``, GLM-4.5's dense block before the MoE
+    ones), which autopar prices, plans and runs, but the export writes one kind of block for.
+    DeepSeek-V2/V3 export to Megatron as themselves (``autopar.export.deepseek``: its
+    ``--moe-layer-freq``). Read off the (cached) trace of an HF model or a user module."""
+    from autopar.export.deepseek import CONFIGS
+    if spec.arch not in ("hf", "module") or (target == "megatron" and spec.source in CONFIGS):
         return None
     profile = profile_spec(spec)
     if profile.lead is None:
         return None
+    fix = ("export it with --to megatron, which writes DeepSeek's leading dense blocks (--moe-layer-freq)"
+           if spec.source in CONFIGS else "set the leading blocks in the framework yourself "
+           "(e.g. Megatron-Core's --moe-layer-freq)")
     return (f"{spec.name} leads with {profile.lead_layers} dense blocks before its {profile.layers} repeated ones: "
-            "autopar plans and runs it (`autopar run`, `autopar launch`), but its exports write one kind of block; "
-            "set the leading blocks in the framework yourself (e.g. Megatron-Core's --moe-layer-freq)")
+            f"autopar plans and runs it (`autopar run`, `autopar launch`), but the {target} export writes one kind "
+            f"of block; {fix}")
 
 
 def launch_refusal(plan: Plan) -> str | None:

@@ -308,11 +308,12 @@ def test_ep_pin_reaches_the_plan_is_checked_in_one_line_and_the_plan_runs_here(t
     assert est.exit_code == 0, est.output
 
 
-def test_leading_dense_blocks_plan_with_every_block_counted_and_are_not_exported(tmp_path):
+def test_leading_dense_blocks_plan_with_every_block_counted_and_export_to_megatron_only(tmp_path):
     """A DeepSeek-shaped model (2 dense blocks, then MoE blocks): the plan's stage_layers count
-    all 6 blocks, the leading ones opening the first stage in one recompute mode; explain
+    all 4 blocks, the leading ones opening the first stage in one recompute mode; explain
     re-prices the plan exactly; launch writes its scripts (the runtime trains both block
-    kinds: test_runtime's DeepSeek-V3 and GLM-4.5 parity) and export refuses it in one line."""
+    kinds: test_runtime's DeepSeek-V3 and GLM-4.5 parity); the Megatron export writes both
+    kinds (--moe-layer-freq) and the others refuse it in one line."""
     pytest.importorskip("transformers")
     from tests.test_trace_hf import DSV3_TINY
     out = tmp_path / "p.json"
@@ -327,6 +328,9 @@ def test_leading_dense_blocks_plan_with_every_block_counted_and_are_not_exported
     assert json.loads(res.stdout)["step_time_s"] == pytest.approx(json.loads(out.read_text())["estimate"]["step_time_s"],
                                                                    rel=1e-12)
     res = invoke("export", str(out), "--to", "megatron")
+    assert res.exit_code == 0 and "--moe-layer-freq '([0]*2+[1]*2)'" in res.stdout, res.output
+    res = invoke("export", str(out), "--to", "deepspeed")
     assert res.exit_code == 2 and "leads with 2 dense blocks" in res.stderr and len(res.stderr.splitlines()) == 1
+    assert "export it with --to megatron" in res.stderr
     res = invoke("launch", str(out), "--out", str(tmp_path / "launch"))
     assert res.exit_code == 0, res.output

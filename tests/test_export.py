@@ -598,3 +598,110 @@ def test_pins_a_frameworks_program_cannot_run_are_refused_in_one_line():
         res = CliRunner().invoke(app, [*job, "--recipe", recipe, *pin])
         assert res.exit_code == 2 and fragment in res.output, (recipe, pin, res.output)
         assert len(res.output.strip().splitlines()) == 1
+
+
+# ---- DeepSeek: multi-latent attention, shared experts, leading dense blocks ---------------------------
+
+def _mla_config(text: str, **override):
+    """megatron-core's MLATransformerConfig from an exported DeepSeek script: the arguments
+    ``core_transformer_config_from_args`` passes for multi-latent attention and its MoE."""
+    from megatron.core.transformer.transformer_config import MLATransformerConfig
+
+    from autopar.export import megatron
+    _, a = megatron.read_arguments(text)
+    tokens = megatron.launch_tokens(text)[1]
+
+    def value(flag: str):
+        return tokens[tokens.index(flag) + 1] if flag in tokens else None
+
+    pattern = value("--moe-layer-freq")
+    kw = dict(num_layers=a.num_layers, hidden_size=a.hidden_size, num_attention_heads=a.num_attention_heads,
+              ffn_hidden_size=a.ffn_hidden_size, normalization=a.normalization, gated_linear_unit=a.swiglu,
+              add_bias_linear=not a.disable_bias_linear, tensor_model_parallel_size=a.tensor_model_parallel_size,
+              sequence_parallel=a.sequence_parallel, bf16=a.bf16, multi_latent_attention="--multi-latent-attention" in tokens,
+              qk_layernorm="--qk-layernorm" in tokens,
+              q_lora_rank=int(value("--q-lora-rank")) if value("--q-lora-rank") else None,
+              kv_lora_rank=int(value("--kv-lora-rank")), qk_head_dim=int(value("--qk-head-dim")),
+              qk_pos_emb_head_dim=int(value("--qk-pos-emb-head-dim")), v_head_dim=int(value("--v-head-dim")),
+              rope_type=value("--rope-type"), rotary_base=float(value("--rotary-base")),
+              layernorm_epsilon=float(value("--norm-epsilon")), num_moe_experts=a.num_experts,
+              moe_router_topk=a.moe_router_topk,
+              moe_layer_freq=eval(pattern, {"__builtins__": {}}) if pattern else 1,  # Megatron-LM evaluates it so
+              moe_ffn_hidden_size=int(value("--moe-ffn-hidden-size")),
+              moe_shared_expert_intermediate_size=int(value("--moe-shared-expert-intermediate-size") or 0) or None,
+              moe_router_score_function=value("--moe-router-score-function"),
+              moe_router_enable_expert_bias="--moe-router-enable-expert-bias" in tokens,
+              moe_router_pre_softmax="--moe-router-pre-softmax" in tokens,
+              moe_router_num_groups=int(value("--moe-router-num-groups")) if value("--moe-router-num-groups") else None,
+              moe_router_group_topk=int(value("--moe-router-group-topk")) if value("--moe-router-group-topk") else None,
+              moe_router_topk_scaling_factor=float(value("--moe-router-topk-scaling-factor") or 1.0),
+              moe_router_dtype=value("--moe-router-dtype"),
+              moe_token_dispatcher_type=value("--moe-token-dispatcher-type") or "allgather",
+              expert_model_parallel_size=a.expert_model_parallel_size or 1,
+              expert_tensor_parallel_size=a.expert_tensor_parallel_size)
+    return MLATransformerConfig(**{**kw, **override})
+
+
+def _dsv3_plan(**kw) -> Plan:
+    from tests.test_trace_hf import DSV3_TINY
+    base = dict(model=DSV3_TINY, cluster="dgx-h100", seq_len=32, gpus=8, mesh=Mesh(dp=4, tp=2, ep=4),
+                global_batch=32, micro_batch_size=2, num_microbatches=4, zero_stage=1, sequence_parallel=True,
+                stage_layers=(4,), recompute=("none",) * 4, recipe="megatron-core")
+    return plan(**{**base, **kw})
+
+
+def test_deepseek_v3_exports_to_megatron_as_itself(pricer):
+    """DeepSeek-V3's block is Megatron-Core's multi-latent attention with its sigmoid,
+    group-limited, bias-balanced router and a shared expert, after its leading dense blocks
+    (``--moe-layer-freq``): no model gap, and megatron-core builds the config it states."""
+    pytest.importorskip("transformers")
+    p = _dsv3_plan()
+    result = export_plan(p, "megatron", pricer=pricer)
+    assert not result.gaps and result.plan == p
+    text = result.content
+    for flags in ("--multi-latent-attention", "--qk-layernorm", "--q-lora-rank 32", "--kv-lora-rank 16",
+                  "--qk-head-dim 16", "--qk-pos-emb-head-dim 8", "--v-head-dim 16", "--rope-type rope",
+                  "--moe-layer-freq '([0]*2+[1]*2)'", "--ffn-hidden-size 96", "--moe-ffn-hidden-size 32",
+                  "--moe-shared-expert-intermediate-size 32", "--moe-router-score-function sigmoid",
+                  "--moe-router-enable-expert-bias", "--moe-router-num-groups 2", "--moe-router-group-topk 1",
+                  "--moe-router-topk-scaling-factor 2.5", "--num-experts 8", "--moe-router-topk 2",
+                  "--expert-model-parallel-size 4", "--moe-token-dispatcher-type alltoall"):
+        assert f"    {flags} \\\n" in text, flags
+    assert "--group-query-attention" not in text  # multi-latent attention has no kv heads to group
+    assert "# NOTE: DeepSeek-V3's multi-token prediction" in text
+    assert read_back("megatron", text, p.num_layers).mismatches(Settings.of(p)) == {}
+    pytest.importorskip("megatron.core", reason="megatron-core is not installed (pip install 'autopar[test]')")
+    cfg = _mla_config(text)
+    assert cfg.moe_layer_freq == [0, 0, 1, 1] and cfg.q_lora_rank == 32 and cfg.moe_router_enable_expert_bias
+    with pytest.raises(ValueError, match="Expert bias for aux-loss-free routing only supports sigmoid"):
+        _mla_config(text, moe_router_score_function="softmax", moe_router_pre_softmax=False)
+
+
+def test_deepseek_v2_lite_writes_its_softmax_router_and_full_rank_query():
+    from autopar.export.deepseek import DeepSeek, megatron_arguments, notes
+    lite = DeepSeek(version=2, dense_layers=1, moe_ffn=1408, shared_ffn=2816, q_lora_rank=None, kv_lora_rank=512,
+                    qk_nope_head_dim=128, qk_rope_head_dim=64, v_head_dim=128, groups=1, group_topk=1,
+                    topk_method="greedy", renormalise=False, scaling=1.0,
+                    rope={"rope_type": "yarn", "rope_theta": 10000.0, "factor": 40.0, "mscale": 0.707,
+                          "mscale_all_dim": 0.707}, norm_eps=1e-6, attention_bias=False)
+    args = " ".join(megatron_arguments(lite, 27))
+    assert "--q-lora-rank" not in args and "--moe-layer-freq ([0]*1+[1]*26)" in args  # Megatron's own V2-Lite script
+    assert "--moe-router-score-function softmax --moe-router-pre-softmax" in args
+    assert "--rope-type yarn --rotary-base 10000 --rotary-scaling-factor 40 --mscale 0.707 --mscale-all-dim 0.707" in args
+    assert "--moe-router-num-groups" not in args and "--moe-router-topk-scaling-factor" not in args
+    assert notes(lite, 6) == []
+    grouped = dataclasses.replace(lite, groups=8, group_topk=3, topk_method="group_limited_greedy")
+    assert "--moe-router-num-groups 8 --moe-router-group-topk 3" in " ".join(megatron_arguments(grouped, 27))
+    (note,) = notes(grouped, 6)
+    assert "best score" in note and "top 2" in note
+
+
+def test_leading_blocks_other_than_deepseeks_megatron_export_are_refused_in_one_line():
+    from autopar.spec import parse_model_spec
+    from autopar.workflow import export_lead_refusal
+    pytest.importorskip("transformers")
+    from tests.test_trace_hf import DSV3_TINY
+    spec = parse_model_spec(DSV3_TINY)
+    assert export_lead_refusal(spec, "megatron") is None
+    why = export_lead_refusal(spec, "deepspeed")
+    assert "leads with 2 dense blocks" in why and "export it with --to megatron" in why

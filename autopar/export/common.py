@@ -14,12 +14,14 @@ from dataclasses import dataclass
 from enum import Enum
 
 from autopar.errors import UserError
+from autopar.export import deepseek
+from autopar.export.deepseek import DeepSeek
 from autopar.plan import Plan
 from autopar.spec import ModelSpec, parse_model_spec, with_seq
-from cost_models import ProfileError, estimate, load_profile
+from cost_models import ModelProfile, ProfileError, estimate, load_profile
 from cost_models.axes import DEFAULT_ORDER, Axis
 from cost_models.recipe import DpOverlap, ExecutionRecipe
-from cost_models.strategy import RECOMPUTE, Strategy
+from cost_models.strategy import RECOMPUTE
 
 
 class Target(str, Enum):
@@ -38,13 +40,17 @@ class Family(str, Enum):
     """LayerNorm, GELU MLP, learned positions, biases (GPT-2, Megatron's GPT)."""
     LLAMA = "llama"
     """RMSNorm, SwiGLU MLP, rotary positions, no biases, grouped-query attention."""
+    DEEPSEEK = "deepseek"
+    """DeepSeek-V2/V3: Llama's norms and MLP, multi-latent attention, routed and shared experts
+    after leading dense blocks (``autopar.export.deepseek``)."""
     OTHER = "other"
     """Anything else (an HF class outside those two, a user module): only its shape is known."""
 
 
 _HF_FAMILIES = {"LlamaConfig": Family.LLAMA, "MistralConfig": Family.LLAMA, "MixtralConfig": Family.LLAMA,
-                "GPT2Config": Family.GPT}
-"""HF config classes whose block one of the two families reproduces exactly."""
+                "GPT2Config": Family.GPT, "DeepseekV2Config": Family.DEEPSEEK, "DeepseekV3Config": Family.DEEPSEEK}
+"""HF config classes whose block one of the families reproduces (DeepSeek's: up to
+``deepseek.notes``)."""
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -67,6 +73,8 @@ class Shape:
     topk: int = 0
     source: str = ""
     """What the model is (preset, spec, HF class or module path), for messages."""
+    deepseek: DeepSeek | None = None
+    """The DeepSeek family's further fields (``Family.DEEPSEEK`` only)."""
 
 
 def model_spec(plan: Plan) -> ModelSpec:
@@ -79,10 +87,14 @@ def model_spec(plan: Plan) -> ModelSpec:
 def model_shape(plan: Plan) -> Shape:
     spec = model_spec(plan)
     family = {"gpt": Family.GPT, "llama": Family.LLAMA}.get(spec.arch) or _HF_FAMILIES.get(spec.source, Family.OTHER)
+    ds = None
+    if family == Family.DEEPSEEK:
+        from autopar.profiles import profile_spec
+        ds = deepseek.read(spec, profile_spec(spec).lead_layers)
     return Shape(family=family, layers=spec.layers, hidden=spec.hidden, heads=spec.heads,
                  kv_heads=spec.num_kv_heads, ffn=spec.ffn_hidden, vocab=spec.vocab, seq=plan.seq_len,
                  max_positions=max(spec.seq, plan.seq_len), tied=spec.tied, experts=spec.experts,
-                 topk=spec.topk, source=spec.source or spec.name)
+                 topk=spec.topk, source=spec.source or spec.name, deepseek=ds)
 
 
 def llama_twin(shape: Shape) -> str:
@@ -206,9 +218,6 @@ class Priced:
     why_not: str = ""
 
 
-def strategy(plan: Plan, recipe: ExecutionRecipe) -> Strategy:
-    """``Plan.strategy`` priced under ``recipe``."""
-    return plan.strategy(recipe)
 
 
 def dp_overlap(plan: Plan, recipe: ExecutionRecipe) -> bool:
@@ -228,7 +237,7 @@ class Pricer:
     """Prices plans of one job with ``cost_models.estimate``; traces each model once."""
 
     def __init__(self) -> None:
-        self._profiles: dict[tuple[str, int], object] = {}
+        self._profiles: dict[tuple[str, int], ModelProfile] = {}
         self._cache: dict[tuple[tuple, ExecutionRecipe], Priced] = {}
 
     def __call__(self, plan: Plan, recipe: ExecutionRecipe) -> Priced:
@@ -246,7 +255,8 @@ class Pricer:
             at = (plan.model, plan.seq_len)
             if at not in self._profiles:
                 self._profiles[at] = profile_spec(job.spec)
-            est = estimate(self._profiles[at], job.hw, strategy(plan, recipe),  # type: ignore[arg-type]
+            profile = self._profiles[at]
+            est = estimate(profile, job.hw, plan.strategy(recipe, lead=profile.lead_layers),
                            global_batch=plan.global_batch)
         except (UserError, ProfileError, ValueError) as exc:
             return Priced(why_not=str(exc))
