@@ -154,15 +154,16 @@ def export_lead_refusal(spec: ModelSpec, target: str) -> str | None:
     """Why the ``target`` export does not take ``spec``'s model (one line), or None: it leads
     with blocks of another kind (``ModelProfile.lead``, GLM-4.5's dense block before the MoE
     ones), which autopar prices, plans and runs, but the export writes one kind of block for.
-    DeepSeek-V2/V3 export to Megatron as themselves (``autopar.export.deepseek``: its
-    ``--moe-layer-freq``). Read off the (cached) trace of an HF model or a user module."""
-    from autopar.export.deepseek import CONFIGS
+    The HF families Megatron-Core builds (``autopar.export.hfblocks``: DeepSeek-V2/V3, GLM-4.5)
+    export to Megatron as themselves (``--moe-layer-freq``). Read off the (cached) trace of an
+    HF model or a user module."""
+    from autopar.export.hfblocks import CONFIGS
     if spec.arch not in ("hf", "module") or (target == "megatron" and spec.source in CONFIGS):
         return None
     profile = profile_spec(spec)
     if profile.lead is None:
         return None
-    fix = ("export it with --to megatron, which writes DeepSeek's leading dense blocks (--moe-layer-freq)"
+    fix = ("export it with --to megatron, which writes its leading dense blocks (--moe-layer-freq)"
            if spec.source in CONFIGS else "set the leading blocks in the framework yourself "
            "(e.g. Megatron-Core's --moe-layer-freq)")
     return (f"{spec.name} leads with {profile.lead_layers} dense blocks before its {profile.layers} repeated ones: "

@@ -677,22 +677,38 @@ def test_deepseek_v3_exports_to_megatron_as_itself(pricer):
         _mla_config(text, moe_router_score_function="softmax", moe_router_pre_softmax=False)
 
 
-def test_deepseek_v2_lite_writes_its_softmax_router_and_full_rank_query():
-    from autopar.export.deepseek import DeepSeek, megatron_arguments, notes
-    lite = DeepSeek(version=2, dense_layers=1, moe_ffn=1408, shared_ffn=2816, q_lora_rank=None, kv_lora_rank=512,
-                    qk_nope_head_dim=128, qk_rope_head_dim=64, v_head_dim=128, groups=1, group_topk=1,
-                    topk_method="greedy", renormalise=False, scaling=1.0,
-                    rope={"rope_type": "yarn", "rope_theta": 10000.0, "factor": 40.0, "mscale": 0.707,
-                          "mscale_all_dim": 0.707}, norm_eps=1e-6, attention_bias=False)
-    args = " ".join(megatron_arguments(lite, 27))
-    assert "--q-lora-rank" not in args and "--moe-layer-freq ([0]*1+[1]*26)" in args  # Megatron's own V2-Lite script
-    assert "--moe-router-score-function softmax --moe-router-pre-softmax" in args
-    assert "--rope-type yarn --rotary-base 10000 --rotary-scaling-factor 40 --mscale 0.707 --mscale-all-dim 0.707" in args
-    assert "--moe-router-num-groups" not in args and "--moe-router-topk-scaling-factor" not in args
-    assert notes(lite, 6) == []
-    grouped = dataclasses.replace(lite, groups=8, group_topk=3, topk_method="group_limited_greedy")
-    assert "--moe-router-num-groups 8 --moe-router-group-topk 3" in " ".join(megatron_arguments(grouped, 27))
-    (note,) = notes(grouped, 6)
+V2_LITE = ("hf:DeepseekV2Config:num_hidden_layers=27,first_k_dense_replace=1,hidden_size=2048,num_attention_heads=16,"
+           "num_key_value_heads=16,intermediate_size=10944,moe_intermediate_size=1408,n_routed_experts=64,"
+           "n_shared_experts=2,num_experts_per_tok=6,q_lora_rank=None,kv_lora_rank=512,qk_nope_head_dim=128,"
+           "qk_rope_head_dim=64,v_head_dim=128,vocab_size=102400,max_position_embeddings=4096")
+V2_LITE_ROPE = ("rope_parameters", "{'rope_type': 'yarn', 'rope_theta': 10000.0, 'factor': 40.0, 'mscale': 0.707, "
+                "'mscale_all_dim': 0.707, 'original_max_position_embeddings': 4096, 'beta_fast': 32, 'beta_slow': 1}")
+"""DeepSeek-V2-Lite's published config (deepseek-ai/DeepSeek-V2-Lite config.json; its YaRN RoPE is a
+dict, which an ``hf:`` spec's comma-separated items cannot hold: added to the parsed spec)."""
+
+
+def test_deepseek_v2_lite_writes_what_megatrons_own_script_does():
+    """Megatron-LM's DeepSeek-V2-Lite script (examples/post_training/modelopt/conf/deepseek-ai/
+    DeepSeek-V2-Lite.sh) sets these model flags; the export of the same HF config writes each."""
+    pytest.importorskip("transformers")
+    from autopar.export.hfblocks import read
+    from autopar.spec import parse_model_spec
+    def spec(extra: str = ""):
+        parsed = parse_model_spec(V2_LITE + extra)
+        return dataclasses.replace(parsed, options=(*parsed.options, V2_LITE_ROPE))
+    block = read(spec(), dense_layers=1)
+    args = " ".join(block.args)
+    for flags in ("--multi-latent-attention", "--kv-lora-rank 512", "--v-head-dim 128", "--qk-head-dim 128",
+                  "--qk-layernorm", "--qk-pos-emb-head-dim 64", "--moe-layer-freq ([0]*1+[1]*26)",
+                  "--moe-ffn-hidden-size 1408", "--moe-router-pre-softmax", "--moe-shared-expert-intermediate-size 2816",
+                  "--rotary-base 10000", "--rotary-scaling-factor 40", "--mscale 0.707", "--mscale-all-dim 0.707",
+                  "--rope-type yarn", "--norm-epsilon 1e-06"):
+        assert flags in args, flags
+    assert "--q-lora-rank" not in args and "--moe-router-num-groups" not in args and block.latent
+    assert block.notes == ()
+    grouped = read(spec(",topk_method=group_limited_greedy,n_group=8,topk_group=3"), 1)
+    assert "--moe-router-num-groups 8 --moe-router-group-topk 3" in " ".join(grouped.args)
+    (note,) = grouped.notes
     assert "best score" in note and "top 2" in note
 
 
@@ -705,3 +721,51 @@ def test_leading_blocks_other_than_deepseeks_megatron_export_are_refused_in_one_
     assert export_lead_refusal(spec, "megatron") is None
     why = export_lead_refusal(spec, "deepspeed")
     assert "leads with 2 dense blocks" in why and "export it with --to megatron" in why
+
+
+HF_BLOCKS = {
+    "qwen2": "hf:Qwen2Config:num_hidden_layers=2,hidden_size=64,num_attention_heads=4,num_key_value_heads=2,"
+             "intermediate_size=96,vocab_size=128,max_position_embeddings=64,tie_word_embeddings=True",
+    "qwen3": "hf:Qwen3Config:num_hidden_layers=2,hidden_size=64,num_attention_heads=4,num_key_value_heads=2,head_dim=32,"
+             "intermediate_size=96,vocab_size=128,max_position_embeddings=64",
+    "qwen2-moe": "hf:Qwen2MoeConfig:num_hidden_layers=2,hidden_size=64,num_attention_heads=4,num_key_value_heads=2,"
+                 "intermediate_size=96,moe_intermediate_size=32,shared_expert_intermediate_size=48,num_experts=8,"
+                 "num_experts_per_tok=2,vocab_size=128,max_position_embeddings=64",
+    "qwen3-moe": "hf:Qwen3MoeConfig:num_hidden_layers=2,hidden_size=64,num_attention_heads=4,num_key_value_heads=2,"
+                 "head_dim=32,intermediate_size=96,moe_intermediate_size=32,num_experts=8,num_experts_per_tok=2,"
+                 "norm_topk_prob=True,vocab_size=128,max_position_embeddings=64",
+    "glm4-moe": "hf:Glm4MoeConfig:num_hidden_layers=3,first_k_dense_replace=1,hidden_size=64,num_attention_heads=4,"
+                "num_key_value_heads=2,head_dim=32,intermediate_size=96,moe_intermediate_size=32,n_routed_experts=8,"
+                "n_shared_experts=1,num_experts_per_tok=2,routed_scaling_factor=2.5,attention_bias=True,"
+                "vocab_size=128,max_position_embeddings=64",
+}
+"""Small configs of the HF classes ``autopar.export.hfblocks`` writes as Megatron flags."""
+
+
+def test_megatron_core_builds_each_hf_block_with_the_hf_models_parameters(pricer, tmp_path):
+    """Each HF family's export, built by megatron-core (its local layer specs, on meta), has
+    exactly the HF model's parameters: every width, bias, norm, shared expert, gate and leading
+    dense block the flags state is the HF model's."""
+    pytest.importorskip("megatron.core", reason="megatron-core is not installed (pip install 'autopar[test]')")
+    transformers = pytest.importorskip("transformers")
+    import torch
+
+    from autopar.hf import make_config
+    from autopar.spec import hf_option_values, parse_model_spec
+    scripts, expected = [], {}
+    for name, model in HF_BLOCKS.items():
+        spec = parse_model_spec(model)
+        layers = spec.layers
+        p = plan(model=model, cluster="dgx-h100", seq_len=64, gpus=2, mesh=Mesh(dp=2), global_batch=4,
+                 micro_batch_size=2, num_microbatches=1, stage_layers=(layers,), recompute=("none",) * layers)
+        result = export_plan(p, "megatron", pricer=pricer)
+        assert not result.gaps, (name, [g.line(Target.MEGATRON) for g in result.gaps])
+        (tmp_path / f"{name}.sh").write_text(result.content)
+        scripts.append(str(tmp_path / f"{name}.sh"))
+        with torch.device("meta"):
+            hf = transformers.AutoModelForCausalLM.from_config(make_config(spec.source, hf_option_values(spec.options)))
+        expected[name] = sum(t.numel() for t in hf.parameters())
+    out = subprocess.run([sys.executable, "tests/megatron_params.py", str(tmp_path / "store"), *scripts],
+                         capture_output=True, text=True, timeout=600)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert dict(zip(HF_BLOCKS, map(int, out.stdout.split()))) == expected

@@ -14,8 +14,8 @@ from dataclasses import dataclass
 from enum import Enum
 
 from autopar.errors import UserError
-from autopar.export import deepseek
-from autopar.export.deepseek import DeepSeek
+from autopar.export import hfblocks
+from autopar.export.hfblocks import Block
 from autopar.plan import Plan
 from autopar.spec import ModelSpec, parse_model_spec, with_seq
 from cost_models import ModelProfile, ProfileError, estimate, load_profile
@@ -40,17 +40,17 @@ class Family(str, Enum):
     """LayerNorm, GELU MLP, learned positions, biases (GPT-2, Megatron's GPT)."""
     LLAMA = "llama"
     """RMSNorm, SwiGLU MLP, rotary positions, no biases, grouped-query attention."""
-    DEEPSEEK = "deepseek"
-    """DeepSeek-V2/V3: Llama's norms and MLP, multi-latent attention, routed and shared experts
-    after leading dense blocks (``autopar.export.deepseek``)."""
+    MCORE = "mcore"
+    """A block Megatron-Core's GPT builder makes with further flags (Qwen2/3 and their MoE,
+    GLM-4.5, DeepSeek-V2/V3: ``autopar.export.hfblocks``)."""
     OTHER = "other"
     """Anything else (an HF class outside those two, a user module): only its shape is known."""
 
 
 _HF_FAMILIES = {"LlamaConfig": Family.LLAMA, "MistralConfig": Family.LLAMA, "MixtralConfig": Family.LLAMA,
-                "GPT2Config": Family.GPT, "DeepseekV2Config": Family.DEEPSEEK, "DeepseekV3Config": Family.DEEPSEEK}
-"""HF config classes whose block one of the families reproduces (DeepSeek's: up to
-``deepseek.notes``)."""
+                "GPT2Config": Family.GPT, **{c: Family.MCORE for c in hfblocks.CONFIGS}}
+"""HF config classes whose block one of the families reproduces (``Family.MCORE``'s: up to
+``hfblocks.Block.notes``)."""
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -73,8 +73,8 @@ class Shape:
     topk: int = 0
     source: str = ""
     """What the model is (preset, spec, HF class or module path), for messages."""
-    deepseek: DeepSeek | None = None
-    """The DeepSeek family's further fields (``Family.DEEPSEEK`` only)."""
+    block: Block | None = None
+    """The block's further Megatron flags (``Family.MCORE`` only)."""
 
 
 def model_spec(plan: Plan) -> ModelSpec:
@@ -87,14 +87,14 @@ def model_spec(plan: Plan) -> ModelSpec:
 def model_shape(plan: Plan) -> Shape:
     spec = model_spec(plan)
     family = {"gpt": Family.GPT, "llama": Family.LLAMA}.get(spec.arch) or _HF_FAMILIES.get(spec.source, Family.OTHER)
-    ds = None
-    if family == Family.DEEPSEEK:
+    block = None
+    if family == Family.MCORE:
         from autopar.profiles import profile_spec
-        ds = deepseek.read(spec, profile_spec(spec).lead_layers)
+        block = hfblocks.read(spec, profile_spec(spec).lead_layers)
     return Shape(family=family, layers=spec.layers, hidden=spec.hidden, heads=spec.heads,
                  kv_heads=spec.num_kv_heads, ffn=spec.ffn_hidden, vocab=spec.vocab, seq=plan.seq_len,
                  max_positions=max(spec.seq, plan.seq_len), tied=spec.tied, experts=spec.experts,
-                 topk=spec.topk, source=spec.source or spec.name, deepseek=ds)
+                 topk=spec.topk, source=spec.source or spec.name, block=block)
 
 
 def llama_twin(shape: Shape) -> str:

@@ -23,7 +23,6 @@ import argparse
 import shlex
 
 from autopar.errors import UserError
-from autopar.export import deepseek
 from autopar.export.common import (Adapter, Family, Nodes, Option, Settings, Shape, axis_order, chunks, counts,
                                    derive_batch, describe_recompute, dp_overlap, mode_counts, order_gap, replace_plan, twin_options,
                                    with_chunks)
@@ -211,11 +210,11 @@ def arguments(plan: Plan, shape: Shape, recipe: ExecutionRecipe) -> list[str]:
     m = plan.mesh
     args = ["--num-layers", str(shape.layers), "--hidden-size", str(shape.hidden),
             "--num-attention-heads", str(shape.heads)]
-    if shape.kv_heads != shape.heads and shape.deepseek is None:  # multi-latent attention has no kv heads
+    if shape.kv_heads != shape.heads and not (shape.block and shape.block.latent):  # MLA has no kv heads
         args += ["--group-query-attention", "--num-query-groups", str(shape.kv_heads)]
     args += ["--ffn-hidden-size", str(shape.ffn), "--seq-length", str(plan.seq_len),
              "--max-position-embeddings", str(shape.max_positions)]
-    if shape.family in (Family.LLAMA, Family.DEEPSEEK):
+    if shape.family in (Family.LLAMA, Family.MCORE):
         args += ["--position-embedding-type", "rope", "--normalization", "RMSNorm", "--swiglu", "--disable-bias-linear"]
     else:
         args += ["--position-embedding-type", "learned_absolute"]
@@ -223,8 +222,8 @@ def arguments(plan: Plan, shape: Shape, recipe: ExecutionRecipe) -> list[str]:
         args.append("--untie-embeddings-and-output-weights")
     if shape.experts:
         args += ["--num-experts", str(shape.experts), "--moe-router-topk", str(shape.topk)]
-    if shape.deepseek is not None:
-        args += deepseek.megatron_arguments(shape.deepseek, shape.layers)
+    if shape.block is not None:
+        args += shape.block.args
     args += ["--tensor-model-parallel-size", str(m.tp)]
     if m.tp > 1 and plan.sequence_parallel:
         args.append("--sequence-parallel")
@@ -256,8 +255,8 @@ def arguments(plan: Plan, shape: Shape, recipe: ExecutionRecipe) -> list[str]:
 def render(plan: Plan, shape: Shape, recipe: ExecutionRecipe, where: Nodes, header: list[str]) -> tuple[str, str]:
     """(the launch script, the command that runs it)."""
     args = arguments(plan, shape, recipe)
-    if shape.deepseek is not None:
-        header = [*header, *(f"NOTE: {n}" for n in deepseek.notes(shape.deepseek, shape.topk))]
+    if shape.block is not None:
+        header = [*header, *(f"NOTE: {n}" for n in shape.block.notes)]
     env = ["export CUDA_DEVICE_MAX_CONNECTIONS=1"] if (plan.mesh.tp > 1 or plan.mesh.cp > 1) and not any(
         f in args for f in ("--use-torch-fsdp2", "--use-megatron-fsdp")) else []
     lines = ["#!/usr/bin/env bash", *(f"# {h}" for h in header),
