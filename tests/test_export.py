@@ -696,7 +696,7 @@ def test_deepseek_v2_lite_writes_what_megatrons_own_script_does():
     def spec(extra: str = ""):
         parsed = parse_model_spec(V2_LITE + extra)
         return dataclasses.replace(parsed, options=(*parsed.options, V2_LITE_ROPE))
-    block = read(spec(), dense_layers=1)
+    block = read(spec(), dense_layers=1, seq=4096)
     args = " ".join(block.args)
     for flags in ("--multi-latent-attention", "--kv-lora-rank 512", "--v-head-dim 128", "--qk-head-dim 128",
                   "--qk-layernorm", "--qk-pos-emb-head-dim 64", "--moe-layer-freq ([0]*1+[1]*26)",
@@ -706,7 +706,7 @@ def test_deepseek_v2_lite_writes_what_megatrons_own_script_does():
         assert flags in args, flags
     assert "--q-lora-rank" not in args and "--moe-router-num-groups" not in args and block.latent
     assert block.notes == ()
-    grouped = read(spec(",topk_method=group_limited_greedy,n_group=8,topk_group=3"), 1)
+    grouped = read(spec(",topk_method=group_limited_greedy,n_group=8,topk_group=3"), 1, 4096)
     assert "--moe-router-num-groups 8 --moe-router-group-topk 3" in " ".join(grouped.args)
     (note,) = grouped.notes
     assert "best score" in note and "top 2" in note
@@ -724,6 +724,10 @@ def test_leading_blocks_other_than_deepseeks_megatron_export_are_refused_in_one_
 
 
 HF_BLOCKS = {
+    "llama": "hf:LlamaConfig:num_hidden_layers=2,hidden_size=64,num_attention_heads=4,num_key_value_heads=2,"
+             "intermediate_size=96,vocab_size=128,max_position_embeddings=64,attention_bias=True",
+    "mixtral": "hf:MixtralConfig:num_hidden_layers=2,hidden_size=64,num_attention_heads=4,num_key_value_heads=2,"
+               "intermediate_size=32,num_local_experts=8,num_experts_per_tok=2,vocab_size=128,max_position_embeddings=64",
     "qwen2": "hf:Qwen2Config:num_hidden_layers=2,hidden_size=64,num_attention_heads=4,num_key_value_heads=2,"
              "intermediate_size=96,vocab_size=128,max_position_embeddings=64,tie_word_embeddings=True",
     "qwen3": "hf:Qwen3Config:num_hidden_layers=2,hidden_size=64,num_attention_heads=4,num_key_value_heads=2,head_dim=32,"
@@ -744,8 +748,8 @@ HF_BLOCKS = {
 
 def test_megatron_core_builds_each_hf_block_with_the_hf_models_parameters(pricer, tmp_path):
     """Each HF family's export, built by megatron-core (its local layer specs, on meta), has
-    exactly the HF model's parameters: every width, bias, norm, shared expert, gate and leading
-    dense block the flags state is the HF model's."""
+    exactly the HF model's parameters but what its notes state: every width, bias, norm, shared
+    expert, gate and leading dense block the flags state is the HF model's."""
     pytest.importorskip("megatron.core", reason="megatron-core is not installed (pip install 'autopar[test]')")
     transformers = pytest.importorskip("transformers")
     import torch
@@ -764,8 +768,31 @@ def test_megatron_core_builds_each_hf_block_with_the_hf_models_parameters(pricer
         scripts.append(str(tmp_path / f"{name}.sh"))
         with torch.device("meta"):
             hf = transformers.AutoModelForCausalLM.from_config(make_config(spec.source, hf_option_values(spec.options)))
-        expected[name] = sum(t.numel() for t in hf.parameters())
+        # the one difference a note states: Llama's attention_bias biases o_proj, Megatron's q, k and v only
+        o_bias = sum(t.numel() for n, t in hf.named_parameters() if n.endswith("o_proj.bias"))
+        assert bool(o_bias) == ("biases o_proj too" in result.content), name
+        expected[name] = sum(t.numel() for t in hf.parameters()) - o_bias
     out = subprocess.run([sys.executable, "tests/megatron_params.py", str(tmp_path / "store"), *scripts],
                          capture_output=True, text=True, timeout=600)
     assert out.returncode == 0, out.stderr[-3000:]
     assert dict(zip(HF_BLOCKS, map(int, out.stdout.split()))) == expected
+
+
+def test_an_hf_llama_31_writes_its_rope_base_and_scaling():
+    """Llama 3.1's RoPE (base 500,000, the 'llama3' scaling of factor 8) is Megatron's
+    --use-rope-scaling, whose other three constants are fixed at Llama 3.1's; a config that
+    changes one is a note."""
+    pytest.importorskip("transformers")
+    from autopar.export.hfblocks import read
+    from autopar.spec import parse_model_spec
+    base = parse_model_spec(HF_BLOCKS["llama"].replace(",attention_bias=True", ""))
+
+    def block(**rope):
+        params = {"rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0, "low_freq_factor": 1.0,
+                  "high_freq_factor": 4.0, "original_max_position_embeddings": 8192, **rope}
+        return read(dataclasses.replace(base, options=(*base.options, ("rope_parameters", repr(params)))), 0, 64)
+    llama31 = block()
+    assert "--rotary-base 500000 --use-rope-scaling --rope-scaling-factor 8" in " ".join(llama31.args)
+    assert llama31.notes == () and "--kv-channels" not in llama31.args
+    (note,) = block(high_freq_factor=2.0).notes
+    assert "high_freq_factor" in note

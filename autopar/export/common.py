@@ -74,7 +74,7 @@ class Shape:
     source: str = ""
     """What the model is (preset, spec, HF class or module path), for messages."""
     block: Block | None = None
-    """The block's further Megatron flags (``Family.MCORE`` only)."""
+    """The block's further Megatron flags, read off an HF config (``hfblocks.READ``)."""
 
 
 def model_spec(plan: Plan) -> ModelSpec:
@@ -88,9 +88,10 @@ def model_shape(plan: Plan) -> Shape:
     spec = model_spec(plan)
     family = {"gpt": Family.GPT, "llama": Family.LLAMA}.get(spec.arch) or _HF_FAMILIES.get(spec.source, Family.OTHER)
     block = None
-    if family == Family.MCORE:
+    if spec.arch == "hf" and spec.source in hfblocks.READ:
         from autopar.profiles import profile_spec
-        block = hfblocks.read(spec, profile_spec(spec).lead_layers)
+        lead = profile_spec(spec).lead_layers if family == Family.MCORE else 0
+        block = hfblocks.read(spec, lead, plan.seq_len)
     return Shape(family=family, layers=spec.layers, hidden=spec.hidden, heads=spec.heads,
                  kv_heads=spec.num_kv_heads, ffn=spec.ffn_hidden, vocab=spec.vocab, seq=plan.seq_len,
                  max_positions=max(spec.seq, plan.seq_len), tied=spec.tied, experts=spec.experts,

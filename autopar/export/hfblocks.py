@@ -1,6 +1,7 @@
 """HF decoder blocks that Megatron-Core's GPT builder makes with further flags: Qwen2 and Qwen3
 (dense and MoE), GLM-4.5 (``Glm4MoeConfig``) and DeepSeek-V2/V3 (``DeepseekV2Config``,
-``DeepseekV3Config``: Kimi-K2's too).
+``DeepseekV3Config``: Kimi-K2's too); of Llama, Mistral and Mixtral (Megatron's Llama-style
+block as it is), their RoPE (base, Llama 3.1 scaling), norm epsilon and biases.
 
 Each is read off its HF config (transformers 5, as ``autopar.hf`` builds it) into Megatron-LM's
 flags (``megatron/training/arguments.py`` and the ``TransformerConfig`` / ``MLATransformerConfig``
@@ -37,12 +38,16 @@ from typing import Any
 
 from autopar.spec import ModelSpec, hf_option_values
 
+LLAMA = ("LlamaConfig", "MistralConfig", "MixtralConfig")
+"""Llama-style configs (``Family.LLAMA``): only their RoPE, norm epsilon and biases are read."""
 QWEN = ("Qwen2Config", "Qwen3Config", "Qwen2MoeConfig", "Qwen3MoeConfig")
 SIGMOID = ("Glm4MoeConfig", "DeepseekV3Config")
 """Configs whose router scores experts by a sigmoid with a per-expert choice bias."""
 LATENT = ("DeepseekV2Config", "DeepseekV3Config")
 """Configs with multi-latent attention."""
 CONFIGS = (*QWEN, "Glm4MoeConfig", *LATENT)
+"""The HF config classes whose block only these flags make Megatron's (``Family.MCORE``)."""
+READ = (*LLAMA, *CONFIGS)
 """The HF config classes this module reads."""
 
 
@@ -75,7 +80,7 @@ def layer_pattern(dense: int, layers: int) -> str:
     return f"([0]*{dense}+[1]*{layers - dense})"
 
 
-def _attention(cls: str, config: Any, spec: ModelSpec, notes: list[str]) -> list[str]:
+def _attention(cls: str, config: Any, spec: ModelSpec, seq: int, notes: list[str]) -> list[str]:
     """The attention's flags but RoPE's (``_rope``)."""
     if cls in LATENT:
         q_rank = _int(config, "q_lora_rank")
@@ -89,15 +94,20 @@ def _attention(cls: str, config: Any, spec: ModelSpec, notes: list[str]) -> list
             or bool(getattr(config, "attention_bias", False)))
     if bias:
         args.append("--add-qkv-bias")
-        if cls in ("Qwen3Config", "Qwen3MoeConfig"):
+        if cls in ("Qwen3Config", "Qwen3MoeConfig", *LLAMA):
             notes.append("attention_bias=True biases o_proj too; Megatron's --add-qkv-bias biases q, k and v only")
     if cls in ("Qwen3Config", "Qwen3MoeConfig") or getattr(config, "use_qk_norm", False):
         args.append("--qk-layernorm")
+    if cls in LLAMA and getattr(config, "mlp_bias", False):
+        notes.append("mlp_bias=True: Megatron's --disable-bias-linear builds the MLP without biases")
     head = _int(config, "head_dim") or spec.hidden // spec.heads
-    if cls not in ("Qwen2Config", "Qwen2MoeConfig"):  # Qwen2's heads are hidden / heads wide
+    if head != spec.hidden // spec.heads or cls in ("Qwen3Config", "Qwen3MoeConfig", "Glm4MoeConfig"):
         args += ["--kv-channels", str(head)]
-    if getattr(config, "use_sliding_window", False):
-        notes.append("use_sliding_window=True: written with full attention in every block (no --window-size)")
+    window = _int(config, "sliding_window")
+    if window and window < seq and (cls in ("MistralConfig", "MixtralConfig")
+                                    or getattr(config, "use_sliding_window", False)):
+        notes.append(f"a sliding window of {window} tokens: written with full attention over all {seq} "
+                     "(no --window-size)")
     return args
 
 
@@ -113,7 +123,13 @@ def _rope(cls: str, config: Any, notes: list[str]) -> list[str]:
         if kind == "yarn":
             args += ["--rotary-scaling-factor", _num(rope.get("factor", 1.0)), "--mscale", _num(rope.get("mscale", 1.0)),
                      "--mscale-all-dim", _num(rope.get("mscale_all_dim", 0.0))]
-    if kind not in ("default", "yarn") or (kind == "yarn" and cls not in LATENT):
+    if kind == "llama3":  # Megatron's _apply_scaling fixes the other three at Llama 3.1's values
+        args += ["--use-rope-scaling", "--rope-scaling-factor", _num(rope.get("factor", 8.0))]
+        fixed = {"low_freq_factor": 1, "high_freq_factor": 4, "original_max_position_embeddings": 8192}
+        off = {k: rope[k] for k, v in fixed.items() if k in rope and float(rope[k]) != v}
+        if off:
+            notes.append(f"Llama 3 RoPE scaling with {off}: Megatron's --use-rope-scaling fixes {fixed}")
+    elif kind not in ("default", "yarn") or (kind == "yarn" and cls not in LATENT):
         notes.append(f"rope_type={kind!r}: written as plain RoPE")
     return args
 
@@ -154,16 +170,17 @@ def _experts(cls: str, config: Any, spec: ModelSpec, dense_layers: int, notes: l
     return args
 
 
-def read(spec: ModelSpec, dense_layers: int) -> Block:
-    """``spec``'s block (an ``hf:`` spec of one of ``CONFIGS``) from its HF config;
-    ``dense_layers``: the leading dense blocks its trace found (``ModelProfile.lead_layers``)."""
+def read(spec: ModelSpec, dense_layers: int, seq: int) -> Block:
+    """``spec``'s block (an ``hf:`` spec of one of ``READ``) from its HF config;
+    ``dense_layers``: the leading dense blocks its trace found (``ModelProfile.lead_layers``);
+    ``seq``: the plan's sequence length."""
     from autopar.hf import make_config
     cls = spec.source
     config = make_config(cls, hf_option_values(spec.options))
     notes: list[str] = []
-    args = [*_attention(cls, config, spec, notes), *_rope(cls, config, notes),
+    args = [*_attention(cls, config, spec, seq, notes), *_rope(cls, config, notes),
             "--norm-epsilon", _num(getattr(config, "rms_norm_eps", 1e-6)),
-            *_experts(cls, config, spec, dense_layers, notes)]
+            *([] if cls in LLAMA else _experts(cls, config, spec, dense_layers, notes))]
     if cls == "DeepseekV3Config":
         notes.append("DeepSeek-V3's multi-token prediction is in neither HF's model nor the plan: "
                      "--mtp-num-layers 1 adds it (unpriced)")
