@@ -147,7 +147,18 @@ PLANS_4 = {
     "hf qwen3 tp2 sp x dp2 zero3": make_plan(HF_QWEN3, tp=2, dp=2, zero=3, sp=True, mbs=2, m=2),
     "hf olmo2 tp2 sp x dp2 zero2": make_plan(HF_OLMO2, tp=2, dp=2, zero=2, sp=True, mbs=2, m=2),
     "hf gpt-oss tp2 x dp2 zero3": make_plan(HF_GPT_OSS, tp=2, dp=2, zero=3, mbs=2, m=2),
+    # the attention function's recompute reads the rank's slice of the sinks; a checkpoint's
+    # recompute stopped early leaves the experts' weights whole for the next micro-batch
+    # (benchmarks/hf_compositions.py found both)
+    "hf gpt-oss tp2 x dp2 zero1 selective": make_plan(HF_GPT_OSS, tp=2, dp=2, zero=1, mbs=2, m=2,
+                                                      recompute="selective"),
+    "hf gpt-oss pp2 x tp2 sp full recompute": make_plan(HF_GPT_OSS, pp=2, tp=2, sp=True, mbs=2, m=4,
+                                                        recompute="full"),
     "hf falcon mqa tp2 x dp2 zero3": make_plan(HF_FALCON_MQA, tp=2, dp=2, zero=3, mbs=2, m=2),
+    # Falcon's blocks return tuples: the last stage's gather of whole sequences takes the first
+    # (benchmarks/hf_compositions.py found it crashing)
+    "hf falcon mqa pp2 x tp2 sp selective": make_plan(HF_FALCON_MQA, pp=2, tp=2, sp=True, mbs=2, m=4,
+                                                       recompute="selective"),
     "hf gpt-bigcode mqa tp2 sp x dp2": make_plan(HF_BIGCODE, tp=2, dp=2, sp=True, mbs=2, m=2),
     "hf glm4-moe dense lead tp2 sp x dp2 zero3": make_plan(HF_GLM4_MOE, tp=2, dp=2, zero=3, sp=True, mbs=2, m=2),
     "hf deepseek-v3 mla tp2 x dp2 zero2": make_plan(HF_DEEPSEEK_V3, tp=2, dp=2, zero=2, mbs=2, m=2),

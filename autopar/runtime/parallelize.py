@@ -62,7 +62,7 @@ from autopar.plan import Plan
 from autopar.layout import Anatomy
 from autopar.runtime.context import DTYPES, ParallelContext
 from autopar.runtime.experts import ExpertMesh, is_expert_sharded
-from autopar.runtime.tp_families import (experts_on_own_tokens, gather_sequence, local_alibi, local_head_params,
+from autopar.runtime.tp_families import (experts_on_own_tokens, gather_output, gather_sequence, local_alibi, local_head_params,
                                          localize_block, own_output, replicate_single_kv, scatter_sequence,
                                          single_kv_gemms, sum_partial_outputs)
 from cost_models.axes import Axis
@@ -163,8 +163,7 @@ def apply_tensor_parallel(model: nn.Module, ctx: ParallelContext, sp: bool, anat
     if tied:  # both sharded Shard(0) over the vocabulary: share the one DTensor again
         model.get_submodule(anat.head).weight = model.get_submodule(anat.embed).weight
     if sp and whole_sequences_between_stages and anat.head not in here:
-        parallelize_module(model, mesh, {blocks[-1]: PrepareModuleOutput(
-            output_layouts=Shard(1), desired_output_layouts=Replicate(), use_local_output=True)})
+        model.get_submodule(blocks[-1]).register_forward_hook(gather_output(mesh))
     # a block without pre-norms (OLMo 2 norms its sub-layers' outputs only), with experts or
     # with low-rank GEMMs kept whole (DeepSeek's) gathers each sub-layer's input where the
     # sub-layer is called: the module owning its column GEMMs (not the experts, which run on
@@ -269,8 +268,20 @@ class CheckpointedSDPA(TorchFunctionMode):
 
 def _checkpointed(function: Callable[..., Any], module: nn.Module, *args: Any, **kwargs: Any) -> Any:
     """An HF attention function (``AttentionInterface``'s signature), its activations
-    recomputed in the backward."""
-    return checkpoint(function, module, *args, use_reentrant=False, **kwargs)
+    recomputed in the backward, reading the module's parameters as this forward showed them:
+    a parameter the function reads off its module (GPT-OSS's ``sinks``) is under TP this rank's
+    slice only inside the module's forward (``tp_families.show_local``), and the recompute
+    runs after it."""
+    shown = dict(module._parameters)
+
+    def run(*a: Any, **k: Any) -> Any:
+        after = dict(module._parameters)
+        module._parameters.update(shown)
+        try:
+            return function(module, *a, **k)
+        finally:
+            module._parameters.update(after)
+    return checkpoint(run, *args, use_reentrant=False, **kwargs)
 
 
 def _recompute_attention_core(block: nn.Module, anat: Anatomy) -> None:

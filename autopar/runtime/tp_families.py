@@ -48,7 +48,11 @@ def local_alibi(block: nn.Module, anat: Anatomy, heads: int, tp: int, rank: int)
 
 def show_local(module: nn.Module, names: list[str], view: Callable[[DTensor], torch.Tensor]) -> None:
     """Hooks showing ``module``'s forward ``view`` of each of its DTensor parameters ``names`` in
-    the parameter's place (an attribute read, never registered), the parameter back after."""
+    the parameter's place (an attribute read, never registered), the parameter back after, also
+    when the forward raises: activation checkpointing stops a recomputation early by raising
+    inside it, which would otherwise leave the view in the parameter's place for the next
+    forward and the optimizer (found under pipelining with full recompute). The parameter is
+    read at each forward, not here: FSDP2 replaces it with its own after this."""
     def show(mod: nn.Module, args: tuple) -> None:
         for n in names:
             whole = mod._parameters[n]
@@ -57,9 +61,10 @@ def show_local(module: nn.Module, names: list[str], view: Callable[[DTensor], to
 
     def restore(mod: nn.Module, args: tuple, out: object) -> None:
         for n in names:
-            mod._parameters[n] = mod.__dict__.pop(f"_autopar_whole_{n}")
+            if f"_autopar_whole_{n}" in mod.__dict__:
+                mod._parameters[n] = mod.__dict__.pop(f"_autopar_whole_{n}")
     module.register_forward_pre_hook(show)
-    module.register_forward_hook(restore)
+    module.register_forward_hook(restore, always_call=True)
 
 
 def replicate_over(module: nn.Module, names: list[str], mesh: DeviceMesh) -> None:
@@ -154,6 +159,22 @@ def gather_sequence(mesh, local: bool = False) -> Callable:
             return (gather(args[0]), *args[1:]), kwargs
         key = next(k for k, v in kwargs.items() if isinstance(v, torch.Tensor))
         return args, {**kwargs, key: gather(kwargs[key])}
+    return hook
+
+
+def gather_output(mesh) -> Callable:
+    """A forward hook gathering a block's output from this rank's sequence shard (dim 1) into
+    the whole plain tensor: the output itself, or the first element of the tuple an HF block
+    returns (Falcon's, with its attention weights); the backward keeps the rank's shard of the
+    gradient, which every rank holds whole."""
+    def gather(x: torch.Tensor) -> torch.Tensor:
+        return DTensor.from_local(x, mesh, (Shard(1),), run_check=False).redistribute(mesh, (Replicate(),)).to_local()
+
+    def hook(module: nn.Module, args: tuple, out: object) -> object:
+        if isinstance(out, tuple):
+            return (gather(out[0]), *out[1:])
+        assert isinstance(out, torch.Tensor)
+        return gather(out)
     return hook
 
 
