@@ -93,7 +93,7 @@ def main(argv: list[str]) -> None:
     from autopar.errors import UserError
     as_json = "--json" in argv
     names = [a for a in argv if not a.startswith("--")] or list(FAMILIES)
-    rows = []
+    rows: list[dict] = []
     for family in names:
         try:
             row = family_row(family)
@@ -105,7 +105,8 @@ def main(argv: list[str]) -> None:
         if not as_json:
             print(f"{family:16s} {row['seconds']:6.1f} s  " + "  ".join(
                 f"{k}: {v[:150]}" for k, v in row["compositions"].items()), flush=True)
-    runs = [v for r in rows for v in r.get("compositions", {}).values() if not v.startswith("not run")]
+    runs = [v for r in rows if isinstance(r.get("compositions"), dict)
+            for v in r["compositions"].values() if not v.startswith("not run")]
     print(f"compositions run: {len(runs)}, ok: {sum(v == 'ok' for v in runs)}", flush=True)
     if as_json:
         print(json.dumps(rows, indent=1))
