@@ -31,7 +31,7 @@ if typing.TYPE_CHECKING:
 PLAN_VERSION = 1
 DTYPES = ("bf16", "fp16", "fp32")
 """Training dtypes the runtime has (``autopar.runtime.context.DTYPES``)."""
-FEATURES = ("dp", "tp", "sp", "pp", "selective", "op")
+FEATURES = ("dp", "tp", "sp", "pp", "selective", "op", "tp+selective", "sp+full", "sp+op")
 """``autopar verify``'s check names (``autopar.verify.Check``), as ``Plan.verified`` records them."""
 MAX_PLAN_BYTES = 64 << 20
 """A plan file larger than this is refused unread (a plan of 1,024 blocks is a few KiB)."""
@@ -195,10 +195,13 @@ class Plan:
 
     def features(self) -> tuple[str, ...]:
         """The runtime features this plan uses, by ``autopar verify``'s check names: dp (ZeRO
-        1-3 on FSDP2), tp, sp, pp, selective, op (per-op recompute)."""
-        used = {"dp": self.mesh.dp > 1 and self.zero_stage > 0, "tp": self.mesh.tp > 1,
-                "sp": self.sequence_parallel, "pp": self.mesh.pp > 1, "selective": "selective" in self.recompute,
-                "op": "op" in self.recompute}
+        1-3 on FSDP2), tp, sp, pp, selective, op (per-op recompute), and the pairs proved
+        together (tp+selective, sp+full, sp+op)."""
+        tp, sp = self.mesh.tp > 1, self.sequence_parallel
+        used = {"dp": self.mesh.dp > 1 and self.zero_stage > 0, "tp": tp, "sp": sp, "pp": self.mesh.pp > 1,
+                "selective": "selective" in self.recompute, "op": "op" in self.recompute,
+                "tp+selective": tp and "selective" in self.recompute, "sp+full": sp and "full" in self.recompute,
+                "sp+op": sp and "op" in self.recompute}
         return tuple(name for name, on in used.items() if on)
 
     def refusal(self) -> str | None:

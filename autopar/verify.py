@@ -13,6 +13,9 @@ at its own size and number of blocks, trained on sequences of ``TWIN_SEQ`` token
 the factory's are shorter); its cache key also covers the Python files under the factory's
 directory.
 
+Three checks prove a pair of features together (``COMPOSED``: TP with selective recompute, SP
+with full and with per-op recompute), each found failing where both features alone passed.
+
 A dimension that crashes or differs is refused: :func:`verify` says which and why in one line,
 the planner leaves it out of the search (``Verification.pins``) and ``explain`` shows the
 reason. Verdicts are cached per architecture (the twin's spec, autopar's and torch's versions)
@@ -74,6 +77,20 @@ class Check(StrEnum):
     """Selective recompute of the attention core."""
     OP = "op"
     """Per-op selective recompute (every second GEMM's output kept)."""
+    TP_SELECTIVE = "tp+selective"
+    """Tensor parallelism with selective recompute: the attention core's recompute reads what
+    TP shows the forward (GPT-OSS's sinks: the rank's heads)."""
+    SP_FULL = "sp+full"
+    """Sequence parallelism with full recompute over 2 micro-batches: a recompute stopped early
+    must leave the next micro-batch the weights SP shows (a mixture of experts' local views)."""
+    SP_OP = "sp+op"
+    """Sequence parallelism with per-op recompute (its policy over TP's DTensor ops and SP's
+    collectives)."""
+
+
+COMPOSED = {Check.TP_SELECTIVE: ("tp", "selective"), Check.SP_FULL: ("sp", "full"), Check.SP_OP: ("sp", "op")}
+"""Each pair of features a check proves together (``Plan.features``: a plan using both needs it),
+found failing where each feature alone passed (``benchmarks/hf_compositions.py``)."""
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -235,9 +252,11 @@ def check_plan(twin: str, check: Check | None):
     if check in (Check.SELECTIVE, Check.OP):
         kw["recompute"] = (check.value,) * layers
         return Plan(gpus=2, mesh=Mesh(dp=2), micro_batch_size=1, num_microbatches=2, **kw)
-    if check in (Check.TP, Check.SP):
-        return Plan(gpus=2, mesh=Mesh(tp=2), sequence_parallel=check == Check.SP, micro_batch_size=2,
-                    num_microbatches=2, **kw)
+    if check in (Check.TP, Check.SP, *COMPOSED):
+        if check in COMPOSED:
+            kw["recompute"] = (COMPOSED[check][1],) * layers
+        return Plan(gpus=2, mesh=Mesh(tp=2), sequence_parallel=check in (Check.SP, Check.SP_FULL, Check.SP_OP),
+                    micro_batch_size=2, num_microbatches=2, **kw)
     if layers < 2:
         raise UserError(f"{twin} has one block: nothing to pipeline")
     kw["stage_layers"] = (layers - layers // 2, layers // 2)

@@ -1,6 +1,8 @@
 """The HF family matrix: every common decoder-only family's tiny twin through ``autopar verify``
-(FSDP, TP, TP+SP, PP, selective recompute: 2 gloo ranks against one process), then planned on
-64 H100 with the verdicts; prints what is proved, what is refused and why, and the plan chosen.
+(FSDP, TP, TP+SP, PP, selective and per-op recompute, and the pairs TP with selective, SP with
+full and with per-op recompute: 2 gloo ranks against one process), then planned on 64 H100 with
+the verdicts; prints what is proved, what is refused and why, and the plan chosen.
+``hf_compositions.py`` composes them further on 4 ranks.
 
     python benchmarks/hf_families.py [family ...] [--json]
 

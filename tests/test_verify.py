@@ -25,6 +25,7 @@ from autopar.spec import parse_model_spec
 from autopar.trace import profile_spec
 from autopar.verify import Check, check_plan, twin_spec_text, verify
 from cost_models import load_profile
+from cost_models.strategy import RECOMPUTE
 
 runner = CliRunner()
 OPT = "hf:OPTConfig:num_hidden_layers=4,hidden_size=256,num_attention_heads=8,ffn_dim=1024,seq=512"
@@ -73,19 +74,31 @@ def test_check_plans_use_exactly_their_feature():
     for check in Check:
         plan = check_plan(twin, check)
         assert plan.gpus == 2 and plan.global_batch == check_plan(twin, None).global_batch
-        want = ("tp", "sp") if check == Check.SP else (check.value,)  # SP rides on TP
+        want = {Check.SP: ("tp", "sp"), Check.TP_SELECTIVE: ("tp", "selective", "tp+selective"),  # SP rides on TP
+                Check.SP_FULL: ("tp", "sp", "sp+full"), Check.SP_OP: ("tp", "sp", "op", "sp+op")}.get(check, (check.value,))
         assert plan.features() == want, check
+
+
+def test_a_plan_records_every_check_by_name():
+    from autopar.plan import FEATURES
+    from autopar.verify import COMPOSED
+    assert FEATURES == tuple(c.value for c in Check)
+    assert all(c.value == "+".join(pair) for c, pair in COMPOSED.items())
 
 
 def test_refused_features_are_never_searched():
     model, hw = profile_spec(parse_model_spec("llama3-70b")), load_profile("dgx-h100")
     free = search(model, hw, 64, 512, "bf16", Pins()).strategy
     assert free.mesh.tp > 1 or free.mesh.pp > 1, "the test needs a plan that uses model parallelism"
-    for refused in (("tp",), ("pp",), ("tp", "pp", "selective"), ("dp",)):
+    for refused in (("tp",), ("pp",), ("tp", "pp", "selective"), ("dp",), ("sp+full", "sp+op", "tp+selective")):
         s = search(model, hw, 64, 512, "bf16", Pins(refused=refused)).strategy
         assert not ("tp" in refused and s.mesh.tp > 1) and not ("pp" in refused and s.mesh.pp > 1)
         assert not ("dp" in refused and s.zero > 0)
         assert not ("selective" in refused and any(c[1] for c in s.stage_recompute)), s
+        if "sp+full" in refused:  # the pairs: neither recompute mode beside SP, nor selective beside TP
+            modes = {m for c in s.stage_recompute for m, n in zip(RECOMPUTE, c) if n}
+            assert not (s.sequence_parallel and modes & {"full", "op"}), s
+            assert not (s.mesh.tp > 1 and "selective" in modes), s
 
 
 def test_a_plan_names_what_failed_on_its_twin():

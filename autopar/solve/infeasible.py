@@ -49,6 +49,8 @@ def no_candidate_reason(model: ModelProfile, hw: HardwareProfile, gpus: int,
     """Why no outer candidate exists at all (divisibility, refusals; not memory)."""
     used = {"tp": (pins.tp or 1) > 1, "pp": (pins.pp or 1) > 1, "sp": bool(pins.sequence_parallel),
             "dp": (pins.zero or 0) > 0, "selective": pins.recompute == "selective", "op": pins.recompute == "op"}
+    used.update({f"{a}+{b}": bool(used[a] and pins.recompute == b) for a, b in (("tp", "selective"), ("sp", "full"),
+                                                                                 ("sp", "op"))})
     refusal = op_refusal(model.name, op_unpriced(model), pins.cp, pins.schedule) if pins.recompute == "op" else None
     if refusal:
         return refusal

@@ -419,10 +419,12 @@ def block_families(model: ModelProfile, hw: HardwareProfile, block: Block, dtype
                 for nominal, modes in _mode_sets(pins, sched):
                     if sched == "zero-bubble" and nominal == "full":
                         continue  # ``infeasible.ZB_FULL``: the weight pass recomputes per parameter group
-                    for mode in ("selective", "op"):
+                    for mode in ("selective", "op", "full"):
                         # torch's selective checkpointing allows one backward through a block;
-                        # the zero-bubble schedule runs two (input, then weight gradients).
-                        if mode in refused or (mode == "op" and (not op_runs or sched == "zero-bubble")):
+                        # the zero-bubble schedule runs two (input, then weight gradients); a pair
+                        # of features the twin failed together (``verify.COMPOSED``)
+                        if mode in refused or (mode == "op" and (not op_runs or sched == "zero-bubble")) \
+                                or (tp > 1 and f"tp+{mode}" in refused) or (sp and f"sp+{mode}" in refused):
                             modes = tuple(i for i in modes if RECOMPUTE[i] != mode)
                             if nominal == mode:
                                 modes = ()
