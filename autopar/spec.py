@@ -208,10 +208,30 @@ def _parse_items(text: str, rest: str) -> dict[str, int]:
     return values
 
 
+def _top_level_items(rest: str) -> list[str]:
+    """``rest`` cut at its commas outside brackets and quotes, so that a value may be a dict or
+    a list literal (``rope_parameters={'rope_type': 'llama3', 'factor': 8.0}``)."""
+    items, depth, quote, start = [], 0, "", 0
+    for i, ch in enumerate(rest):
+        if quote:
+            quote = "" if ch == quote else quote
+        elif ch in "'\"":
+            quote = ch
+        elif ch in "([{":
+            depth += 1
+        elif ch in ")]}":
+            depth = max(0, depth - 1)
+        elif ch == "," and depth == 0:
+            items.append(rest[start:i])
+            start = i + 1
+    return [*items, rest[start:]]
+
+
 def parse_hf_options(text: str, rest: str) -> tuple[tuple[str, str], ...]:
-    """``key=value,...`` of an ``hf:`` spec, kept as strings (see :func:`hf_option_values`)."""
+    """``key=value,...`` of an ``hf:`` spec, kept as strings (see :func:`hf_option_values`); a
+    value may be a bracketed literal holding commas."""
     items = []
-    for item in filter(None, rest.split(",")):
+    for item in filter(None, _top_level_items(rest)):
         key, eq, value = item.partition("=")
         if not eq or not key.strip().isidentifier():
             raise UserError(f"malformed item {shown(item)} in {shown(text)}; write hf:ConfigClass:key=value,...")

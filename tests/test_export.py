@@ -680,11 +680,10 @@ def test_deepseek_v3_exports_to_megatron_as_itself(pricer):
 V2_LITE = ("hf:DeepseekV2Config:num_hidden_layers=27,first_k_dense_replace=1,hidden_size=2048,num_attention_heads=16,"
            "num_key_value_heads=16,intermediate_size=10944,moe_intermediate_size=1408,n_routed_experts=64,"
            "n_shared_experts=2,num_experts_per_tok=6,q_lora_rank=None,kv_lora_rank=512,qk_nope_head_dim=128,"
-           "qk_rope_head_dim=64,v_head_dim=128,vocab_size=102400,max_position_embeddings=4096")
-V2_LITE_ROPE = ("rope_parameters", "{'rope_type': 'yarn', 'rope_theta': 10000.0, 'factor': 40.0, 'mscale': 0.707, "
-                "'mscale_all_dim': 0.707, 'original_max_position_embeddings': 4096, 'beta_fast': 32, 'beta_slow': 1}")
-"""DeepSeek-V2-Lite's published config (deepseek-ai/DeepSeek-V2-Lite config.json; its YaRN RoPE is a
-dict, which an ``hf:`` spec's comma-separated items cannot hold: added to the parsed spec)."""
+           "qk_rope_head_dim=64,v_head_dim=128,vocab_size=102400,max_position_embeddings=4096,"
+           "rope_parameters={'rope_type':'yarn','rope_theta':10000.0,'factor':40.0,'mscale':0.707,"
+           "'mscale_all_dim':0.707,'original_max_position_embeddings':4096,'beta_fast':32,'beta_slow':1}")
+"""DeepSeek-V2-Lite's published config (deepseek-ai/DeepSeek-V2-Lite config.json)."""
 
 
 def test_deepseek_v2_lite_writes_what_megatrons_own_script_does():
@@ -694,8 +693,8 @@ def test_deepseek_v2_lite_writes_what_megatrons_own_script_does():
     from autopar.export.hfblocks import read
     from autopar.spec import parse_model_spec
     def spec(extra: str = ""):
-        parsed = parse_model_spec(V2_LITE + extra)
-        return dataclasses.replace(parsed, options=(*parsed.options, V2_LITE_ROPE))
+        return parse_model_spec(V2_LITE + extra)
+    assert dict(spec().options)["rope_parameters"].startswith("{'rope_type':'yarn',")  # a dict in the spec
     block = read(spec(), dense_layers=1, seq=4096)
     args = " ".join(block.args)
     for flags in ("--multi-latent-attention", "--kv-lora-rank 512", "--v-head-dim 128", "--qk-head-dim 128",
@@ -790,7 +789,7 @@ def test_an_hf_llama_31_writes_its_rope_base_and_scaling():
     def block(**rope):
         params = {"rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0, "low_freq_factor": 1.0,
                   "high_freq_factor": 4.0, "original_max_position_embeddings": 8192, **rope}
-        return read(dataclasses.replace(base, options=(*base.options, ("rope_parameters", repr(params)))), 0, 64)
+        return read(parse_model_spec(f"{base.name},rope_parameters={params!r}"), 0, 64)
     llama31 = block()
     assert "--rotary-base 500000 --use-rope-scaling --rope-scaling-factor 8" in " ".join(llama31.args)
     assert llama31.notes == () and "--kv-channels" not in llama31.args

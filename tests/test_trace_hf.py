@@ -175,6 +175,17 @@ def test_bad_model_specs_are_one_line(text, fragment):
     assert "\n" not in str(err.value)
 
 
+def test_an_hf_option_may_be_a_bracketed_literal_with_commas():
+    from autopar.spec import hf_option_values, parse_hf_options
+    opts = parse_hf_options("t", "a=1,rope_parameters={'rope_type': 'llama3', 'factor': 8.0},b=[1, 2],c='x,y',d=2")
+    assert [k for k, _ in opts] == ["a", "rope_parameters", "b", "c", "d"]
+    values = hf_option_values(opts)
+    assert values["rope_parameters"] == {"rope_type": "llama3", "factor": 8.0}
+    assert values["b"] == [1, 2] and values["c"] == "x,y" and values["d"] == 2
+    # an unclosed brace keeps the rest in its value (the config class then rejects it in one line)
+    assert parse_hf_options("t", "a={'x': 1,b=2") == (("a", "{'x': 1,b=2"),)
+
+
 def test_missing_transformers_names_the_install(monkeypatch):
     import importlib
 
