@@ -83,6 +83,9 @@ def layer_pattern(dense: int, layers: int) -> str:
 def _attention(cls: str, config: Any, spec: ModelSpec, seq: int, notes: list[str]) -> list[str]:
     """The attention's flags but RoPE's (``_rope``)."""
     if cls in LATENT:
+        if getattr(config, "attention_bias", False):
+            notes.append("attention_bias=True: Megatron's multi-latent attention is written without biases "
+                         "(--disable-bias-linear)")
         q_rank = _int(config, "q_lora_rank")
         return ["--multi-latent-attention", "--qk-layernorm", *(["--q-lora-rank", str(q_rank)] if q_rank else []),
                 "--kv-lora-rank", str(_int(config, "kv_lora_rank")),
