@@ -10,6 +10,7 @@ from dataclasses import dataclass
 from typing import Mapping
 
 from cost_models import comm, compute, memory, pipeline, states
+from cost_models.ring import cp_heads
 from cost_models.axes import Axis
 from cost_models.hardware import HardwareProfile
 from cost_models.model_profile import ModelProfile
@@ -154,7 +155,7 @@ def block_cp_s(model: ModelProfile, hw: HardwareProfile, strat: Strategy,
     """Exposed context-parallel communication of one block per micro-batch, by pass (the
     estimate counts it in ``tp_comm_s``).
 
-    Each of the c = cp ranks holds a K,V block of seq/c tokens, 2 x ``compute.cp_heads`` x d
+    Each of the c = cp ranks holds a K,V block of seq/c tokens, 2 x ``ring.cp_heads`` x d
     elements per token. Ring attention (``ContextParallel.RING``; Liu et al. 2023,
     Megatron-Core / Transformer Engine's P2P CP) runs c steps: in each of the c-1 sends, the
     block moves to the next rank while attention runs on the block received last, so a step
@@ -173,7 +174,7 @@ def block_cp_s(model: ModelProfile, hw: HardwareProfile, strat: Strategy,
     if c == 1:
         return compute.PassTimes(forward_s=0.0, recompute_s=0.0, backward_s=0.0)
     d = model.hidden / model.heads
-    block = strat.tokens(model.seq) * 2 * compute.cp_heads(model, strat) * d * compute.elem_bytes(strat)
+    block = strat.tokens(model.seq) * 2 * cp_heads(model, strat) * d * compute.elem_bytes(strat)
     method = strat.recipe.context_parallel
     if method in (ContextParallel.RING, ContextParallel.GATHER_RING):
         _, core_s = compute.block_gemm_s(model, hw, strat)

@@ -10,7 +10,7 @@ import torch
 
 from cost_models import (Axis, Degrees, ModelProfile, ProfileError, Strategy, estimate, even_stage_layers, load_profile,
                          model_flops_per_step, stage_costs)
-from cost_models import blockcomm, comm, compute, host, memory, pieces, pipeline, states
+from cost_models import blockcomm, comm, compute, host, memory, pieces, pipeline, ring, states
 from cost_models.axes import parse_order
 from cost_models.estimate import fsdp_partial_grads_s, partial_grads_sync_s, stage_details
 from cost_models.states import STATE_LAYOUTS, state_bytes
@@ -754,7 +754,7 @@ def test_torch_cp_exchanges_repeated_heads_and_passes_fp32_gradients_round_the_r
         s = Strategy(recipe=rec, mesh=Degrees(cp=4, dp=2), recompute="full", zero=3)
         g = comm.axis_groups(slow, s)[Axis.CP]
         t = blockcomm.block_cp_s(model, slow, s, g)
-        block = s.tokens(model.seq) * 2 * compute.cp_heads(model, s) * 128 * 2  # local K,V bytes
+        block = s.tokens(model.seq) * 2 * ring.cp_heads(model, s) * 128 * 2  # local K,V bytes
         # Over a slow link nothing hides: the gather of the other ranks' blocks, and four fp32 sends.
         assert t.forward_s == pytest.approx(comm.all_gather_s(4 * block, g) - compute.block_gemm_s(model, slow, s)[1] / 4
                                             + slow.overlap_penalty * compute.block_gemm_s(model, slow, s)[1] / 4)
@@ -764,13 +764,13 @@ def test_torch_cp_exchanges_repeated_heads_and_passes_fp32_gradients_round_the_r
         assert fast.backward_s > 2 * block / comm.axis_groups(H100, s)[Axis.CP].p2p_bytes_s  # the last send
         times[rec.kv_repeated] = t.total_s
     assert times[True] == pytest.approx(4 * times[False], rel=0.05)
-    merges = [compute.cp_merge_bytes(model, Strategy(recipe=tt, mesh=Degrees(cp=c, dp=8 // c))) for c in (1, 2, 4, 8)]
+    merges = [ring.cp_merge_bytes(model, Strategy(recipe=tt, mesh=Degrees(cp=c, dp=8 // c))) for c in (1, 2, 4, 8)]
     # Per rank: 1/c of the tokens, about c merges of them each.
     assert merges[0] == (0.0, 0.0) and all(0 < a[0] < b[0] and a[1] > 0 for a, b in zip(merges[1:], merges[2:]))
-    assert compute.cp_merge_bytes(model, Strategy(recipe=load_recipe("autopar"), mesh=Degrees(cp=4, dp=2))) == (0.0, 0.0)
+    assert ring.cp_merge_bytes(model, Strategy(recipe=load_recipe("autopar"), mesh=Degrees(cp=4, dp=2))) == (0.0, 0.0)
     # Transformer Engine's ring corrects its 16-bit output and accumulates 16-bit gradients once
     # per kernel too: linear in the kernels, and less per kernel than torch's fp32 merges.
-    te = [tuple(x * c for x in compute.cp_merge_bytes(model, Strategy(recipe=TE, mesh=Degrees(cp=c, dp=8 // c))))
+    te = [tuple(x * c for x in ring.cp_merge_bytes(model, Strategy(recipe=TE, mesh=Degrees(cp=c, dp=8 // c))))
           for c in (1, 2, 3, 4)]  # per sequence: a rank holds 1/c of its tokens
     assert te[0] == (0.0, 0.0)
     for a, b, c in zip(te[1:], te[2:], te[3:]):  # the same bytes per later kernel
