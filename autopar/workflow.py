@@ -173,18 +173,18 @@ def export_lead_refusal(spec: ModelSpec, target: str) -> str | None:
 
 def launch_refusal(plan: Plan) -> str | None:
     """Why ``plan`` must not start (one line), or None: a feature it uses failed on the model's
-    twin, as recorded in the plan or, for a plan made without verification, as verified now."""
+    twin, as recorded in the plan or, for one it records no verdict of (a plan made without
+    verification, or before the check existed), as verified now."""
     known = plan.refusal()
     if known:
         return known
-    spec = parse_model_spec(plan.model)
-    if plan.verified or not plan.features():
-        return None
-    if spec.arch not in ("hf", "module"):
+    recorded = dict(plan.verified)
+    missing = [f for f in plan.features() if f not in recorded]  # all of them, or checks added since
+    if not missing or parse_model_spec(plan.model).arch not in ("hf", "module"):
         return None
     from autopar.verify import Check, verify
-    result = verify(plan.model, checks=tuple(Check(f) for f in plan.features()))
-    return replace(plan, verified=tuple((v.check.value, v.reason) for v in result.verdicts)).refusal()
+    result = verify(plan.model, checks=tuple(Check(f) for f in missing))
+    return replace(plan, verified=(*plan.verified, *((v.check.value, v.reason) for v in result.verdicts))).refusal()
 
 
 def make_plan(job: Job, pins: Pins = Pins(), time_limit_s: float = 60.0,

@@ -157,3 +157,24 @@ def test_a_twin_that_cannot_run_in_one_process_is_one_line(cache, monkeypatch):
     with pytest.raises(UserError, match=r"cannot train the twin of .*\(AttributeError: 'Llama4ForCausalLM' object has "
                                         r"no attribute 'language_model'\); this model is not supported yet"):
         verify(OPT, checks=(Check.TP,))
+
+
+def test_launch_verifies_the_checks_a_plan_records_no_verdict_of(monkeypatch):
+    """A plan made before the pair checks existed records the six single-feature verdicts only:
+    launch verifies the pair its layout uses, and refuses it when the twin fails it."""
+    from autopar import verify as verify_module
+    from autopar.verify import Verdict, Verification
+    from autopar.workflow import launch_refusal
+    asked = []
+
+    def fake(model, *, checks, use_cache=True):
+        asked.append(checks)
+        return Verification(model=model, twin=model, verdicts=tuple(
+            Verdict(check=c, ok=c != Check.TP_SELECTIVE, reason="" if c != Check.TP_SELECTIVE else "rank 0: boom")
+            for c in checks))
+    monkeypatch.setattr(verify_module, "verify", fake)
+    plan = check_plan(twin_spec_text(parse_model_spec(OPT)), Check.TP_SELECTIVE)
+    old = dataclasses.replace(plan, model=OPT, verified=tuple((c, "") for c in ("dp", "tp", "sp", "pp", "selective", "op")))
+    assert "failed the tp+selective check" in launch_refusal(old) and asked == [(Check.TP_SELECTIVE,)]
+    assert launch_refusal(dataclasses.replace(old, recompute=("none",) * len(old.recompute))) is None
+    assert asked == [(Check.TP_SELECTIVE,)]  # nothing left unrecorded: nothing verified
