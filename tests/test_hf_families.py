@@ -22,3 +22,14 @@ def test_family_is_proved_or_refused_and_planned_within_it(family, tmp_path, mon
         assert reason == "ok" or (reason and "\n" not in reason), (check, reason)
     assert row["plan_refusal"] is None
     assert all(row["checks"][f] == "ok" for f in row["plan_features"]), row
+
+
+@pytest.mark.families
+@pytest.mark.parametrize("family", list(FAMILIES))
+def test_family_compositions_are_equal_to_one_process(family, tmp_path, monkeypatch):
+    """``benchmarks/hf_compositions.py``: tp+sp+pp and fsdp+tp+sp on 4 ranks, each run where the
+    twin proved its features alone."""
+    from hf_compositions import family_row as composed_row
+    monkeypatch.setenv("AUTOPAR_CACHE", str(tmp_path))
+    row = composed_row(family)
+    assert all(v == "ok" or v.startswith("not run") for v in row["compositions"].values()), row
