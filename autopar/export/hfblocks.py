@@ -56,8 +56,6 @@ class Block:
     """An HF model's block as Megatron-Core's GPT builder makes it, beyond ``Shape``'s Llama-style
     block (RMSNorm, SwiGLU, RoPE, no biases) and its experts' count and top-k."""
 
-    config: str
-    """The HF config class."""
     args: tuple[str, ...]
     """``pretrain_gpt.py``'s further model arguments."""
     notes: tuple[str, ...]
@@ -75,7 +73,7 @@ def _num(value: float) -> str:
     return f"{float(value):g}"
 
 
-def layer_pattern(dense: int, layers: int) -> str:
+def _layer_pattern(dense: int, layers: int) -> str:
     """``--moe-layer-freq``'s pattern: 0 for each leading dense block, 1 for each MoE one."""
     return f"([0]*{dense}+[1]*{layers - dense})"
 
@@ -141,7 +139,7 @@ def _experts(cls: str, config: Any, spec: ModelSpec, dense_layers: int, notes: l
     if not spec.experts:
         return []
     width = _int(config, "moe_intermediate_size")
-    args = [*(["--moe-layer-freq", layer_pattern(dense_layers, spec.layers)] if dense_layers else []),
+    args = [*(["--moe-layer-freq", _layer_pattern(dense_layers, spec.layers)] if dense_layers else []),
             "--moe-ffn-hidden-size", str(width)]
     shared = (_int(config, "shared_expert_intermediate_size") if cls == "Qwen2MoeConfig"
               else _int(config, "n_shared_experts") * width)
@@ -187,4 +185,4 @@ def read(spec: ModelSpec, dense_layers: int, seq: int) -> Block:
     if cls == "DeepseekV3Config":
         notes.append("DeepSeek-V3's multi-token prediction is in neither HF's model nor the plan: "
                      "--mtp-num-layers 1 adds it (unpriced)")
-    return Block(config=cls, args=tuple(args), notes=tuple(notes), latent=cls in LATENT)
+    return Block(args=tuple(args), notes=tuple(notes), latent=cls in LATENT)
