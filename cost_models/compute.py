@@ -277,6 +277,13 @@ def fused(strat: Strategy) -> bool:
     return strat.fused_attention
 
 
+def kernel_fused(model: ModelProfile, strat: Strategy) -> bool:
+    """The attention core runs as one fused kernel (``fused``), unless the model writes it out
+    by hand and the program runs the module as written (``recipe.runs_module_as_written``):
+    then its two products run as GEMMs and its scores move through memory."""
+    return fused(strat) and not (model.written_attention and strat.recipe.runs_module_as_written)
+
+
 def causal_fraction(seq: int) -> float:
     """Share of the full QKᵀ/AV FLOPs a causal FlashAttention kernel executes."""
     return min(1.0, (seq + FLASH_TILE) / (2.0 * seq))
@@ -332,7 +339,7 @@ def block_gemm_s(model: ModelProfile, hw: HardwareProfile, strat: Strategy,
     tokens = strat.tokens(model.seq)
     weights, core = block_gemms(model, strat)
     attn_flops = tokens * model.block_attn_flops_per_token / strat.mesh.tp
-    if fused(strat):
+    if kernel_fused(model, strat):
         eff = hw.attention_eff(strat.recipe.attention_kernel, model.seq / strat.mesh.cp)
         core_s = attn_flops * causal_fraction(model.seq) / (hw.compute_flops(strat.dtype) * eff)
         core_s *= FLASH_BWD_RATIO if backward else 1.0
@@ -349,9 +356,9 @@ def block_elementwise_bytes(model: ModelProfile, strat: Strategy,
     attention kernel moves no s x s bytes."""
     scale = elem_bytes(strat) / 2 * strat.tokens(model.seq) * strat.recipe.elementwise_traffic
     sp = strat.mesh.tp if strat.sequence_parallel else 1
-    repl, sharded, attn = model.act_bytes_per_token(fused(strat))
+    repl, sharded, attn = model.act_bytes_per_token(fused(strat), own_kernel=not strat.recipe.runs_module_as_written)
     rest = traffic[0] * repl / sp + traffic[1] * sharded / strat.mesh.tp
-    core = 0.0 if fused(strat) else traffic[2] * attn / strat.mesh.tp
+    core = 0.0 if kernel_fused(model, strat) else traffic[2] * attn / strat.mesh.tp
     return scale * rest, scale * core
 
 

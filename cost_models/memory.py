@@ -51,6 +51,13 @@ def fused_attention(strat: Strategy) -> bool:
     return strat.fused_attention
 
 
+def act_bytes_per_token(model: ModelProfile, strat: Strategy) -> tuple[float, float, float]:
+    """``model``'s (replicated, sharded, attention core) bytes per token in ``strat``'s
+    accounting: its recipe's attention, a core written out by hand kept as written only by a
+    program that runs the module itself (``recipe.runs_module_as_written``)."""
+    return model.act_bytes_per_token(fused_attention(strat), own_kernel=not strat.recipe.runs_module_as_written)
+
+
 def runs_autocast(strat: Strategy) -> bool:
     """Whether ``strat``'s blocks run under ``torch.autocast`` (``ExecutionRecipe.autocast``):
     16-bit training, except ZeRO 2/3 over dp > 1 (autopar/runtime/train.py ``_autocast``)."""
@@ -79,7 +86,7 @@ def block_act_bytes(model: ModelProfile, strat: Strategy, recompute: str | None 
         kept = (model.op_kept_sharded_bytes_per_token / tp + model.op_kept_partial_bytes_per_token
                 + (model.op_reduced_bytes_per_token / tp if sp > 1 else 0.0))
         return block_input + act_scale(strat) * tokens * kept
-    repl, sharded, attn = model.act_bytes_per_token(fused_attention(strat))
+    repl, sharded, attn = act_bytes_per_token(model, strat)
     if autocast:
         repl += model.autocast_act_bytes_per_token
     per_token = repl / sp + sharded / strat.mesh.tp
@@ -99,7 +106,7 @@ def block_act_bytes(model: ModelProfile, strat: Strategy, recompute: str | None 
 def block_attn_act_bytes(model: ModelProfile, strat: Strategy) -> float:
     """The attention-core part of ``block_act_bytes`` (what selective recompute drops)."""
     tokens = strat.tokens(model.seq)
-    attn = model.act_bytes_per_token(fused_attention(strat))[2]
+    attn = act_bytes_per_token(model, strat)[2]
     return act_scale(strat) * tokens * attn / strat.mesh.tp
 
 

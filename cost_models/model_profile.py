@@ -53,6 +53,11 @@ class ModelProfile:
     scores kept, a float32 log-sum-exp per head instead) and the model's own dropout."""
     fused_act_bytes_sharded_per_token: float
     fused_act_bytes_attn_per_token: float
+    written_attention: bool = False
+    """The blocks' attention core is written out op by op, not an SDPA call (GPT-OSS's
+    learned sinks, a hand-written ``q @ k.T``): run as written it keeps its scores, which the
+    fused figures then count; a framework that builds its own blocks runs its fused kernel
+    instead (``act_bytes_per_token``'s ``own_kernel``)."""
     autocast_act_bytes_per_token: float = 0.0
     """What one block keeps beyond the above per token when it runs under ``torch.autocast``
     (``ExecutionRecipe.autocast``), replicated bytes: a norm module (an fp32 op there) keeps
@@ -156,11 +161,16 @@ class ModelProfile:
         lead = self.lead_layers * self.lead.block_params if self.lead is not None else 0
         return self.embed_params + lead + self.layers * self.block_params + self.head_params - tied
 
-    def act_bytes_per_token(self, fused: bool) -> tuple[float, float, float]:
-        """(replicated, sharded, attention core) saved bytes per token in one accounting."""
+    def act_bytes_per_token(self, fused: bool, own_kernel: bool = False) -> tuple[float, float, float]:
+        """(replicated, sharded, attention core) saved bytes per token in one accounting;
+        ``own_kernel``: the fused one of a framework running its own attention kernel, which
+        keeps a float32 log-sum-exp per head of a core the model writes out by hand
+        (``written_attention``) instead of its scores."""
         if fused:
+            attn = 4.0 * self.heads if own_kernel and self.written_attention \
+                else self.fused_act_bytes_attn_per_token
             return (self.fused_act_bytes_replicated_per_token,
-                    self.fused_act_bytes_sharded_per_token, self.fused_act_bytes_attn_per_token)
+                    self.fused_act_bytes_sharded_per_token, attn)
         return (self.block_act_bytes_replicated_per_token, self.block_act_bytes_sharded_per_token,
                 self.block_act_bytes_attn_per_token)
 

@@ -269,6 +269,11 @@ class ExecutionRecipe:
     as autopar's runtime and torchtitan run them): each parameter's optimizer step goes through
     DTensor's dispatch (the profile's ``dtensor_optimizer_us`` per tensor). False: plain
     tensors (Megatron, DeepSpeed, DDP)."""
+    runs_module_as_written: bool = False
+    """The program runs the model's own module (autopar's runtime), so an attention core the
+    model writes out by hand (``ModelProfile.written_attention``) runs op by op: its scores
+    are kept and moved, its GEMMs run as GEMMs. False: the framework builds its own blocks
+    around its attention kernel (Megatron, DeepSpeed's Megatron, torchtitan, llm-foundry)."""
     kernels_per_block: int = 0
     """Kernels one transformer block's forward launches (backward about twice as many); with
     the profile's ``kernel_dispatch_us``, a pass can be no faster than its host dispatch."""

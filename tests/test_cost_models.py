@@ -303,6 +303,29 @@ def test_fused_attention_follows_its_kernels_sequence_law():
         profile_from_dict({**data, "attention_half_seq": {"cudnn": -1}})
 
 
+def test_an_attention_core_written_by_hand_runs_as_written_only_in_autopar():
+    """GPT-OSS writes its attention out (``written_attention``): autopar's runtime runs the
+    module as written, keeping the scores and running the core's products as GEMMs with their
+    s x s traffic; Megatron and torchtitan build their own blocks around a fused kernel,
+    which keeps a float32 log-sum-exp per head and moves no scores."""
+    h100 = load_profile("dgx-h100")
+    base = gpt(2, 4096, 32, seq=4096)
+    scores = 2.0 * 32 * (4096 + 1)
+    written = dataclasses.replace(base, fused_act_bytes_attn_per_token=scores, written_attention=True)
+    for recipe in ("megatron-core-te", "torchtitan"):
+        strat = Strategy(recipe=load_recipe(recipe), micro_batch=1)
+        assert memory.block_act_bytes(written, strat) == memory.block_act_bytes(base, strat)
+        assert compute.block_times(written, h100, strat) == compute.block_times(base, h100, strat)
+    own = Strategy(recipe=load_recipe("autopar"), micro_batch=1)
+    tokens = 4096
+    assert memory.block_act_bytes(written, own) - memory.block_act_bytes(base, own) == \
+        pytest.approx(tokens * (scores - 4.0 * 32))
+    # selective recompute drops the written core with the rest of the attention core
+    selective = dataclasses.replace(own, recompute="selective")
+    assert memory.block_act_bytes(written, selective) == memory.block_act_bytes(base, selective)
+    assert compute.block_times(written, h100, own).forward_s > compute.block_times(base, h100, own).forward_s
+
+
 def test_a_recipe_with_a_base_is_that_recipe_with_its_own_keys(tmp_path):
     """``base`` names a shipped recipe or a file (relative to the one naming it); the file's keys
     win, the notes merge, and a recipe without a name of its own is named after its file."""

@@ -257,3 +257,27 @@ def test_interleaved_block_kinds_are_one_line():
     broken = type(graph)(**{**{f: getattr(graph, f) for f in graph.__slots__}, "blocks": (mixed, b)})
     with pytest.raises(UserError, match="interleaved"):
         profile_from_graph(broken, spec)
+
+
+GPT_OSS = ("hf:GptOssConfig:num_hidden_layers=2,hidden_size=64,num_attention_heads=4,num_key_value_heads=2,"
+           "head_dim=16,intermediate_size=96,num_local_experts=4,vocab_size=128,sliding_window=8,seq=32")
+
+
+def test_gpt_oss_sinks_stay_in_the_attention_core():
+    """GPT-OSS writes attention out (no SDPA: its learned sinks are a column concatenated to
+    the scores, a weight read without a GEMM): the softmax over s + 1 columns it keeps is the
+    core (2 bytes x heads x (s + 1) per token), which selective recompute drops and a
+    framework's own fused kernel never keeps (``written_attention``). Before, the core ended
+    at the concatenation and the softmax counted as a sharded activation."""
+    spec = parse_model_spec(GPT_OSS)
+    graph = trace_spec(spec)
+    a, s = 4, 32
+    for block in graph.blocks:
+        # the softmax's output and the int64 indices of the max taken before it
+        assert block.activations.attn == (2 * a * (s + 1) + 8 * a) * graph.tokens
+    profile = profile_spec(spec)
+    assert profile.written_attention
+    assert not profile_spec(parse_model_spec(LLAMA)).written_attention
+    # Run as written the scores are kept; by a framework's own kernel, a float32 log-sum-exp.
+    assert profile.act_bytes_per_token(True)[2] == 2 * a * (s + 1) + 8 * a
+    assert profile.act_bytes_per_token(True, own_kernel=True)[2] == 4 * a

@@ -365,7 +365,9 @@ class MeasureRun(fx.Interpreter):
         def inside(u: fx.Node) -> bool:
             return self.segment_of(u) == rec.segment
         gemm_weights = [w for w in weights if w.dim() >= 2 and w.is_floating_point()]
-        if rec.segment and not gemm_weights and n.target not in SDPA:
+        if rec.segment and not (flops > 0 and gemm_weights) and n.target not in SDPA:
+            # a node reading a weight without a GEMM (GPT-OSS's sinks concatenated to the
+            # scores) follows the core like a weightless one
             _follow_core(rec, acts, outputs, flops)
         if flops > 0 and gemm_weights:
             w = max(gemm_weights, key=lambda t: t.numel())
@@ -419,7 +421,7 @@ class MeasureRun(fx.Interpreter):
 
 
 def _follow_core(rec: Recorder, acts: list[torch.Tensor], outputs: list[torch.Tensor], flops: float) -> None:
-    """Track a hand-written attention core through a weightless block node: a product of two
+    """Track a hand-written attention core through a block node with no weight GEMM: a product of two
     activations that are not core (Q Kᵀ) starts it, and records the block's heads and head size
     from Q ([..., heads, s, d] or [batch * heads, s, d]); ops on core tensors stay in it; the
     product of the probabilities and V leaves it."""

@@ -137,6 +137,8 @@ def _block_fields(block: BlockInfo, tokens: int) -> dict:
         fused_act_bytes_replicated_per_token=fused.replicated / tokens,
         fused_act_bytes_sharded_per_token=fused.sharded / tokens,
         fused_act_bytes_attn_per_token=fused.attn / tokens,
+        written_attention=fused.attn > 0 and not any("scaled_dot_product_attention" in n.target
+                                                     for n in block.nodes),
         autocast_act_bytes_per_token=autocast_extra_bytes(block) / tokens,
         **op_recompute_fields(block, tokens))
 
