@@ -11,7 +11,11 @@ of memory), with the peak memory it reports where it does (``memory_gib``). ``as
 the source left unstated and what was chosen; ``needs`` lists features autopar cannot express yet
 (``cp``, ``fp8``, ``moe``, ``async_tp``, ``torch_compile``, ``a100_40g``, ``h100_96g``,
 ``cpu_offload``, ``per_op_sac``: torchtitan's per-operator selective checkpointing,
-``eager_loss``: torchtitan's blocks compiled but not its loss, as before April 2025), so a
+``eager_loss``: torchtitan's blocks compiled but not its loss, as before April 2025;
+``moe_folding``: Megatron's experts on a TP x DP regrouping of their own, ``ep_overlap``: the
+expert all-to-alls hidden behind another micro-batch, ``hybrid_ep``: DeepEP/HybridEP dispatch
+kernels, ``cuda_graphs``, ``mtp``: DeepSeek's multi-token prediction layer,
+``pipeline_layout``: blocks placed on stages by hand), so a
 validator can skip those rows until they are supported or pick the recipe that has them.
 
 Pure data: no torch, no autopar import.
@@ -32,7 +36,8 @@ memory (value 1: nothing to price but that it must not be predicted to fit)."""
 RECOMPUTE = ("none", "selective", "full")
 FLOPS_CONVENTIONS = ("model", "hardware")
 NEEDS = ("cp", "fp8", "moe", "async_tp", "torch_compile", "a100_40g", "h100_96g", "cpu_offload",
-         "per_op_sac", "fp8_rowwise", "eager_loss")
+         "per_op_sac", "fp8_rowwise", "eager_loss", "moe_folding", "ep_overlap", "hybrid_ep", "cuda_graphs",
+         "mtp", "pipeline_layout")
 
 
 class PublishedDataError(ValueError):

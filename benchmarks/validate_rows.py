@@ -47,7 +47,7 @@ SOURCE_RECIPE = {
     "mtnlg": "deepspeed", "bloom": "deepspeed", "torchtitan_a100": "torchtitan",
     "torchtitan_h100": "torchtitan", "torchtitan_h200": "torchtitan",
     "llmfoundry": "llm-foundry", "nemo_h100": "megatron-core-te",
-    "megatron_bridge_h100": "megatron-core-te",
+    "megatron_bridge_h100": "megatron-core-te", "megatron_bridge_moe": "megatron-core-te",
 }
 """The execution recipe of each source's framework (``cost_models/recipes``)."""
 FEATURE_RECIPE = {"torchtitan": {frozenset({"torch_compile"}): "torchtitan-compile",
@@ -58,14 +58,16 @@ FEATURE_RECIPE = {"torchtitan": {frozenset({"torch_compile"}): "torchtitan-compi
 recipe does not have, by the set of those features."""
 FEATURES = frozenset({"torch_compile", "async_tp", "eager_loss"})
 """The needs that select a recipe (``FEATURE_RECIPE``) rather than a strategy or a profile."""
-SUPPORTED = frozenset({"a100_40g", "h100_96g", "fp8", "cp", "per_op_sac"}) | FEATURES
+SUPPORTED = frozenset({"a100_40g", "h100_96g", "fp8", "cp", "per_op_sac", "moe"}) | FEATURES
 """Needs (``published_rows.NEEDS``) autopar can express now."""
-CHECK_ONLY = frozenset({"cp", "per_op_sac"})
+CHECK_ONLY = frozenset({"cp", "per_op_sac", "moe"})
 """Needs whose rows are priced and reported but never fitted on: out-of-sample checks of a
 newly priced feature by construction. ``cp``: NeMo's and Megatron-Bridge's context-parallel H100
 rows (Llama-3 8B / 70B at CP 2, Llama-3.1 405B at CP 2) check the ring-attention pricing with the
 constants the other rows fit. ``per_op_sac``: torchtitan's per-op selective recompute (``op``),
-recorded by the sources as "selective", checked the same way."""
+recorded by the sources as "selective", checked the same way. ``moe``: Megatron-Bridge's
+mixture-of-experts rows check the routed experts' pricing (grouped GEMMs, all-to-alls) the
+same way."""
 FAMILIES = {"A100": ("dgx-a100-80g", "dgx-a100-40g", "jean-zay-a100-80g"), "H100": ("dgx-h100",),
             "GT": ("grand-teton-h100-96g",)}
 """Profiles sharing one chip: the fitted fractions of peak are common to them. Grand Teton's
@@ -173,7 +175,8 @@ def unpriceable(src: Source, row: DataRow) -> str:
 def row_strategy(row: DataRow, layers: int, recipe: str) -> Strategy:
     """The row's layout as the fixed strategy ``autopar estimate`` would build."""
     mode = "op" if "per_op_sac" in row.needs else row.recompute  # the sources call it selective
-    strat = Strategy(mesh=Degrees(dp=row.dp, cp=row.cp, tp=row.tp, pp=row.pp), zero=row.zero, micro_batch=row.micro_batch,
+    strat = Strategy(mesh=Degrees(dp=row.dp, cp=row.cp, tp=row.tp, pp=row.pp, ep=row.ep), zero=row.zero,
+                     micro_batch=row.micro_batch,
                      num_microbatches=row.global_batch // (row.dp * row.micro_batch),
                      sequence_parallel=row.sequence_parallel, recompute=mode,
                      dtype=row.dtype, fp8=row.fp8, recipe=load_recipe(recipe),

@@ -100,6 +100,9 @@ def block_act_bytes(model: ModelProfile, strat: Strategy, recompute: str | None 
         per_token -= 2 * model.hidden / gathered + (model.hidden + model.ffn) / strat.mesh.tp
     if recompute == "none":
         per_token += attn / strat.mesh.tp
+    if model.expert_act_bytes_traced_per_token and not strat.recipe.runs_module_as_written:
+        # a framework's own grouped MLP (fused activation) keeps less than the model's code
+        per_token += (model.expert_act_bytes_per_token() - model.expert_act_bytes_traced_per_token) / strat.mesh.tp
     return act_scale(strat) * tokens * per_token + expert_extra_act_bytes(model, strat)
 
 

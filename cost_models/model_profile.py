@@ -80,6 +80,12 @@ class ModelProfile:
     capacity_factor: float = 0.0
     """Tokens an expert takes at most, over its fair share (tokens x topk / experts); 0:
     dropless (every routed token is computed, however uneven)."""
+    expert_act_bytes_traced_per_token: float = 0.0
+    """Saved-for-backward bytes per token of one block's routed-expert region as the model's
+    own code keeps them (the nodes over its tokens x topk routed rows: dispatched copies, the
+    experts' GEMM inputs and activations, the weighted outputs), part of the figures above;
+    a framework that builds its own grouped MLP keeps ``expert_act_bytes_per_token`` instead.
+    0: a dense block, or not traced."""
 
     wgrad_bytes_replicated_per_token: float = 0.0
     """Bytes per token of the output gradients of one block's parameterised ops outside the

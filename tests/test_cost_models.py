@@ -326,6 +326,24 @@ def test_an_attention_core_written_by_hand_runs_as_written_only_in_autopar():
     assert compute.block_times(written, h100, own).forward_s > compute.block_times(base, h100, own).forward_s
 
 
+def test_a_framework_keeps_its_own_grouped_mlp_not_the_models_expert_code():
+    """The routed-expert region an HF model's code keeps (``expert_act_bytes_traced_per_token``:
+    GPT-OSS's clamped GLU keeps 18 h per copy) is what autopar's runtime keeps; Megatron's
+    grouped MLP with its fused activation keeps 2 (2h + 3f) bytes per copy
+    (``expert_act_bytes_per_token``), whatever the model's code."""
+    h, f, k = 2880, 2880, 4
+    moe = dataclasses.replace(gpt(2, h, 64, seq=4096), experts=128, topk=k, expert_ffn=f,
+                              expert_params=128 * 3 * h * f, expert_act_bytes_traced_per_token=k * 36.0 * h)
+    dense = dataclasses.replace(moe, expert_act_bytes_traced_per_token=0.0)
+    tokens = 4096
+    te = Strategy(recipe=load_recipe("megatron-core-te"), micro_batch=1)
+    saved = memory.block_act_bytes(dense, te) - memory.block_act_bytes(moe, te)
+    assert saved == pytest.approx(tokens * (k * 36.0 * h - moe.expert_act_bytes_per_token()))
+    assert moe.expert_act_bytes_per_token() == k * 2 * (2 * h + 3 * f)
+    own = Strategy(recipe=load_recipe("autopar"), micro_batch=1)
+    assert memory.block_act_bytes(moe, own) == memory.block_act_bytes(dense, own)
+
+
 def test_a_recipe_with_a_base_is_that_recipe_with_its_own_keys(tmp_path):
     """``base`` names a shipped recipe or a file (relative to the one naming it); the file's keys
     win, the notes merge, and a recipe without a name of its own is named after its file."""

@@ -103,6 +103,14 @@ def test_moe_traces_through_mixtral_and_is_priced_per_routed_token():
     assert prof.moe and prof.experts == 4 and prof.topk == 2 and prof.expert_ffn == f
     assert prof.expert_flops_per_token == 2 * (2 * h * 2 * f + 2 * f * h)
     assert prof.expert_params == 4 * 3 * h * f
+    # The routed rows' region as HF's code keeps it, per top-k copy: the dispatched input (h),
+    # the gate/up output (2f, which SiLU's view of it keeps), SiLU's output and the product
+    # (f each), the down projection's output for the routing-weight multiply (h), 2 bytes
+    # each, plus their int64 indices and weights; a fused SwiGLU (Megatron's grouped MLP)
+    # keeps one f less (``expert_act_bytes_per_token``).
+    copies = 2 * 2 * (2 * h + 4 * f)
+    assert copies <= prof.expert_act_bytes_traced_per_token <= copies + 2 * 32
+    assert prof.expert_act_bytes_per_token() == copies - 2 * 2 * f
 
 
 @pytest.mark.parametrize("name", ["mixtral-8x7b", "llama3-405b"])

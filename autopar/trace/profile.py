@@ -154,10 +154,22 @@ def _moe_fields(block: BlockInfo, spec: ModelSpec, tokens: int) -> dict:
         return {}
     down = [lin for lin in routed if lin.out_features == spec.hidden] or routed
     return dict(experts=block.experts, topk=spec.topk or 1,
+                expert_act_bytes_traced_per_token=_routed_saved_bytes(block, tokens) / tokens,
                 expert_ffn=down[-1].in_features,
                 expert_params=sum(lin.experts * lin.in_features * lin.out_features for lin in routed),
                 expert_flops_per_token=sum(n.flops for n in block.nodes if n.split.startswith("expert-")) / tokens,
                 capacity_factor=spec.capacity_factor)
+
+
+def _routed_saved_bytes(block: BlockInfo, tokens: int) -> int:
+    """Bytes the nodes over the routed rows save (outputs whose leading size is the row count
+    of the experts' GEMMs: tokens x topk on meta, where routing is even): the expert region as
+    the model's own code keeps it. 0 where those rows cannot be told from the tokens (top-1)."""
+    rows = {n.shape[0] for n in block.nodes if n.split.startswith("expert-") and n.shape}
+    if len(rows) != 1 or tokens in rows:
+        return 0
+    (r,) = rows
+    return sum(n.saved_bytes for n in block.nodes if n.shape and n.shape[0] == r)
 
 
 def profile_spec(spec: ModelSpec) -> ModelProfile:
