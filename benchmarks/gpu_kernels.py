@@ -236,6 +236,25 @@ def pool(paths: list[str], hw) -> None:
     for backend, (e, half, rms, seqs) in seq_laws(runs).items():
         print(f"sdpa {backend}: {e:.3f} * s / (s + {half:.0f}) over seq {seqs[0]}-{seqs[-1]}, head dim 128, "
               f"rms log error {rms:.3f}")
+    for backend, (ratio, half) in head_laws(runs).items():
+        print(f"sdpa {backend}: head dim 64 runs at {ratio:.3f} of 128's efficiency: d / (d + {half:.1f})")
+
+
+def head_laws(runs: list[dict]) -> dict[str, tuple[float, float]]:
+    """Per SDPA backend, (r, D): r the median over ``runs`` of its efficiency at head dim 64
+    over that at 128 on the same (batch, heads, sequence), and D of the law d / (d + D) that
+    ratio gives (``HardwareProfile.attention_half_head_dim``): r = 64 (128 + D) / (128 (64 + D))."""
+    out = {}
+    for backend in BACKENDS:
+        ratios = []
+        for r in runs:
+            eff = {tuple(a["shape"]): a["efficiency"] for a in r["attention"] if a["backend"] == backend}
+            ratios += [e / eff[(*shape[:3], 128)] for shape, e in eff.items()
+                       if shape[3] == 64 and e and eff.get((*shape[:3], 128))]
+        if ratios:
+            ratio = statistics.median(ratios)
+            out[backend] = (ratio, 8192 * (1 - ratio) / (128 * ratio - 64))
+    return out
 
 
 def seq_laws(runs: list[dict]) -> dict[str, tuple[float, float, float, list[int]]]:

@@ -321,13 +321,18 @@ def moe_traffic_bytes(model: ModelProfile, strat: Strategy) -> float:
     GEMMs: the router's fp32 logits, softmax and top-k over the experts (written, read and
     written: 3 x 4 bytes per expert per token), and the permutation of the top-k token copies
     into expert order before the dispatch and back after the combine (each read and written:
-    4 x topk x h elements, times the load). The backward moves the same."""
+    4 x topk x h elements, times the load). Under ep > 1 with several experts on a rank, the
+    rows an all-to-all brings are grouped by local expert after it and put back in source
+    order before the combine's (Megatron's alltoall dispatcher: ``sort_chunks_by_idxs`` in
+    ``dispatch_postprocess`` and ``combine_preprocess``; torchtitan's ``_permute`` after its
+    dispatch): 4 x topk x h more. The backward moves the same."""
     if not model.moe:
         return 0.0
     from cost_models.memory import moe_load
     tokens = strat.tokens(model.seq) * strat.moe_rows
     router = 12.0 * model.experts * tokens
-    permute = 4.0 * model.topk * model.hidden * elem_bytes(strat) * tokens * moe_load(model, strat) / strat.etp
+    passes = 8.0 if strat.mesh.ep > 1 and model.experts > strat.mesh.ep else 4.0
+    permute = passes * model.topk * model.hidden * elem_bytes(strat) * tokens * moe_load(model, strat) / strat.etp
     return router + permute
 
 
@@ -340,7 +345,7 @@ def block_gemm_s(model: ModelProfile, hw: HardwareProfile, strat: Strategy,
     weights, core = block_gemms(model, strat)
     attn_flops = tokens * model.block_attn_flops_per_token / strat.mesh.tp
     if kernel_fused(model, strat):
-        eff = hw.attention_eff(strat.recipe.attention_kernel, model.seq / strat.mesh.cp)
+        eff = hw.attention_eff(strat.recipe.attention_kernel, model.seq / strat.mesh.cp, model.head_dim)
         core_s = attn_flops * causal_fraction(model.seq) / (hw.compute_flops(strat.dtype) * eff)
         core_s *= FLASH_BWD_RATIO if backward else 1.0
     else:

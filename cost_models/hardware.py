@@ -14,6 +14,11 @@ from typing import Any
 from cost_models.jsonfile import JsonFileError, decode_json
 
 
+REF_HEAD_DIM = 128
+"""Head dimension at which ``HardwareProfile.attention_efficiency`` is stated: that of every
+training row it is fitted on (Llama and GPT shapes) and of the kernels' sequence law."""
+
+
 class ProfileError(ValueError):
     """A hardware profile that cannot be found or read; the message names the fix."""
 
@@ -101,6 +106,11 @@ class HardwareProfile:
     """Sequence law of a fused attention kernel family: at s tokens per sequence (per context-
     parallel rank) it reaches ``attention_efficiency · s / (s + S)``, S its value here (a row
     block's fixed work amortised over the keys it visits); a family not listed has none."""
+    attention_half_head_dim: dict[str, float] = field(default_factory=dict)
+    """Head-dimension law of a fused attention kernel family: at head dim d it reaches
+    ``d / (d + D)`` of its efficiency at ``REF_HEAD_DIM`` (D its value here: the softmax's
+    exponentials and rescales per score, which a larger d amortises over more GEMM work); a
+    family not listed has none."""
     overlap_penalty: float = 0.0
     """Fraction of a collective's time that still costs the compute it overlaps with (its
     kernels occupy SMs and HBM bandwidth): 0 is perfect overlap, 1 none."""
@@ -187,21 +197,27 @@ class HardwareProfile:
             raise ProfileError(f"profile {self.name!r}: attention_efficiency values must be in (0, 1]")
         if any(not 0.0 <= x < math.inf for x in self.attention_half_seq.values()):
             raise ProfileError(f"profile {self.name!r}: attention_half_seq values must be tokens >= 0")
+        if any(not 0.0 <= x < math.inf for x in self.attention_half_head_dim.values()):
+            raise ProfileError(f"profile {self.name!r}: attention_half_head_dim values must be >= 0")
 
     @property
     def memory_bytes(self) -> float:
         """What a plan may fill with tensors: the device memory less the allocator headroom."""
         return self.memory_gib * 2**30 * (1.0 - self.allocator_headroom)
 
-    def attention_eff(self, kernel: str, seq: float = math.inf) -> float:
+    def attention_eff(self, kernel: str, seq: float = math.inf, head_dim: float = REF_HEAD_DIM) -> float:
         """``attention_efficiency`` of a fused kernel family at ``seq`` tokens per sequence
-        (``attention_half_seq``; the default: its long-sequence value); a profile without it
-        prices fused attention at ``matmul_efficiency``."""
+        (``attention_half_seq``; the default: its long-sequence value) and heads of
+        ``head_dim`` (``attention_half_head_dim``); a profile without it prices fused
+        attention at ``matmul_efficiency``."""
         if kernel == "sdpa" and kernel not in self.attention_efficiency:
             kernel = self.sdpa_kernel
         eff = self.attention_efficiency.get(kernel, self.matmul_efficiency)
         half = self.attention_half_seq.get(kernel, 0.0)
-        return eff * seq / (seq + half) if half and seq < math.inf else eff
+        if half and seq < math.inf:
+            eff *= seq / (seq + half)
+        dim = self.attention_half_head_dim.get(kernel, 0.0)
+        return eff * (head_dim / (head_dim + dim)) / (REF_HEAD_DIM / (REF_HEAD_DIM + dim))
 
     @property
     def host_memory_bytes(self) -> float:
@@ -386,9 +402,10 @@ def profile_from_dict(data: Any) -> HardwareProfile:
             effs = _object(value, key, where)
             out[key] = {k: _number(f"attention_efficiency[{_shown(k)}]", where, v, (_EFF, 1.0, "(a fraction)"))
                         for k, v in effs.items()}
-        elif key == "attention_half_seq":
+        elif key in ("attention_half_seq", "attention_half_head_dim"):
             halves = _object(value, key, where)
-            out[key] = {k: _number(f"attention_half_seq[{_shown(k)}]", where, v, (0.0, 1e7, "tokens"))
+            unit = "tokens" if key == "attention_half_seq" else "head dims"
+            out[key] = {k: _number(f"{key}[{_shown(k)}]", where, v, (0.0, 1e7, unit))
                         for k, v in halves.items()}
         elif key == "checkpoint_us":
             modes = _object(value, key, where)

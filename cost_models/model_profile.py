@@ -136,6 +136,13 @@ class ModelProfile:
         return self.lead.layers if self.lead is not None else 0
 
     @property
+    def head_dim(self) -> float:
+        """Width of one attention head as QKᵀ and AV see it, read off their FLOPs (4 s heads d
+        per token; MLA: the mean of its query-key and value widths); 128 for a block with no
+        attention core."""
+        return self.block_attn_flops_per_token / (4.0 * self.seq * self.heads) if self.block_attn_flops_per_token > 0 else 128.0
+
+    @property
     def moe(self) -> bool:
         return self.experts > 0
 

@@ -297,6 +297,16 @@ def test_fused_attention_follows_its_kernels_sequence_law():
         assert core == pytest.approx(flat_core / factor)
     cp = dataclasses.replace(te, mesh=Degrees(cp=4))
     assert compute.block_gemm_s(long, law, cp)[1] == pytest.approx(compute.block_gemm_s(long, flat, cp)[1] / 0.5)
+    # Head-dimension law: d / (d + D) relative to 128; 64-wide heads (GPT-OSS, GPT-2 small)
+    # run slower per FLOP, the priced heads of every fitted row (128) as before.
+    flat = dataclasses.replace(flat, attention_half_head_dim={})
+    dims = dataclasses.replace(flat, attention_half_head_dim={"cudnn": 64.0})
+    assert dims.attention_eff("cudnn", head_dim=64) == pytest.approx(0.6 * (64 / 128) / (128 / 192))
+    assert dims.attention_eff("cudnn") == 0.6 and dims.attention_eff("flash2", head_dim=64) == 0.3
+    narrow = gpt(2, 2048, 32, seq=8192)  # head dim 64
+    assert narrow.head_dim == 64 and long.head_dim == 128
+    assert compute.block_gemm_s(narrow, dims, te)[1] == pytest.approx(compute.block_gemm_s(narrow, flat, te)[1] / 0.75)
+    assert compute.block_gemm_s(long, dims, te)[1] == pytest.approx(compute.block_gemm_s(long, flat, te)[1])
     from cost_models.hardware import PROFILE_DIR, profile_from_dict
     with pytest.raises(ProfileError, match="attention_half_seq"):
         data = json.loads((PROFILE_DIR / "dgx-h100.json").read_text())
@@ -1478,3 +1488,16 @@ def test_latent_attention_low_rank_projections_are_whole_under_tp():
     dense = ds.block_matmul_flops_per_token - ds.expert_flops_per_token  # each rank computes them whole
     assert compute.dense_flops_per_token(ds, one) == pytest.approx(dense)
     assert compute.dense_flops_per_token(ds, four) == pytest.approx((dense - 2 * whole) / 4 + 2 * whole)
+
+
+def test_rows_an_all_to_all_brings_are_grouped_by_local_expert_and_back():
+    """Under ep > 1 with several experts on a rank, the received rows are sorted by local expert
+    after the dispatch and back to source order before the combine (Megatron's
+    ``sort_chunks_by_idxs``, torchtitan's ``_permute``): twice the permutation bytes of ep = 1,
+    or of one expert a rank."""
+    moe = profile_spec(parse_model_spec("moe:layers=2,hidden=1024,heads=8,vocab=1024,seq=2048,experts=8,topk=2"))
+    tokens, h, k = 2048, 1024, 2
+    router = 12.0 * 8 * tokens
+    for ep, passes in ((1, 4), (2, 8), (4, 8), (8, 4)):
+        strat = Strategy(recipe=MC, mesh=Degrees(dp=8, ep=ep), micro_batch=1)
+        assert compute.moe_traffic_bytes(moe, strat) == pytest.approx(router + passes * k * h * 2 * tokens)

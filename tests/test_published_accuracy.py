@@ -155,8 +155,8 @@ def test_carried_over_constants_are_the_source_profiles():
 
 
 def test_dgx_h100_ships_the_laws_its_gpu_measured():
-    """The shape and sequence laws and the Float8 ratio in dgx-h100 (not fitted to the rows)
-    are what ``gpu_kernels.py --pool`` fits to the stored H100 runs."""
+    """The shape, sequence and head-dimension laws and the Float8 ratio in dgx-h100 (not fitted
+    to the rows) are what ``gpu_kernels.py --pool`` fits to the stored H100 runs."""
     import gpu_kernels
     hw = load_profile("dgx-h100")
     measured = ROOT / "benchmarks" / "measured"
@@ -171,6 +171,11 @@ def test_dgx_h100_ships_the_laws_its_gpu_measured():
     for kernel, backend in (("cudnn", "CUDNN_ATTENTION"), ("flash2", "FLASH_ATTENTION")):
         e, half, _, _ = seq[backend]
         assert hw.attention_half_seq[kernel] == half and hw.attention_eff(kernel) == round(e, 2)
+    heads = gpu_kernels.head_laws(runs)
+    for kernel, backend in (("cudnn", "CUDNN_ATTENTION"), ("flash2", "FLASH_ATTENTION")):
+        ratio, half = heads[backend]
+        assert hw.attention_half_head_dim[kernel] == round(half, 1)
+        assert hw.attention_eff(kernel, 2048, 64) / hw.attention_eff(kernel, 2048) == pytest.approx(ratio, abs=1e-3)
 
 
 @pytest.fixture(scope="module")
