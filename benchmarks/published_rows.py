@@ -15,7 +15,8 @@ the source left unstated and what was chosen; ``needs`` lists features autopar c
 ``moe_folding``: Megatron's experts on a TP x DP regrouping of their own, ``ep_overlap``: the
 expert all-to-alls hidden behind another micro-batch, ``hybrid_ep``: DeepEP/HybridEP dispatch
 kernels, ``cuda_graphs``, ``mtp``: DeepSeek's multi-token prediction layer,
-``pipeline_layout``: blocks placed on stages by hand), so a
+``pipeline_layout``: blocks placed on stages by hand, ``recompute_modules``: Megatron's
+``--recompute-modules`` other than core attention, recorded as the nearest mode), so a
 validator can skip those rows until they are supported or pick the recipe that has them.
 
 Pure data: no torch, no autopar import.
@@ -37,7 +38,7 @@ RECOMPUTE = ("none", "selective", "full")
 FLOPS_CONVENTIONS = ("model", "hardware")
 NEEDS = ("cp", "fp8", "moe", "async_tp", "torch_compile", "a100_40g", "h100_96g", "cpu_offload",
          "per_op_sac", "fp8_rowwise", "eager_loss", "moe_folding", "ep_overlap", "hybrid_ep", "cuda_graphs",
-         "mtp", "pipeline_layout")
+         "mtp", "pipeline_layout", "recompute_modules")
 
 
 class PublishedDataError(ValueError):
