@@ -299,9 +299,26 @@ def expert_gemms(model: ModelProfile, strat: Strategy) -> list[Gemm]:
     from cost_models.memory import moe_load  # memory imports nothing of compute
     t, h, f = strat.etp, model.hidden, model.expert_ffn
     local = model.experts / strat.mesh.ep
-    rows = strat.tokens(model.seq) * strat.moe_rows * model.topk * strat.mesh.ep / model.experts * moe_load(model, strat)
-    ups = max(1, round(model.expert_flops_per_token / (2 * model.topk * h * f) - 1))
+    copies = expert_copies(model, strat)
+    rows = strat.tokens(model.seq) * strat.moe_rows * copies * strat.mesh.ep / model.experts * moe_load(model, strat)
+    ups = max(1, round(model.expert_flops_per_token / (2 * (model.expert_copies or model.topk) * h * f) - 1))
     return [Gemm(batch=local, m=rows, n=ups * f / t, k=h), Gemm(batch=local, m=rows, n=h, k=f / t)]
+
+
+def expert_copies(model: ModelProfile, strat: Strategy) -> float:
+    """Copies of each token the program runs through the routed experts: as the model's code
+    does (``ModelProfile.expert_copies``) where the program runs the module as written, top-k
+    where the framework builds its own routed MLP."""
+    if strat.recipe.runs_module_as_written and model.expert_copies:
+        return model.expert_copies
+    return model.topk
+
+
+def expert_flops_per_token(model: ModelProfile, strat: Strategy) -> float:
+    """Forward FLOPs per token of the routed experts in ``strat``'s program (``expert_copies``)."""
+    if strat.recipe.runs_module_as_written:
+        return model.expert_flops_per_token
+    return model.routed_expert_flops_per_token()
 
 
 def expert_gemm_s(model: ModelProfile, hw: HardwareProfile, strat: Strategy, backward: bool = False) -> float:
@@ -312,7 +329,8 @@ def expert_gemm_s(model: ModelProfile, hw: HardwareProfile, strat: Strategy, bac
     if not model.moe:
         return 0.0
     from cost_models.memory import moe_load
-    flops = strat.tokens(model.seq) * strat.moe_rows * model.expert_flops_per_token / strat.etp * moe_load(model, strat)
+    tokens = strat.tokens(model.seq) * strat.moe_rows
+    flops = tokens * expert_flops_per_token(model, strat) / strat.etp * moe_load(model, strat)
     return _scaled_s(expert_gemms(model, strat), flops, hw, strat, "fp8" if strat.fp8 else None, backward)
 
 

@@ -77,6 +77,12 @@ class ModelProfile:
     expert_flops_per_token: float = 0.0
     """Forward FLOPs per token of one block's routed-expert GEMMs: the top-k copies of the
     token through their experts' up/gate and down projections."""
+    expert_copies: float = 0.0
+    """Copies of each token the model's own code runs through its routed experts: top-k where
+    it routes, the expert count where it runs every expert on every token and weights the
+    results (HF's Llama 4); ``expert_flops_per_token`` and the traced activations count that
+    many. A framework that builds its own blocks routes top-k (``routed_expert_flops_per_token``).
+    0: top-k (not traced)."""
     capacity_factor: float = 0.0
     """Tokens an expert takes at most, over its fair share (tokens x topk / experts); 0:
     dropless (every routed token is computed, however uneven)."""
@@ -140,7 +146,9 @@ class ModelProfile:
         """Width of one attention head as QKᵀ and AV see it, read off their FLOPs (4 s heads d
         per token; MLA: the mean of its query-key and value widths); 128 for a block with no
         attention core."""
-        return self.block_attn_flops_per_token / (4.0 * self.seq * self.heads) if self.block_attn_flops_per_token > 0 else 128.0
+        if self.block_attn_flops_per_token <= 0:
+            return 128.0
+        return self.block_attn_flops_per_token / (4.0 * self.seq * self.heads)
 
     @property
     def moe(self) -> bool:
@@ -158,6 +166,13 @@ class ModelProfile:
         """Parameters of one block outside its routed experts (attention, norms, router,
         shared experts)."""
         return self.block_params - self.expert_params
+
+    def routed_expert_flops_per_token(self) -> float:
+        """``expert_flops_per_token`` of top-k routing: the model's own code's scaled from its
+        ``expert_copies`` to ``topk`` copies (the same where it routes)."""
+        if self.expert_copies > self.topk > 0:
+            return self.expert_flops_per_token * self.topk / self.expert_copies
+        return self.expert_flops_per_token
 
     def expert_act_bytes_per_token(self) -> float:
         """Saved-for-backward bytes per token of the routed-expert region in 16-bit
@@ -188,8 +203,10 @@ class ModelProfile:
                 self.block_act_bytes_attn_per_token)
 
     def model_flops_per_token(self) -> float:
-        """Training FLOPs per token (forward + backward = 3x forward, no recompute)."""
-        fwd = self.layers * (self.block_matmul_flops_per_token + self.block_attn_flops_per_token)
+        """Training FLOPs per token (forward + backward = 3x forward, no recompute), the routed
+        experts' at top-k whatever the model's code runs (``routed_expert_flops_per_token``)."""
+        routed = self.routed_expert_flops_per_token() - self.expert_flops_per_token
+        fwd = self.layers * (self.block_matmul_flops_per_token + routed + self.block_attn_flops_per_token)
         if self.lead is not None:
             fwd += self.lead.layers * (self.lead.block_matmul_flops_per_token + self.lead.block_attn_flops_per_token)
         return 3.0 * (fwd + self.head_flops_per_token)

@@ -1501,3 +1501,24 @@ def test_rows_an_all_to_all_brings_are_grouped_by_local_expert_and_back():
     for ep, passes in ((1, 4), (2, 8), (4, 8), (8, 4)):
         strat = Strategy(recipe=MC, mesh=Degrees(dp=8, ep=ep), micro_batch=1)
         assert compute.moe_traffic_bytes(moe, strat) == pytest.approx(router + passes * k * h * 2 * tokens)
+
+
+def test_experts_the_models_code_runs_densely_are_priced_routed_under_a_frameworks_blocks():
+    """A model whose code runs every expert on every token (``expert_copies`` = experts, HF's
+    Llama 4) costs that under autopar's runtime, which runs the module; a framework building
+    its own routed MLP runs top-k copies: its expert GEMMs are experts / topk times cheaper,
+    their shapes those of routed rows, and model FLOPs count top-k either way."""
+    h, f, e = 1024, 2048, 16
+    routed = dataclasses.replace(gpt(2, h, 8, seq=2048), experts=e, topk=1, expert_ffn=f, expert_copies=1.0,
+                                 expert_params=e * 3 * h * f, expert_flops_per_token=2.0 * 3 * h * f)
+    dense = dataclasses.replace(routed, expert_copies=float(e), expert_flops_per_token=e * 2.0 * 3 * h * f,
+                                block_matmul_flops_per_token=routed.block_matmul_flops_per_token + (e - 1) * 6.0 * h * f)
+    hw = load_profile("dgx-h100")
+    te = Strategy(recipe=load_recipe("megatron-core-te"), micro_batch=1)
+    own = Strategy(recipe=load_recipe("autopar"), micro_batch=1)
+    assert compute.expert_gemm_s(dense, hw, te) == pytest.approx(compute.expert_gemm_s(routed, hw, te))
+    assert compute.expert_gemms(dense, te) == compute.expert_gemms(routed, te)
+    # 16x the FLOPs, in GEMMs of 2,048 rows rather than 128 (which read the same weights)
+    assert compute.expert_gemm_s(dense, hw, own) > 4 * compute.expert_gemm_s(routed, hw, own)
+    assert [g.m for g in compute.expert_gemms(dense, own)] == [2048, 2048]  # every expert, every token
+    assert dense.model_flops_per_token() == pytest.approx(routed.model_flops_per_token())

@@ -289,3 +289,22 @@ def test_gpt_oss_sinks_stay_in_the_attention_core():
     # Run as written the scores are kept; by a framework's own kernel, a float32 log-sum-exp.
     assert profile.act_bytes_per_token(True)[2] == 2 * a * (s + 1) + 8 * a
     assert profile.act_bytes_per_token(True, own_kernel=True)[2] == 4 * a
+
+
+LLAMA4 = ("hf:Llama4TextConfig:num_hidden_layers=2,hidden_size=64,intermediate_size=96,intermediate_size_mlp=128,"
+          "num_attention_heads=4,num_key_value_heads=2,head_dim=16,num_local_experts=4,vocab_size=128,seq=32")
+
+
+def test_an_hf_moe_running_every_expert_on_every_token_is_priced_routed_by_other_frameworks():
+    """HF's Llama 4 runs each token through all its experts (a bmm over them, scaled by the
+    router's top-1 score): its code's expert FLOPs and saved copies are 4x top-1's here
+    (``expert_copies``), which autopar's runtime, running the module, pays; a framework's own
+    routed MLP computes top-k copies, and model FLOPs (MFU) count those."""
+    prof = profile_spec(parse_model_spec(LLAMA4))
+    h, f, e = 64, 96, 4
+    assert (prof.experts, prof.topk, prof.expert_copies) == (e, 1, e)
+    assert prof.expert_flops_per_token == e * 2 * 3 * h * f
+    assert prof.routed_expert_flops_per_token() == 2 * 3 * h * f
+    mixtral = profile_spec(parse_model_spec(MOE))  # routes: its code runs top-2 copies
+    assert mixtral.expert_copies == mixtral.topk == 2
+    assert mixtral.routed_expert_flops_per_token() == mixtral.expert_flops_per_token

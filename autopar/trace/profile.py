@@ -153,7 +153,9 @@ def _moe_fields(block: BlockInfo, spec: ModelSpec, tokens: int) -> dict:
     if not block.experts or not routed:
         return {}
     down = [lin for lin in routed if lin.out_features == spec.hidden] or routed
-    return dict(experts=block.experts, topk=spec.topk or 1,
+    first = next((n for n in block.nodes if n.split == "expert-column" and n.shape), None)
+    copies = math.prod(first.shape[:-1]) / tokens if first is not None else 0.0
+    return dict(experts=block.experts, topk=spec.topk or 1, expert_copies=copies,
                 expert_act_bytes_traced_per_token=_routed_saved_bytes(block, tokens) / tokens,
                 expert_ffn=down[-1].in_features,
                 expert_params=sum(lin.experts * lin.in_features * lin.out_features for lin in routed),
