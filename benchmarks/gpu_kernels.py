@@ -1,8 +1,9 @@
 """The kernel rates a GPU profile's constants stand for, measured on the local GPU: GEMMs with
 one small dimension (bf16, and fp8 through ``torch._scaled_mm`` with tensor-wise scales, as
 torchao's Float8Linear and Transformer Engine's delayed scaling run them), each fused SDPA
-backend's causal forward and backward, the kernels an unforced SDPA runs, and the dynamic
-Float8 cast.
+backend's causal forward and backward, the kernels an unforced SDPA runs, the dynamic Float8
+cast, and the routed experts' grouped GEMMs of the published mixture-of-experts runs against
+their price (``GROUPED``).
 
     python benchmarks/gpu_kernels.py --out gpu_kernels.json     # one GPU, about a minute
     python benchmarks/gpu_kernels.py --pool benchmarks/measured/gpu_kernels_h100_*.json  # the fit
@@ -48,6 +49,16 @@ ATTENTION = ((16, 32, 512, 128), (8, 32, 1024, 128), (4, 32, 2048, 128), (2, 32,
              (1, 32, 8192, 128), (1, 16, 16384, 128), (4, 32, 2048, 64))
 """(batch, heads, sequence, head dim) of the causal SDPA shapes timed."""
 BACKENDS = ("FLASH_ATTENTION", "CUDNN_ATTENTION", "EFFICIENT_ATTENTION")
+GROUPED = {"gpt-oss-120b h100 ep8 mbs1": (16, 1024, 2880, 5760, 2880),
+           "gpt-oss-120b b200 ep8 mbs4": (16, 4096, 2880, 5760, 2880),
+           "qwen3-30b-a3b ep16 mbs1": (8, 4096, 2048, 1536, 768),
+           "deepseek-v3 ep64 mbs1": (4, 8192, 7168, 4096, 2048),
+           "mixtral-8x7b ep8 seq4096": (1, 8192, 4096, 28672, 14336)}
+"""(local experts, rows per expert, h, gate/up width, expert width) of the routed experts'
+grouped GEMMs on one rank of the published mixture-of-experts runs (benchmarks/published/
+megatron_bridge_{moe,b200}.json: rows = tokens x topk x ep / experts under even routing) and of
+Mixtral; timed as ``torch._grouped_mm`` (what HF's grouped_mm experts and torchtitan run) and
+compared with the cost model's ``compute.gemm_s`` of the same ``Gemm``s."""
 E4M3_MAX = 448.0
 BATCH_S = 5e-3
 """Device seconds of back-to-back calls each timed repeat spans (``timed``)."""
@@ -93,6 +104,37 @@ def gemm_rate(m: int, k: int, n: int, dtype: str) -> float:
         one = torch.ones((), device=dev)
         fn = lambda: torch._scaled_mm(a, b, scale_a=one, scale_b=one, out_dtype=torch.bfloat16)
     return 2.0 * m * k * n / timed(fn)
+
+
+def grouped_times(local: int, rows: int, h: int, up: int, f: int, device: str = "cuda",
+                  time: Callable[[Callable[[], object]], float] | None = None) -> tuple[float, float]:
+    """(forward, backward) seconds of one expert MLP's two grouped GEMMs, bf16 with autograd:
+    [local x rows, h] @ [local, h, up] then [local x rows, f] @ [local, f, h], each expert's rows
+    contiguous (``offs``), as an expert-parallel rank runs them after its dispatch."""
+    time = time or timed
+    offs = torch.arange(1, local + 1, device=device, dtype=torch.int32) * rows
+    x = torch.randn(local * rows, h, device=device, dtype=torch.bfloat16, requires_grad=True)
+    a = torch.randn(local * rows, f, device=device, dtype=torch.bfloat16, requires_grad=True)
+    w1 = torch.randn(local, h, up, device=device, dtype=torch.bfloat16, requires_grad=True)
+    w2 = torch.randn(local, f, h, device=device, dtype=torch.bfloat16, requires_grad=True)
+
+    def forward() -> tuple[torch.Tensor, torch.Tensor]:
+        return torch._grouped_mm(x, w1, offs=offs), torch._grouped_mm(a, w2, offs=offs)
+
+    def both() -> None:
+        y1, y2 = forward()
+        torch.autograd.backward([y1, y2], [torch.ones_like(y1), torch.ones_like(y2)])
+
+    fwd = time(lambda: forward())
+    return fwd, time(both) - fwd
+
+
+def grouped_predicted(local: int, rows: int, h: int, up: int, f: int, hw) -> tuple[float, float]:
+    """The cost model's (forward, backward) seconds of ``grouped_times``' GEMMs."""
+    from cost_models.compute import Gemm, gemm_s, grad_gemms
+    gemms = [Gemm(batch=local, m=rows, n=up, k=h), Gemm(batch=local, m=rows, n=h, k=f)]
+    return (sum(gemm_s(g, hw, "bf16", 2) for g in gemms),
+            sum(gemm_s(x, hw, "bf16", 2) for g in gemms for x in grad_gemms(g)))
 
 
 def attention_rate(shape: tuple[int, int, int, int], backend: str) -> float | None:
@@ -238,6 +280,14 @@ def pool(paths: list[str], hw) -> None:
               f"rms log error {rms:.3f}")
     for backend, (ratio, half) in head_laws(runs).items():
         print(f"sdpa {backend}: head dim 64 runs at {ratio:.3f} of 128's efficiency: d / (d + {half:.1f})")
+    grouped: dict[str, list[tuple[float, float]]] = {}
+    for r in runs:
+        for gr in r.get("grouped", []):
+            grouped.setdefault(gr["name"], []).append((gr["forward_predicted_s"] / gr["forward_s"],
+                                                       gr["backward_predicted_s"] / gr["backward_s"]))
+    for name, ratios in grouped.items():
+        print(f"grouped {name}: priced / measured forward {statistics.median(r[0] for r in ratios):.3f}, "
+              f"backward {statistics.median(r[1] for r in ratios):.3f} over {len(ratios)} runs")
 
 
 def head_laws(runs: list[dict]) -> dict[str, tuple[float, float]]:
@@ -334,6 +384,16 @@ def main() -> None:
                                      "tflops": None if arate is None else arate / 1e12, "efficiency": eff})
             print(f"sdpa {backend:20s} {shape}: " + ("unavailable" if arate is None else
                   f"{arate / 1e12:6.1f} TFLOP/s ({eff:.3f} of peak)"), flush=True)
+    out["grouped"] = []
+    for name, (local, rows, h, up, f) in GROUPED.items():
+        fwd, bwd = grouped_times(local, rows, h, up, f)
+        pf, pb = grouped_predicted(local, rows, h, up, f, hw)
+        flops = 2.0 * local * rows * (h * up + f * h)
+        out["grouped"].append({"name": name, "local": local, "rows": rows, "h": h, "up": up, "f": f,
+                               "forward_s": fwd, "backward_s": bwd,
+                               "forward_predicted_s": pf, "backward_predicted_s": pb})
+        print(f"grouped {name}: forward {flops / fwd / 1e12:6.1f} TFLOP/s (priced {pf / fwd:.3f}x), "
+              f"backward {2 * flops / bwd / 1e12:6.1f} TFLOP/s (priced {pb / bwd:.3f}x)", flush=True)
     out["default_attention_kernels"] = default_kernels(ATTENTION[3])
     print(f"sdpa with no backend forced runs: {out['default_attention_kernels']}", flush=True)
     for elements in (2 ** 24, 2 ** 27):

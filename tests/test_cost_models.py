@@ -1522,3 +1522,27 @@ def test_experts_the_models_code_runs_densely_are_priced_routed_under_a_framewor
     assert compute.expert_gemm_s(dense, hw, own) > 4 * compute.expert_gemm_s(routed, hw, own)
     assert [g.m for g in compute.expert_gemms(dense, own)] == [2048, 2048]  # every expert, every token
     assert dense.model_flops_per_token() == pytest.approx(routed.model_flops_per_token())
+
+
+def test_the_grouped_gemms_gpu_kernels_times_are_those_the_model_prices():
+    """``benchmarks/gpu_kernels.py`` times the published MoE runs' grouped GEMMs (``GROUPED``)
+    and compares them with ``compute.gemm_s``: for GPT-OSS 120B's H100 row (EP 8, 16 local
+    experts, 4,096 tokens of top-4 copies) its shapes are those ``expert_gemms`` prices, and
+    the timing code runs (on CPU here, tiny)."""
+    import sys
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "benchmarks"))
+    import gpu_kernels
+    local, rows, h, up, f = gpu_kernels.GROUPED["gpt-oss-120b h100 ep8 mbs1"]
+    oss = dataclasses.replace(gpt(2, h, 64, seq=4096), experts=128, topk=4, expert_ffn=f, expert_copies=4.0,
+                              expert_params=128 * 3 * h * f, expert_flops_per_token=4 * 2.0 * 3 * h * f)
+    strat = Strategy(recipe=load_recipe("megatron-core-te"), mesh=Degrees(dp=16, ep=8), micro_batch=1)
+    assert compute.expert_gemms(oss, strat) == [compute.Gemm(batch=local, m=rows, n=up, k=h),
+                                                compute.Gemm(batch=local, m=rows, n=h, k=f)]
+    hw = load_profile("dgx-h100")
+    priced = compute.expert_gemm_s(oss, hw, strat)
+    assert gpu_kernels.grouped_predicted(local, rows, h, up, f, hw)[0] == pytest.approx(priced)
+    runs = []
+    fwd, bwd = gpu_kernels.grouped_times(2, 8, 16, 32, 16, device="cpu", time=lambda fn: runs.append(fn) or 1.0)
+    assert (fwd, bwd) == (1.0, 0.0) and len(runs) == 2
+    for fn in runs:
+        fn()
