@@ -1511,8 +1511,9 @@ def test_experts_the_models_code_runs_densely_are_priced_routed_under_a_framewor
     h, f, e = 1024, 2048, 16
     routed = dataclasses.replace(gpt(2, h, 8, seq=2048), experts=e, topk=1, expert_ffn=f, expert_copies=1.0,
                                  expert_params=e * 3 * h * f, expert_flops_per_token=2.0 * 3 * h * f)
+    extra = (e - 1) * 6.0 * h * f  # the other experts' GEMMs on every token
     dense = dataclasses.replace(routed, expert_copies=float(e), expert_flops_per_token=e * 2.0 * 3 * h * f,
-                                block_matmul_flops_per_token=routed.block_matmul_flops_per_token + (e - 1) * 6.0 * h * f)
+                                block_matmul_flops_per_token=routed.block_matmul_flops_per_token + extra)
     hw = load_profile("dgx-h100")
     te = Strategy(recipe=load_recipe("megatron-core-te"), micro_batch=1)
     own = Strategy(recipe=load_recipe("autopar"), micro_batch=1)
