@@ -75,8 +75,9 @@ class ModelProfile:
     expert_params: int = 0
     """Parameters of one block's routed experts, all of them (split over ep, then tp)."""
     expert_flops_per_token: float = 0.0
-    """Forward FLOPs per token of one block's routed-expert GEMMs: the top-k copies of the
-    token through their experts' up/gate and down projections."""
+    """Forward FLOPs per token of one block's routed-expert GEMMs as the model's code runs
+    them: the token's copies (``expert_copies``: top-k where it routes) through their experts'
+    up/gate and down projections."""
     expert_copies: float = 0.0
     """Copies of each token the model's own code runs through its routed experts: top-k where
     it routes, the expert count where it runs every expert on every token and weights the

@@ -421,10 +421,11 @@ class MeasureRun(fx.Interpreter):
 
 
 def _follow_core(rec: Recorder, acts: list[torch.Tensor], outputs: list[torch.Tensor], flops: float) -> None:
-    """Track a hand-written attention core through a block node with no weight GEMM: a product of two
-    activations that are not core (Q Kᵀ) starts it, and records the block's heads and head size
-    from Q ([..., heads, s, d] or [batch * heads, s, d]); ops on core tensors stay in it; the
-    product of the probabilities and V leaves it."""
+    """Track a hand-written attention core through a block node with no weight GEMM: a product
+    of two activations that are not core (Q Kᵀ) starts it, and records the block's heads and
+    head size from Q ([..., heads, s, d] or [batch * heads, s, d]); ops on core tensors stay in
+    it (a weight joined to them too: GPT-OSS's sinks); the product of the probabilities and V
+    leaves it."""
     core_in = any(_key(t) in rec.core for t in acts)
     if flops > 0 and len(acts) >= 2 and not core_in and outputs and outputs[0].dim() >= 3:
         q, k = acts[0], acts[1]
