@@ -48,7 +48,7 @@ SOURCE_RECIPE = {
     "torchtitan_h100": "torchtitan", "torchtitan_h200": "torchtitan",
     "llmfoundry": "llm-foundry", "nemo_h100": "megatron-core-te",
     "megatron_bridge_h100": "megatron-core-te", "megatron_bridge_moe": "megatron-core-te",
-    "megatron_bridge_b200": "megatron-core-te",
+    "megatron_bridge_b200": "megatron-core-te", "megatron_moe_modelzoo": "megatron-core-te",
 }
 """The execution recipe of each source's framework (``cost_models/recipes``)."""
 FEATURE_RECIPE = {"torchtitan": {frozenset({"torch_compile"}): "torchtitan-compile",
