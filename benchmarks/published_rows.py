@@ -41,6 +41,42 @@ NEEDS = ("cp", "fp8", "moe", "async_tp", "torch_compile", "a100_40g", "h100_96g"
          "mtp", "pipeline_layout", "recompute_modules")
 
 
+# How benchmarks/validate_rows.py prices each source's rows (plain data, like the rows).
+
+SOURCE_RECIPE = {
+    "narayanan2021_t1": "megatron-2021", "korthikanti2022_t5": "megatron-core",
+    "mtnlg": "deepspeed", "bloom": "deepspeed", "torchtitan_a100": "torchtitan",
+    "torchtitan_h100": "torchtitan", "torchtitan_h200": "torchtitan",
+    "llmfoundry": "llm-foundry", "nemo_h100": "megatron-core-te",
+    "megatron_bridge_h100": "megatron-core-te", "megatron_bridge_moe": "megatron-core-te",
+    "megatron_bridge_b200": "megatron-core-te", "megatron_moe_modelzoo": "megatron-core-te",
+}
+"""The execution recipe of each source's framework (``cost_models/recipes``)."""
+FEATURE_RECIPE = {"torchtitan": {frozenset({"torch_compile"}): "torchtitan-compile",
+                                 frozenset({"torch_compile", "async_tp"}): "torchtitan-asynctp",
+                                 frozenset({"torch_compile", "eager_loss"}): "torchtitan-compile-eager-loss",
+                                 frozenset({"torch_compile", "async_tp", "eager_loss"}): "torchtitan-asynctp-eager-loss"}}
+"""A framework's recipe for rows that ran with program features (``Row.needs``) its plain
+recipe does not have, by the set of those features."""
+FEATURES = frozenset({"torch_compile", "async_tp", "eager_loss"})
+"""The needs that select a recipe (``FEATURE_RECIPE``) rather than a strategy or a profile."""
+MEMORY_APPROXIMATED = frozenset({"recompute_modules"})
+"""Needs priced at the nearest configuration autopar has, which keeps more than the run did:
+``recompute_modules`` (Megatron recomputing the norms or the experts' activation, recorded as
+recompute none) adds element-wise work the time leaves out and frees memory the peak keeps.
+Their time is priced; their fit is shown but is not a run "predicted not to fit although it
+ran" (the configuration priced is not the one that ran)."""
+SUPPORTED = frozenset({"a100_40g", "h100_96g", "fp8", "cp", "per_op_sac", "moe"}) | FEATURES | MEMORY_APPROXIMATED
+"""Needs (``published_rows.NEEDS``) autopar can express now."""
+CHECK_ONLY = frozenset({"cp", "per_op_sac", "moe"})
+"""Needs whose rows are priced and reported but never fitted on: out-of-sample checks of a
+newly priced feature by construction. ``cp``: NeMo's and Megatron-Bridge's context-parallel H100
+rows (Llama-3 8B / 70B at CP 2, Llama-3.1 405B at CP 2) check the ring-attention pricing with the
+constants the other rows fit. ``per_op_sac``: torchtitan's per-op selective recompute (``op``),
+recorded by the sources as "selective", checked the same way. ``moe``: Megatron-Bridge's
+mixture-of-experts rows check the routed experts' pricing (grouped GEMMs, all-to-alls) the
+same way."""
+
 class PublishedDataError(ValueError):
     """A published-data file is malformed; the message names the file and row."""
 

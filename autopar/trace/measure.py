@@ -365,9 +365,7 @@ class MeasureRun(fx.Interpreter):
         def inside(u: fx.Node) -> bool:
             return self.segment_of(u) == rec.segment
         gemm_weights = [w for w in weights if w.dim() >= 2 and w.is_floating_point()]
-        if rec.segment and not (flops > 0 and gemm_weights) and n.target not in SDPA:
-            # a node reading a weight without a GEMM (GPT-OSS's sinks concatenated to the
-            # scores) follows the core like a weightless one
+        if rec.segment and not (flops > 0 and gemm_weights) and n.target not in SDPA:  # no weight GEMM
             _follow_core(rec, acts, outputs, flops)
         if flops > 0 and gemm_weights:
             w = max(gemm_weights, key=lambda t: t.numel())
