@@ -379,7 +379,7 @@ def block_elementwise_bytes(model: ModelProfile, strat: Strategy,
     attention kernel moves no s x s bytes."""
     scale = elem_bytes(strat) / 2 * strat.tokens(model.seq) * strat.recipe.elementwise_traffic
     sp = strat.mesh.tp if strat.sequence_parallel else 1
-    repl, sharded, attn = model.act_bytes_per_token(fused(strat), own_kernel=not strat.recipe.runs_module_as_written)
+    repl, sharded, attn = model.act_bytes_per_token(fused(strat), own_blocks=not strat.recipe.runs_module_as_written)
     rest = traffic[0] * repl / sp + traffic[1] * sharded / strat.mesh.tp
     core = 0.0 if kernel_fused(model, strat) else traffic[2] * attn / strat.mesh.tp
     return scale * rest, scale * core

@@ -53,9 +53,9 @@ def fused_attention(strat: Strategy) -> bool:
 
 def act_bytes_per_token(model: ModelProfile, strat: Strategy) -> tuple[float, float, float]:
     """``model``'s (replicated, sharded, attention core) bytes per token in ``strat``'s
-    accounting: its recipe's attention, a core written out by hand kept as written only by a
-    program that runs the module itself (``recipe.runs_module_as_written``)."""
-    return model.act_bytes_per_token(fused_attention(strat), own_kernel=not strat.recipe.runs_module_as_written)
+    accounting: its recipe's attention, a core or norms written out by hand kept as written
+    only by a program that runs the module itself (``recipe.runs_module_as_written``)."""
+    return model.act_bytes_per_token(fused_attention(strat), own_blocks=not strat.recipe.runs_module_as_written)
 
 
 def runs_autocast(strat: Strategy) -> bool:

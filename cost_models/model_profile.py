@@ -57,7 +57,15 @@ class ModelProfile:
     """The blocks' attention core is written out op by op, not an SDPA call (GPT-OSS's
     learned sinks, a hand-written ``q @ k.T``): run as written it keeps its scores, which the
     fused figures then count; a framework that builds its own blocks runs its fused kernel
-    instead (``act_bytes_per_token``'s ``own_kernel``)."""
+    instead (``act_bytes_per_token``'s ``own_blocks``)."""
+    written_norm_replicated_per_token: float = 0.0
+    """Bytes per token that the blocks' RMSNorms written out op by op keep beyond a fused norm
+    kernel, of the replicated figures: the float32 copy of each norm's input its variance reads
+    (HF's ``LlamaRMSNorm`` and kin upcast first); a fused kernel keeps the 16-bit input and a
+    float32 rstd, as many bytes as the written one keeps besides. A framework that builds its
+    own blocks does not keep it (``own_blocks``)."""
+    written_norm_sharded_per_token: float = 0.0
+    """The same of the sharded figures (per-head q/k norms on a column-parallel output)."""
     autocast_act_bytes_per_token: float = 0.0
     """What one block keeps beyond the above per token when it runs under ``torch.autocast``
     (``ExecutionRecipe.autocast``), replicated bytes: a norm module (an fp32 op there) keeps
@@ -190,17 +198,20 @@ class ModelProfile:
         lead = self.lead_layers * self.lead.block_params if self.lead is not None else 0
         return self.embed_params + lead + self.layers * self.block_params + self.head_params - tied
 
-    def act_bytes_per_token(self, fused: bool, own_kernel: bool = False) -> tuple[float, float, float]:
+    def act_bytes_per_token(self, fused: bool, own_blocks: bool = False) -> tuple[float, float, float]:
         """(replicated, sharded, attention core) saved bytes per token in one accounting;
-        ``own_kernel``: the fused one of a framework running its own attention kernel, which
+        ``own_blocks``: of a framework that builds its own blocks, whose fused norms keep no
+        float32 copies (``written_norm_*_per_token``) and whose fused attention kernel
         keeps a float32 log-sum-exp per head of a core the model writes out by hand
         (``written_attention``) instead of its scores."""
+        repl = self.written_norm_replicated_per_token if own_blocks else 0.0
+        sharded = self.written_norm_sharded_per_token if own_blocks else 0.0
         if fused:
-            attn = 4.0 * self.heads if own_kernel and self.written_attention \
+            attn = 4.0 * self.heads if own_blocks and self.written_attention \
                 else self.fused_act_bytes_attn_per_token
-            return (self.fused_act_bytes_replicated_per_token,
-                    self.fused_act_bytes_sharded_per_token, attn)
-        return (self.block_act_bytes_replicated_per_token, self.block_act_bytes_sharded_per_token,
+            return (self.fused_act_bytes_replicated_per_token - repl,
+                    self.fused_act_bytes_sharded_per_token - sharded, attn)
+        return (self.block_act_bytes_replicated_per_token - repl, self.block_act_bytes_sharded_per_token - sharded,
                 self.block_act_bytes_attn_per_token)
 
     def model_flops_per_token(self) -> float:

@@ -68,6 +68,15 @@ def test_hf_llama_activation_bytes_are_explained(llama):
     assert act.replicated == (16 * h + 8 + 4 * d + s) * tokens
     assert act.sharded == (8 * h + 8 * f) * tokens
     assert act.attn == 4 * a * tokens
+    # A framework building its own blocks runs fused norms: the two float32 inputs of ``pow``
+    # (4h each) go, and what is left above the built-in Llama's 8h + 8 is HF's mask and cos/sin.
+    assert block.written_norms.replicated == 8 * h * tokens and block.written_norms.sharded == 0
+    hf = profile_from_graph(llama, spec)
+    ref = profile_from_graph(trace_spec(parse_model_spec(SAME_BUILTIN)), parse_model_spec(SAME_BUILTIN))
+    assert ref.written_norm_replicated_per_token == 0
+    assert hf.act_bytes_per_token(True, own_blocks=True)[0] - ref.act_bytes_per_token(True, own_blocks=True)[0] \
+        == 4 * d + s
+    assert hf.act_bytes_per_token(True)[0] == (16 * h + 8 + 4 * d + s)  # as written: autopar's runtime
 
 
 def test_hf_gpt2_and_its_dropout():
@@ -288,7 +297,7 @@ def test_gpt_oss_sinks_stay_in_the_attention_core():
     assert not profile_spec(parse_model_spec(LLAMA)).written_attention
     # Run as written the scores are kept; by a framework's own kernel, a float32 log-sum-exp.
     assert profile.act_bytes_per_token(True)[2] == 2 * a * (s + 1) + 8 * a
-    assert profile.act_bytes_per_token(True, own_kernel=True)[2] == 4 * a
+    assert profile.act_bytes_per_token(True, own_blocks=True)[2] == 4 * a
 
 
 LLAMA4 = ("hf:Llama4TextConfig:num_hidden_layers=2,hidden_size=64,intermediate_size=96,intermediate_size_mlp=128,"
@@ -308,3 +317,15 @@ def test_an_hf_moe_running_every_expert_on_every_token_is_priced_routed_by_other
     mixtral = profile_spec(parse_model_spec(MOE))  # routes: its code runs top-2 copies
     assert mixtral.expert_copies == mixtral.topk == 2
     assert mixtral.routed_expert_flops_per_token() == mixtral.expert_flops_per_token
+
+
+def test_per_head_norms_written_out_are_sharded_float32_copies():
+    """Qwen3's per-head q and k RMSNorms (on the column-parallel projections' outputs) upcast as
+    the block norms do: their float32 inputs are sharded copies a fused kernel does not keep."""
+    spec = parse_model_spec("hf:Qwen3Config:num_hidden_layers=2,hidden_size=64,num_attention_heads=4,"
+                            "num_key_value_heads=2,head_dim=16,intermediate_size=96,vocab_size=128,seq=32")
+    graph = trace_spec(spec)
+    h, q, kv = 64, 4 * 16, 2 * 16
+    for block in graph.blocks:
+        assert block.written_norms.replicated == 2 * 4 * h * graph.tokens
+        assert block.written_norms.sharded == 4 * (q + kv) * graph.tokens

@@ -125,6 +125,9 @@ class BlockInfo:
     (DeepSeek's ``q_a_layernorm``, ``kv_a_layernorm``): whole on every tp rank."""
     param_tensors: int = 0
     """Parameter tensors of one repeat (an optimizer steps each on its own)."""
+    written_norms: ActivationBytes | None = None
+    """Part of ``activations``: what the float32 squares of RMSNorms written out op by op save
+    (their upcast inputs, which a fused norm kernel does not keep), by role."""
 
     @property
     def count(self) -> int:

@@ -266,10 +266,11 @@ class Recorder:
                                 shape=tuple(t.shape), dtype=str(t.dtype).removeprefix("torch."))
         return t
 
-    def activations(self, segment: str) -> ActivationBytes:
+    def activations(self, segment: str, nodes: frozenset[str] | None = None) -> ActivationBytes:
+        """What ``segment`` keeps by role (``nodes``: only what those nodes save first)."""
         totals: defaultdict[str, int] = defaultdict(int)
         for s in self.saved.values():
-            if s.segment == segment:
+            if s.segment == segment and (nodes is None or s.node in nodes):
                 totals[s.role] += s.nbytes
         return ActivationBytes(replicated=totals["replicated"], sharded=totals["sharded"], attn=totals["attn"])
 

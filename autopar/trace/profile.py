@@ -19,7 +19,7 @@ from functools import lru_cache
 
 from autopar.layout import Anatomy
 from autopar.spec import ModelSpec
-from autopar.trace.graph import BlockInfo, ModelGraph, NodeInfo
+from autopar.trace.graph import ActivationBytes, BlockInfo, ModelGraph, NodeInfo
 from autopar.trace.shape import leading_blocks, traced_spec
 from autopar.trace.anatomy import anatomy
 from autopar.trace.tracer import trace_spec, trace_spec_model
@@ -119,6 +119,7 @@ def _block_fields(block: BlockInfo, tokens: int) -> dict:
     """The per-block fields of ``ModelProfile`` read off one traced block kind, per token."""
     matmul = sum(n.flops for n in block.nodes if n.split)
     act, fused = block.recipe_activations, block.activations
+    norms = block.written_norms or ActivationBytes(replicated=0, sharded=0, attn=0)
     weighted = [n for n in block.nodes if n.params]
     sharded = sum(n.out_bytes for n in weighted if n.split in ("column", "expert-column"))
     return dict(
@@ -139,6 +140,8 @@ def _block_fields(block: BlockInfo, tokens: int) -> dict:
         fused_act_bytes_attn_per_token=fused.attn / tokens,
         written_attention=fused.attn > 0 and not any("scaled_dot_product_attention" in n.target
                                                      for n in block.nodes),
+        written_norm_replicated_per_token=norms.replicated / tokens,
+        written_norm_sharded_per_token=norms.sharded / tokens,
         autocast_act_bytes_per_token=autocast_extra_bytes(block) / tokens,
         **op_recompute_fields(block, tokens))
 

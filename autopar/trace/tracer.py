@@ -4,6 +4,7 @@ count. See ``capture`` (how graphs are captured) and ``measure`` (what each node
 
 from __future__ import annotations
 
+import math
 from contextlib import nullcontext
 from typing import Any
 
@@ -119,6 +120,8 @@ def trace_module(model: nn.Module, example: torch.Tensor | tuple[torch.Tensor, .
         widths = [lin.out_features for lin in linears[:before] if head_dim and lin.out_features % head_dim == 0]
         kv_heads = min([kv_heads] + [w // head_dim for w in widths])
         nested = [len(g) for g in find_repeated_blocks(block)]
+        squares = frozenset(n.name for n in measured.nodes[rep] if n.target == "aten.pow.Tensor_Scalar"
+                            and n.shape and n.out_bytes == 4 * math.prod(n.shape))
         blocks.append(BlockInfo(
             kind=type(block).__name__, names=names,
             params=sum(p.numel() for p in block.parameters()),
@@ -129,7 +132,8 @@ def trace_module(model: nn.Module, example: torch.Tensor | tuple[torch.Tensor, .
             heads=heads, kv_heads=kv_heads, head_dim=head_dim,
             experts=max([lin.experts for lin in linears] + nested + [0]),
             fed_by_row=tuple(measured.fed_by_row[rep]), fed_by_column=tuple(measured.fed_by_column[rep]),
-            fed_by_replicated=tuple(measured.fed_by_replicated[rep])))
+            fed_by_replicated=tuple(measured.fed_by_replicated[rep]),
+            written_norms=measured.activations(rep, squares)))
     top = tuple(measured.nodes[""])
     vocab = max([m.num_embeddings for m in model.modules() if isinstance(m, nn.Embedding)] + [0])
     vocab_mods = {n.module for n in top if n.split == "vocab"
