@@ -14,6 +14,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from cost_models.hardware import REF_HEAD_DIM
+
 
 @dataclass(frozen=True, kw_only=True, slots=True)
 class ModelProfile:
@@ -153,10 +155,10 @@ class ModelProfile:
     @property
     def head_dim(self) -> float:
         """Width of one attention head as QKᵀ and AV see it, read off their FLOPs (4 s heads d
-        per token; MLA: the mean of its query-key and value widths); 128 for a block with no
-        attention core."""
+        per token; MLA: the mean of its query-key and value widths); ``REF_HEAD_DIM`` (no head
+        law applies) for a block with no attention core."""
         if self.block_attn_flops_per_token <= 0:
-            return 128.0
+            return float(REF_HEAD_DIM)
         return self.block_attn_flops_per_token / (4.0 * self.seq * self.heads)
 
     @property
