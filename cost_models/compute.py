@@ -289,6 +289,16 @@ def causal_fraction(seq: int) -> float:
     return min(1.0, (seq + FLASH_TILE) / (2.0 * seq))
 
 
+def executed_fraction(model: ModelProfile, strat: Strategy) -> float:
+    """Share of the full QKᵀ/AV FLOPs one block's fused kernel executes on average: the causal
+    kernel's (``causal_fraction``), all of them on the blocks whose own code passes SDPA an
+    explicit mask where the program runs the module as written (``masked_attention_share``)."""
+    causal = causal_fraction(model.seq)
+    if not strat.recipe.runs_module_as_written:
+        return causal
+    return causal + (1.0 - causal) * model.masked_attention_share
+
+
 def expert_gemms(model: ModelProfile, strat: Strategy) -> list[Gemm]:
     """The routed experts' grouped GEMMs of one block's forward on the busiest rank: its
     experts / ep local experts, each computing its share of the routed rows (tokens x topk x
@@ -364,7 +374,7 @@ def block_gemm_s(model: ModelProfile, hw: HardwareProfile, strat: Strategy,
     attn_flops = tokens * model.block_attn_flops_per_token / strat.mesh.tp
     if kernel_fused(model, strat):
         eff = hw.attention_eff(strat.recipe.attention_kernel, model.seq / strat.mesh.cp, model.head_dim)
-        core_s = attn_flops * causal_fraction(model.seq) / (hw.compute_flops(strat.dtype) * eff)
+        core_s = attn_flops * executed_fraction(model, strat) / (hw.compute_flops(strat.dtype) * eff)
         core_s *= FLASH_BWD_RATIO if backward else 1.0
     else:
         core_s = _scaled_s(core, attn_flops, hw, strat, backward=backward)
@@ -379,7 +389,8 @@ def block_elementwise_bytes(model: ModelProfile, strat: Strategy,
     attention kernel moves no s x s bytes."""
     scale = elem_bytes(strat) / 2 * strat.tokens(model.seq) * strat.recipe.elementwise_traffic
     sp = strat.mesh.tp if strat.sequence_parallel else 1
-    repl, sharded, attn = model.act_bytes_per_token(fused(strat), own_blocks=not strat.recipe.runs_module_as_written)
+    repl, sharded, attn = model.act_bytes_per_token(fused(strat), own_blocks=not strat.recipe.runs_module_as_written,
+                                                    kv_repeated=strat.recipe.kv_repeated)
     rest = traffic[0] * repl / sp + traffic[1] * sharded / strat.mesh.tp
     core = 0.0 if kernel_fused(model, strat) else traffic[2] * attn / strat.mesh.tp
     return scale * rest, scale * core

@@ -55,7 +55,8 @@ def act_bytes_per_token(model: ModelProfile, strat: Strategy) -> tuple[float, fl
     """``model``'s (replicated, sharded, attention core) bytes per token in ``strat``'s
     accounting: its recipe's attention, a core or norms written out by hand kept as written
     only by a program that runs the module itself (``recipe.runs_module_as_written``)."""
-    return model.act_bytes_per_token(fused_attention(strat), own_blocks=not strat.recipe.runs_module_as_written)
+    return model.act_bytes_per_token(fused_attention(strat), own_blocks=not strat.recipe.runs_module_as_written,
+                                     kv_repeated=strat.recipe.kv_repeated)
 
 
 def runs_autocast(strat: Strategy) -> bool:
@@ -100,6 +101,8 @@ def block_act_bytes(model: ModelProfile, strat: Strategy, recompute: str | None 
         per_token -= 2 * model.hidden / gathered + (model.hidden + model.ffn) / strat.mesh.tp
     if recompute == "none":
         per_token += attn / strat.mesh.tp
+        if strat.recipe.runs_module_as_written and fused_attention(strat):
+            per_token += model.masked_bias_bytes_per_token()  # whole on every tp rank
     if model.expert_act_bytes_traced_per_token and not strat.recipe.runs_module_as_written:
         # a framework's own grouped MLP (fused activation) keeps less than the model's code
         per_token += (model.expert_act_bytes_per_token() - model.expert_act_bytes_traced_per_token) / strat.mesh.tp

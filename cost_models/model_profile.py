@@ -60,6 +60,22 @@ class ModelProfile:
     learned sinks, a hand-written ``q @ k.T``): run as written it keeps its scores, which the
     fused figures then count; a framework that builds its own blocks runs its fused kernel
     instead (``act_bytes_per_token``'s ``own_blocks``)."""
+    masked_attention_share: float = 0.0
+    """Share of the blocks whose own code calls SDPA with an explicit mask at ``seq`` (HF's
+    sliding and chunked windows no longer than the sequence, ``autopar.hf``): run as written,
+    their kernel executes all of QKᵀ and AV, no causal block skipped, and keeps the mask as an
+    additive bias in the activations' dtype, ``seq`` elements per token per block, which
+    tensor and sequence parallelism do not split (``masked_bias_bytes_per_token``). A
+    framework that builds its own blocks runs its causal or windowed kernel instead."""
+    sdpa_mask_bytes_per_token: float = 0.0
+    """Replicated bytes per token the traced block keeps for the mask an exported HF model
+    passes SDPA (``autopar.trace``: HF always masks when exported); no program keeps that
+    tensor: a block run as written with a mask keeps its bias (``masked_bias_bytes_per_token``)."""
+    sdpa_repeat_kv_bytes_per_token: float = 0.0
+    """Sharded bytes per token of K and V the traced block's SDPA call keeps repeated to the
+    query heads (HF repeats them where it passes a mask): run as written, only the masked blocks
+    keep them (the others run GQA in the kernel); a framework's own blocks where its recipe
+    repeats K, V (``ExecutionRecipe.kv_repeated``)."""
     written_norm_replicated_per_token: float = 0.0
     """Bytes per token that the blocks' RMSNorms written out op by op keep beyond a fused norm
     kernel, of the replicated figures: the float32 copy of each norm's input its variance reads
@@ -200,21 +216,31 @@ class ModelProfile:
         lead = self.lead_layers * self.lead.block_params if self.lead is not None else 0
         return self.embed_params + lead + self.layers * self.block_params + self.head_params - tied
 
-    def act_bytes_per_token(self, fused: bool, own_blocks: bool = False) -> tuple[float, float, float]:
+    def act_bytes_per_token(self, fused: bool, own_blocks: bool = False,
+                            kv_repeated: bool = False) -> tuple[float, float, float]:
         """(replicated, sharded, attention core) saved bytes per token in one accounting;
         ``own_blocks``: of a framework that builds its own blocks, whose fused norms keep no
         float32 copies (``written_norm_*_per_token``) and whose fused attention kernel
         keeps a float32 log-sum-exp per head of a core the model writes out by hand
-        (``written_attention``) instead of its scores."""
+        (``written_attention``) instead of its scores, and K, V repeated only where
+        ``kv_repeated``. Fused, no program keeps the exported mask (``sdpa_mask_bytes_per_token``),
+        and run as written, only the masked blocks keep K, V repeated."""
         repl = self.written_norm_replicated_per_token if own_blocks else 0.0
         sharded = self.written_norm_sharded_per_token if own_blocks else 0.0
         if fused:
             attn = 4.0 * self.heads if own_blocks and self.written_attention \
                 else self.fused_act_bytes_attn_per_token
-            return (self.fused_act_bytes_replicated_per_token - repl,
+            kept = (1.0 if kv_repeated else 0.0) if own_blocks else self.masked_attention_share
+            sharded += self.sdpa_repeat_kv_bytes_per_token * (1.0 - kept)
+            return (self.fused_act_bytes_replicated_per_token - repl - self.sdpa_mask_bytes_per_token,
                     self.fused_act_bytes_sharded_per_token - sharded, attn)
         return (self.block_act_bytes_replicated_per_token - repl, self.block_act_bytes_sharded_per_token - sharded,
                 self.block_act_bytes_attn_per_token)
+
+    def masked_bias_bytes_per_token(self) -> float:
+        """16-bit bytes per token one block keeps on average for its SDPA mask's bias, run as
+        written (``masked_attention_share``): the (b, 1, s, s) bias is s elements per token."""
+        return 2.0 * self.seq * self.masked_attention_share
 
     def model_flops_per_token(self) -> float:
         """Training FLOPs per token (forward + backward = 3x forward, no recompute), the routed

@@ -13,6 +13,7 @@ from autopar.cli import app  # noqa: E402
 from autopar.errors import UserError  # noqa: E402
 from autopar.spec import PRESETS, PUBLISHED_PARAMS, parse_model_spec  # noqa: E402
 from autopar.trace import profile_from_graph, profile_spec, trace_spec  # noqa: E402
+from autopar.trace.graph import ActivationBytes  # noqa: E402
 
 LLAMA = ("hf:LlamaConfig:num_hidden_layers=3,hidden_size=64,num_attention_heads=4,num_key_value_heads=2,"
          "intermediate_size=96,vocab_size=128,max_position_embeddings=32,rms_norm_eps=1e-5")
@@ -55,11 +56,13 @@ def test_hf_llama_activation_bytes_are_explained(llama):
       weight multiplies (2h); the q/k/v and gate/up projections keep their bf16 inputs (2h each);
       RoPE keeps cos and sin (2d each, computed outside the layer); and the causal mask that
       HF's masking utilities materialise while exported (s x s bool: s per token);
-    - sharded, 8h + 8f: Q, K and V as SDPA sees them (HF repeats KV heads first: 2h each) and
-      the output (2h); SwiGLU's gate, SiLU, up and product (2f each);
+    - sharded, 8h + 8f: Q, K and V as SDPA sees them (HF repeats KV heads first where it passes
+      a mask: 2h each) and the output (2h); SwiGLU's gate, SiLU, up and product (2f each);
     - attention core, 4a: FlashAttention's float32 logsumexp.
     The built-in Llama keeps 8h + 8 replicated (fused RMSNorm, no mask, no cos/sin) and
-    4h + 4kv + 8f sharded (KV heads not repeated)."""
+    4h + 4kv + 8f sharded (KV heads not repeated). Run eagerly without a window, HF passes
+    SDPA no mask and runs GQA in the kernel: the mask and the repeated K, V are the export's
+    (``sdpa_extras``), which no program keeps."""
     spec = parse_model_spec(LLAMA)
     (block,) = llama.blocks
     h, d, s, f, a = spec.hidden, spec.head_dim, spec.seq, spec.ffn_hidden, spec.heads
@@ -74,9 +77,63 @@ def test_hf_llama_activation_bytes_are_explained(llama):
     hf = profile_from_graph(llama, spec)
     ref = profile_from_graph(trace_spec(parse_model_spec(SAME_BUILTIN)), parse_model_spec(SAME_BUILTIN))
     assert ref.written_norm_replicated_per_token == 0
+    kv = spec.num_kv_heads * d
+    assert block.sdpa_extras == ActivationBytes(replicated=s * tokens, sharded=2 * 2 * (h - kv) * tokens, attn=0)
+    assert hf.masked_attention_share == 0
     assert hf.act_bytes_per_token(True, own_blocks=True)[0] - ref.act_bytes_per_token(True, own_blocks=True)[0] \
-        == 4 * d + s
-    assert hf.act_bytes_per_token(True)[0] == (16 * h + 8 + 4 * d + s)  # as written: autopar's runtime
+        == 4 * d
+    assert hf.act_bytes_per_token(True, own_blocks=True)[1] == ref.act_bytes_per_token(True, own_blocks=True)[1] \
+        == 4 * h + 4 * kv + 8 * f
+    assert hf.act_bytes_per_token(True)[:2] == (16 * h + 8 + 4 * d, 4 * h + 4 * kv + 8 * f)  # as written: autopar's
+    # torchtitan repeats K, V itself (``kv_repeated``)
+    assert hf.act_bytes_per_token(True, own_blocks=True, kv_repeated=True)[1] == 8 * h + 8 * f
+
+
+
+MISTRAL = ("hf:MistralConfig:num_hidden_layers=3,hidden_size=64,intermediate_size=128,num_attention_heads=4,"
+           "num_key_value_heads=2,vocab_size=100,max_position_embeddings=256,seq=64,sliding_window={w}")
+
+
+def _saved_bytes_of_a_step(window: int | None) -> int:
+    """Distinct storages autograd keeps for one forward of a tiny HF Mistral on CPU, float32,
+    2 sequences of 64 tokens, as autopar's runtime runs it (HF's SDPA path, no attention mask)."""
+    import torch
+    from transformers import MistralConfig, MistralForCausalLM
+    cfg = MistralConfig(num_hidden_layers=3, hidden_size=64, intermediate_size=128, num_attention_heads=4,
+                        num_key_value_heads=2, vocab_size=100, max_position_embeddings=256, sliding_window=window)
+    cfg._attn_implementation = "sdpa"
+    torch.manual_seed(0)
+    model = MistralForCausalLM(cfg)
+    saved: dict[int, int] = {}
+
+    def pack(t: torch.Tensor) -> torch.Tensor:
+        saved[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
+        return t
+    ids = torch.randint(0, 100, (2, 64))
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        model(ids, labels=ids)
+    return sum(saved.values())
+
+
+def test_a_sliding_window_shorter_than_the_sequence_is_priced_as_hf_runs_it():
+    """A window no longer than the sequence makes HF pass SDPA a mask (``masking_utils``): torch
+    keeps it as a float bias per layer, HF repeats K and V first, and the kernel skips no causal
+    block. The priced activations of the two models differ by what one measured step keeps."""
+    from cost_models import Degrees, Strategy
+    from cost_models.compute import causal_fraction, executed_fraction
+    from cost_models.memory import block_act_bytes
+    from cost_models.recipe import load_recipe
+    wide, narrow = (profile_spec(parse_model_spec(MISTRAL.format(w=w))) for w in (200, 64))
+    assert (wide.masked_attention_share, narrow.masked_attention_share) == (0.0, 1.0)
+    strat = Strategy(mesh=Degrees(dp=1), micro_batch=2, num_microbatches=1, dtype="fp32", recipe=load_recipe("autopar"))
+    priced = 3 * (block_act_bytes(narrow, strat) - block_act_bytes(wide, strat))
+    assert priced == _saved_bytes_of_a_step(16) - _saved_bytes_of_a_step(None) == 196608
+    assert executed_fraction(narrow, strat) == 1.0 and executed_fraction(wide, strat) == causal_fraction(64)
+    # a framework's own blocks run a windowed kernel, no bias: the two price alike
+    own = Strategy(mesh=Degrees(dp=1), micro_batch=2, num_microbatches=1, dtype="fp32",
+                   recipe=load_recipe("megatron-core"))
+    assert block_act_bytes(narrow, own) == block_act_bytes(wide, own)
+    assert executed_fraction(narrow, own) == causal_fraction(64)
 
 
 def test_hf_gpt2_and_its_dropout():

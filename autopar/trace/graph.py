@@ -128,6 +128,10 @@ class BlockInfo:
     written_norms: ActivationBytes | None = None
     """Part of ``activations``: what the float32 squares of RMSNorms written out op by op save
     (their upcast inputs, which a fused norm kernel does not keep), by role."""
+    sdpa_extras: ActivationBytes | None = None
+    """Part of ``activations``: what the block's SDPA call keeps for an explicit mask, the mask
+    itself (replicated) and K, V repeated to the query heads (sharded: HF repeats them
+    wherever it passes a mask, ``transformers.integrations.sdpa_attention``)."""
 
     @property
     def count(self) -> int:
@@ -175,6 +179,12 @@ class ModelGraph:
     table shared with a GEMM (a tied head) has the name it has in ``linears``."""
     param_tensors: int = 0
     """Distinct trainable parameter tensors of the whole model."""
+    runtime_masked_layers: int = -1
+    """An HF model's blocks whose SDPA call gets an explicit mask when the model runs eagerly at
+    this sequence length (``autopar.hf.masked_attention_layers``: sliding and chunked windows no
+    longer than the sequence); the others call it with ``is_causal`` and GQA in the kernel, no
+    mask and K, V not repeated. Exported, HF always passes a mask (``BlockInfo.sdpa_extras``).
+    -1: not an HF model; its SDPA calls run as traced."""
 
     @property
     def tokens(self) -> int:

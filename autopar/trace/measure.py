@@ -194,6 +194,9 @@ class Recorder:
     """Producer node -> (start, end) of each last-dimension slice taken of its output."""
     attention: dict[str, tuple[int, int, int, int]] = field(default_factory=dict)
     """Segment -> (heads, kv heads seen by the kernel, head dim, GEMMs before it) of its attention."""
+    sdpa: dict[str, tuple[int, int]] = field(default_factory=dict)
+    """Segment -> (storage key of the mask its first SDPA call is given, 0 for none; the
+    element size of that call's K)."""
     batch: int = 1
     """Sequences in the traced micro-batch (the first input's leading size)."""
     core: set[int] = field(default_factory=set)
@@ -309,6 +312,8 @@ class MeasureRun(fx.Interpreter):
             rec.attention.setdefault(rec.segment, (q.shape[1], k.shape[1], q.shape[-1],
                                                    len(rec.linears[rec.segment])))
             call = dict(zip(_SDPA_ARGS, args), **kwargs)
+            mask = call.get("attn_mask")
+            rec.sdpa.setdefault(rec.segment, (_key(mask) if isinstance(mask, torch.Tensor) else 0, k.element_size()))
             if rec.recipe.attention == "unfused":
                 call["dropout_p"] = max(call.get("dropout_p", 0.0), rec.recipe.dropout)
             try:

@@ -50,8 +50,11 @@ def profile_from_graph(graph: ModelGraph, spec: ModelSpec) -> ModelProfile:
             heads=spec.heads, kv_heads=spec.num_kv_heads, ffn=downs[-1] if downs else spec.ffn_hidden, vocab=spec.vocab, seq=spec.seq,
             tied=False, embed_params=0, head_params=0, head_flops_per_token=0.0,
             **_block_fields(lead_block, tokens))
+    fields = _block_fields(block, tokens)
+    if graph.runtime_masked_layers >= 0:
+        fields.update(_runtime_sdpa_fields(graph, block, lead_block, tokens))
     return ModelProfile(
-        **_moe_fields(block, spec, tokens), **_block_fields(block, tokens), lead=lead,
+        **_moe_fields(block, spec, tokens), **fields, lead=lead,
         name=graph.name, layers=block.count, hidden=spec.hidden, heads=spec.heads,
         kv_heads=spec.num_kv_heads, ffn=spec.ffn_hidden, vocab=spec.vocab, seq=spec.seq,
         tied=spec.tied,
@@ -144,6 +147,18 @@ def _block_fields(block: BlockInfo, tokens: int) -> dict:
         written_norm_sharded_per_token=norms.sharded / tokens,
         autocast_act_bytes_per_token=autocast_extra_bytes(block) / tokens,
         **op_recompute_fields(block, tokens))
+
+
+def _runtime_sdpa_fields(graph: ModelGraph, block: BlockInfo, lead: BlockInfo | None, tokens: int) -> dict:
+    """An HF model's SDPA as it runs (``ModelGraph.runtime_masked_layers``), per token: the
+    share of its blocks that get a mask, and what the exported graph's mask makes the block
+    keep (``BlockInfo.sdpa_extras``), which the blocks without one do not."""
+    extras = block.sdpa_extras or ActivationBytes(replicated=0, sharded=0, attn=0)
+    layers = block.count + (lead.count if lead is not None else 0)
+    share = graph.runtime_masked_layers / layers if any("scaled_dot_product_attention" in n.target
+                                                       for n in block.nodes) else 0.0
+    return dict(masked_attention_share=min(1.0, share), sdpa_mask_bytes_per_token=extras.replicated / tokens,
+                sdpa_repeat_kv_bytes_per_token=extras.sharded / tokens)
 
 
 def _moe_fields(block: BlockInfo, spec: ModelSpec, tokens: int) -> dict:

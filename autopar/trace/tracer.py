@@ -4,6 +4,8 @@ count. See ``capture`` (how graphs are captured) and ``measure`` (what each node
 
 from __future__ import annotations
 
+import dataclasses
+
 import math
 from contextlib import nullcontext
 from typing import Any
@@ -17,7 +19,7 @@ from autopar.errors import UserError
 from autopar.spec import ModelSpec
 from autopar.trace.capture import (Capture, _culprit, _first_line, export_capture, find_repeated_blocks,
                                    fx_capture, outer_groups)
-from autopar.trace.graph import BlockInfo, ModelGraph
+from autopar.trace.graph import ActivationBytes, BlockInfo, ModelGraph
 from autopar.trace.measure import MeasureRun, Recipe, Recorder, flop_mapping
 from autopar.trace.nodynamo import without_dynamo
 
@@ -114,11 +116,11 @@ def trace_module(model: nn.Module, example: torch.Tensor | tuple[torch.Tensor, .
         if rep not in measured.nodes:
             continue
         block = model.get_submodule(rep)
-        heads, kv_heads, head_dim, before = measured.attention.get(rep, (0, 0, 0, 0))
+        heads, kv_seen, head_dim, before = measured.attention.get(rep, (0, 0, 0, 0))
         linears = tuple(measured.linears[rep])
         # KV heads as projected (HF repeats them before SDPA): the narrowest projection before it.
         widths = [lin.out_features for lin in linears[:before] if head_dim and lin.out_features % head_dim == 0]
-        kv_heads = min([kv_heads] + [w // head_dim for w in widths])
+        kv_heads = min([kv_seen] + [w // head_dim for w in widths])
         nested = [len(g) for g in find_repeated_blocks(block)]
         squares = frozenset(n.name for n in measured.nodes[rep] if n.target == "aten.pow.Tensor_Scalar"
                             and n.shape and n.out_bytes == 4 * math.prod(n.shape))
@@ -133,7 +135,8 @@ def trace_module(model: nn.Module, example: torch.Tensor | tuple[torch.Tensor, .
             experts=max([lin.experts for lin in linears] + nested + [0]),
             fed_by_row=tuple(measured.fed_by_row[rep]), fed_by_column=tuple(measured.fed_by_column[rep]),
             fed_by_replicated=tuple(measured.fed_by_replicated[rep]),
-            written_norms=measured.activations(rep, squares)))
+            written_norms=measured.activations(rep, squares),
+            sdpa_extras=_sdpa_extras(measured, rep, kv_seen - kv_heads, head_dim, math.prod(inputs[0].shape[:2]))))
     top = tuple(measured.nodes[""])
     vocab = max([m.num_embeddings for m in model.modules() if isinstance(m, nn.Embedding)] + [0])
     vocab_mods = {n.module for n in top if n.split == "vocab"
@@ -148,6 +151,19 @@ def trace_module(model: nn.Module, example: torch.Tensor | tuple[torch.Tensor, .
         top_activations=measured.activations(""),
         vocab_parallel=tuple(sorted(vocab_mods)), linears=tuple(measured.linears[""]),
         embeddings=tuple(measured.embeddings))
+
+
+def _sdpa_extras(rec: Recorder, rep: str, repeated: int, head_dim: int, tokens: int) -> ActivationBytes | None:
+    """What block ``rep``'s SDPA call keeps for an explicit mask (``BlockInfo.sdpa_extras``):
+    the mask's bytes where the block saved it first, and ``repeated`` more K and V heads than
+    projected; None where its SDPA call gets no mask."""
+    key, elem = rec.sdpa.get(rep, (0, 0))
+    if not key:
+        return None
+    saved = rec.saved.get(key)
+    mask = saved.nbytes if saved is not None and saved.segment == rep else 0
+    kv = 2 * repeated * head_dim * elem * tokens if repeated > 0 else 0
+    return ActivationBytes(replicated=mask, sharded=kv, attn=0)
 
 
 def build_spec_model(spec: ModelSpec, micro_batch: int = 1) -> tuple[nn.Module, tuple[torch.Tensor, ...]]:
@@ -190,4 +206,7 @@ def trace_spec_model(spec: ModelSpec, micro_batch: int = 1) -> tuple[ModelGraph,
     graph = trace_module(model, inputs, spec.name,
                          recipe_dropout=MEGATRON_GPT_DROPOUT if spec.arch == "gpt" else 0.0,
                          capture="auto" if spec.arch == "module" else ("fx" if spec.builtin else "export"))
+    if not spec.builtin and spec.arch != "module":  # built by transformers (hf: and MoE presets)
+        from autopar.hf import masked_attention_layers
+        graph = dataclasses.replace(graph, runtime_masked_layers=masked_attention_layers(model.config, spec.seq))
     return graph, model
