@@ -195,8 +195,7 @@ class Recorder:
     attention: dict[str, tuple[int, int, int, int]] = field(default_factory=dict)
     """Segment -> (heads, kv heads seen by the kernel, head dim, GEMMs before it) of its attention."""
     sdpa: dict[str, tuple[int, int]] = field(default_factory=dict)
-    """Segment -> (storage key of the mask its first SDPA call is given, 0 for none; the
-    element size of that call's K)."""
+    """Segment -> (storage key of its first SDPA call's mask, 0: none; its K's element size)."""
     batch: int = 1
     """Sequences in the traced micro-batch (the first input's leading size)."""
     core: set[int] = field(default_factory=set)
