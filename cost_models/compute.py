@@ -25,8 +25,10 @@ whose outputs were kept (op).
 
 The execution recipe (``Strategy.recipe``) sets what runs: with fused attention the core is
 one FlashAttention-style kernel that skips the masked causal blocks (it executes
-``(s + FLASH_TILE) / 2s`` of the QKᵀ and AV FLOPs) at the profile's ``attention_efficiency``
-of its kernel family (``sdpa``: the one torch dispatches on the device), scaled by the
+``(s + FLASH_TILE) / 2s`` of the QKᵀ and AV FLOPs; all of them on the blocks whose own code
+passes an explicit mask, where the program runs them as written: ``executed_fraction``) at the
+profile's ``attention_efficiency`` of its kernel family (``sdpa``: the one torch dispatches on
+the device), scaled by the
 family's sequence law at seq / cp tokens (``attention_half_seq``), moves no s x s bytes, and
 runs its backward as 2.5 times the forward's
 FLOPs (FlashAttention-2 recomputes QKᵀ and the probabilities: five GEMMs against two);
