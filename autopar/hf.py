@@ -195,16 +195,11 @@ def _read_spec(text: str, cls_name: str, options: tuple[tuple[str, str], ...]) -
                      max_positions=max(learned, 0), capacity_factor=capacity, **shape)
 
 
-def masked_attention_layers(config: Any, seq: int) -> int:
-    """Blocks whose attention HF's SDPA path runs with an explicit mask at ``seq`` tokens (a
-    training forward: no padding, no cache): a sliding window (``sliding_window``, on the
-    layers ``layer_types`` names ``sliding_attention``, on every layer where the config has no
-    ``layer_types``, as Mistral's) or a chunk (``attention_chunk_size``, ``chunked_attention``)
-    no longer than the sequence. transformers' ``masking_utils._ignore_causal_mask_sdpa`` lets
-    SDPA's ``is_causal`` stand in for the mask only where ``kv_length < local_attention_size``;
-    elsewhere torch turns the boolean mask into an additive bias in the queries' dtype
-    (``convert_boolean_attn_mask``) that the kernel reads over every s x s block (no causal
-    blocks skipped) and that autograd keeps for the backward, one per layer."""
+def attention_windows(config: Any) -> list[int]:
+    """Each layer's local attention window in tokens (0: none), as HF builds its masks: a
+    sliding window (``sliding_window``) on the layers ``layer_types`` names
+    ``sliding_attention``, on every layer where the config has no ``layer_types`` (Mistral); a
+    chunk (``attention_chunk_size``) on ``chunked_attention`` layers (Llama 4)."""
     layers = int(getattr(config, "num_hidden_layers", 0) or 0)
     sliding = getattr(config, "sliding_window", None) or 0
     chunk = getattr(config, "attention_chunk_size", None) or 0
@@ -213,8 +208,18 @@ def masked_attention_layers(config: Any, seq: int) -> int:
         windows = [sliding if k == "sliding_attention" else chunk if k == "chunked_attention" else 0 for k in kinds]
     else:
         windows = [sliding if getattr(config, "use_sliding_window", True) else 0] * layers
-    return sum(1 for w in windows if isinstance(w, int) and w > 0 and seq >= w)
+    return [w if isinstance(w, int) and w > 0 else 0 for w in windows]
 
+
+def masked_attention_layers(config: Any, seq: int) -> int:
+    """Blocks whose attention HF's SDPA path runs with an explicit mask at ``seq`` tokens (a
+    training forward: no padding, no cache): those with a window (``attention_windows``) no
+    longer than the sequence. transformers' ``masking_utils._ignore_causal_mask_sdpa`` lets
+    SDPA's ``is_causal`` stand in for the mask only where ``kv_length < local_attention_size``;
+    elsewhere torch turns the boolean mask into an additive bias in the queries' dtype
+    (``convert_boolean_attn_mask``) that the kernel reads over every s x s block (no causal
+    blocks skipped) and that autograd keeps for the backward, one per layer."""
+    return sum(1 for w in attention_windows(config) if w and seq >= w)
 
 def _check_sizes(cls_name: str, values: dict[str, object]) -> None:
     """Refuse a shape override above autopar's limits before the config class sees it

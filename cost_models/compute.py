@@ -291,14 +291,28 @@ def causal_fraction(seq: int) -> float:
     return min(1.0, (seq + FLASH_TILE) / (2.0 * seq))
 
 
+def window_fraction(seq: int, window: int) -> float:
+    """Share of the full QKᵀ/AV FLOPs a causal kernel executes on a layer whose queries see
+    the last ``window`` keys: the band, w (s - w / 2) of the s² pairs, and the tiles it cuts
+    along its two edges, a tile per query (``causal_fraction`` where no window is shorter)."""
+    causal = causal_fraction(seq)
+    if window <= 0 or window >= seq:
+        return causal
+    return min(causal, window * (seq - window / 2) / seq**2 + FLASH_TILE / seq)
+
+
 def executed_fraction(model: ModelProfile, strat: Strategy) -> float:
     """Share of the full QKᵀ/AV FLOPs one block's fused kernel executes on average: the causal
-    kernel's (``causal_fraction``), all of them on the blocks whose own code passes SDPA an
-    explicit mask where the program runs the module as written (``masked_attention_share``)."""
+    kernel's (``causal_fraction``); all of them on the blocks whose own code passes SDPA an
+    explicit mask, where the program runs the module as written (``masked_attention_share``);
+    each layer's window band where the program's kernel runs windows (``recipe.sliding_window``)."""
     causal = causal_fraction(model.seq)
-    if not strat.recipe.runs_module_as_written:
-        return causal
-    return causal + (1.0 - causal) * model.masked_attention_share
+    if strat.recipe.runs_module_as_written:
+        return causal + (1.0 - causal) * model.masked_attention_share
+    if strat.recipe.sliding_window and model.attention_windows:
+        w = model.attention_windows
+        return sum(window_fraction(model.seq, x) for x in w) / len(w)
+    return causal
 
 
 def expert_gemms(model: ModelProfile, strat: Strategy) -> list[Gemm]:

@@ -67,6 +67,10 @@ class ModelProfile:
     additive bias in the activations' dtype, ``seq`` elements per token per block, which
     tensor and sequence parallelism do not split (``masked_bias_bytes_per_token``). A
     framework that builds its own blocks runs its causal or windowed kernel instead."""
+    attention_windows: tuple[int, ...] = ()
+    """The model's local attention window on each layer, tokens (0: none; HF's sliding and
+    chunked windows): a framework kernel that runs windows (``ExecutionRecipe.sliding_window``)
+    executes each windowed layer's band of QKᵀ and AV tiles only. (): none on any layer."""
     sdpa_mask_bytes_per_token: float = 0.0
     """Replicated bytes per token the traced block keeps for the mask an exported HF model
     passes SDPA (``autopar.trace``: HF always masks when exported); no program keeps that

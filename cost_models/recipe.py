@@ -269,6 +269,11 @@ class ExecutionRecipe:
     as autopar's runtime and torchtitan run them): each parameter's optimizer step goes through
     DTensor's dispatch (the profile's ``dtensor_optimizer_us`` per tensor). False: plain
     tensors (Megatron, DeepSpeed, DDP)."""
+    sliding_window: bool = False
+    """The fused attention kernel runs the model's local windows (Transformer Engine's
+    ``window_size``: Megatron-LM's ``--window-size`` and ``--window-attn-skip-freq``), executing
+    a windowed layer's band of tiles (``ModelProfile.attention_windows``); false: causal
+    attention over the whole sequence on every layer."""
     runs_module_as_written: bool = False
     """The program runs the model's own module (autopar's runtime), so an attention core the
     model writes out by hand (``ModelProfile.written_attention``) runs op by op: its scores

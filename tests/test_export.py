@@ -795,3 +795,26 @@ def test_an_hf_llama_31_writes_its_rope_base_and_scaling():
     assert llama31.notes == () and "--kv-channels" not in llama31.args
     (note,) = block(high_freq_factor=2.0).notes
     assert "high_freq_factor" in note
+
+
+def test_an_hf_sliding_window_is_written_as_megatrons_window_on_the_same_layers():
+    """HF lets a query see the keys less than ``sliding_window`` behind it on the layers
+    ``layer_types`` names (Qwen2: from ``max_window_layers`` on); the export writes Transformer
+    Engine's left size (one less) and the SWA/full pattern, which megatron-core reads back onto
+    the same layers (``is_layer_window_attention``). A window as long as the sequence is none."""
+    pytest.importorskip("transformers")
+    from autopar.export.hfblocks import read
+    from autopar.hf import attention_windows, make_config
+    from autopar.spec import hf_option_values, parse_model_spec
+    spec = parse_model_spec(HF_BLOCKS["qwen2"].replace("num_hidden_layers=2", "num_hidden_layers=4")
+                            + ",use_sliding_window=True,sliding_window=16,max_window_layers=1")
+    config = make_config(spec.source, hf_option_values(spec.options))
+    assert attention_windows(config) == [0, 16, 16, 16]
+    block = read(spec, 0, 64)
+    at = block.args.index("--window-size")
+    assert block.args[at:at + 4] == ("--window-size", "(15,0)", "--window-attn-skip-freq", "[0,1,1,1]")
+    assert not block.notes
+    assert "--window-size" not in read(spec, 0, 16).args  # every window covers the sequence
+    pytest.importorskip("megatron.core", reason="megatron-core is not installed (pip install 'autopar[test]')")
+    from megatron.core.transformer.utils import is_layer_window_attention
+    assert [is_layer_window_attention((15, 0), [0, 1, 1, 1], n) for n in range(1, 5)] == [False, True, True, True]

@@ -1,5 +1,6 @@
 """The tracer on HF transformers models (torch.export on meta), MoE and user modules."""
 
+import dataclasses
 import json
 import textwrap
 
@@ -134,6 +135,13 @@ def test_a_sliding_window_shorter_than_the_sequence_is_priced_as_hf_runs_it():
                    recipe=load_recipe("megatron-core"))
     assert block_act_bytes(narrow, own) == block_act_bytes(wide, own)
     assert executed_fraction(narrow, own) == causal_fraction(64)
+    # Transformer Engine's kernel runs the windows (Megatron's --window-size): a band per layer
+    assert narrow.attention_windows == (64, 64, 64) and wide.attention_windows == (200, 200, 200)
+    te = dataclasses.replace(own, recipe=load_recipe("megatron-core-te"))
+    longer = dataclasses.replace(narrow, seq=8192, attention_windows=(4096, 0, 4096))
+    band = 4096 * (8192 - 2048) / 8192**2 + 128 / 8192  # three quarters of the triangle, and the edge tiles
+    assert executed_fraction(longer, te) == pytest.approx((2 * band + causal_fraction(8192)) / 3)
+    assert executed_fraction(longer, own) == causal_fraction(8192)
 
 
 def test_hf_gpt2_and_its_dropout():

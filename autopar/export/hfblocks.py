@@ -104,11 +104,26 @@ def _attention(cls: str, config: Any, spec: ModelSpec, seq: int, notes: list[str
     head = _int(config, "head_dim") or spec.hidden // spec.heads
     if head != spec.hidden // spec.heads or cls in ("Qwen3Config", "Qwen3MoeConfig", "Glm4MoeConfig"):
         args += ["--kv-channels", str(head)]
-    window = _int(config, "sliding_window")
-    if window and window < seq and (cls in ("MistralConfig", "MixtralConfig")
-                                    or getattr(config, "use_sliding_window", False)):
-        notes.append(f"a sliding window of {window} tokens: written with full attention over all {seq} "
-                     "(no --window-size)")
+    return args + _windows(config, seq, notes)
+
+
+def _windows(config: Any, seq: int, notes: list[str]) -> list[str]:
+    """``--window-size`` for HF's sliding windows shorter than the sequence (HF lets a query see
+    the keys less than ``sliding_window`` behind it: Transformer Engine's left size is one
+    less) and, where some layers attend in full, ``--window-attn-skip-freq``'s pattern (1: a
+    windowed layer; megatron/core/transformer/utils.py ``is_layer_window_attention``)."""
+    from autopar.hf import attention_windows
+    windows = attention_windows(config)
+    live = sorted({w for w in windows if w < seq} - {0})
+    if not live:
+        return []
+    if "chunked_attention" in (getattr(config, "layer_types", None) or ()) or len(live) > 1:
+        notes.append(f"local attention of {', '.join(map(str, live))} tokens (chunks or several windows): "
+                     f"written with causal attention over all {seq}")
+        return []
+    args = ["--window-size", f"({live[0] - 1},0)"]
+    if any(w == 0 or w >= seq for w in windows):
+        args += ["--window-attn-skip-freq", "[" + ",".join("1" if 0 < w < seq else "0" for w in windows) + "]"]
     return args
 
 

@@ -185,6 +185,9 @@ class ModelGraph:
     longer than the sequence); the others call it with ``is_causal`` and GQA in the kernel, no
     mask and K, V not repeated. Exported, HF always passes a mask (``BlockInfo.sdpa_extras``).
     -1: not an HF model; its SDPA calls run as traced."""
+    attention_windows: tuple[int, ...] = ()
+    """An HF model's local attention window per layer, tokens (0: none;
+    ``autopar.hf.attention_windows``); () for other models."""
 
     @property
     def tokens(self) -> int:

@@ -158,7 +158,8 @@ def _runtime_sdpa_fields(graph: ModelGraph, block: BlockInfo, lead: BlockInfo | 
     share = graph.runtime_masked_layers / layers if any("scaled_dot_product_attention" in n.target
                                                        for n in block.nodes) else 0.0
     return dict(masked_attention_share=min(1.0, share), sdpa_mask_bytes_per_token=extras.replicated / tokens,
-                sdpa_repeat_kv_bytes_per_token=extras.sharded / tokens)
+                sdpa_repeat_kv_bytes_per_token=extras.sharded / tokens,
+                attention_windows=graph.attention_windows if any(graph.attention_windows) else ())
 
 
 def _moe_fields(block: BlockInfo, spec: ModelSpec, tokens: int) -> dict:

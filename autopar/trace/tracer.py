@@ -207,6 +207,7 @@ def trace_spec_model(spec: ModelSpec, micro_batch: int = 1) -> tuple[ModelGraph,
                          recipe_dropout=MEGATRON_GPT_DROPOUT if spec.arch == "gpt" else 0.0,
                          capture="auto" if spec.arch == "module" else ("fx" if spec.builtin else "export"))
     if not spec.builtin and spec.arch != "module":  # built by transformers (hf: and MoE presets)
-        from autopar.hf import masked_attention_layers
-        graph = dataclasses.replace(graph, runtime_masked_layers=masked_attention_layers(model.config, spec.seq))
+        from autopar.hf import attention_windows, masked_attention_layers
+        graph = dataclasses.replace(graph, runtime_masked_layers=masked_attention_layers(model.config, spec.seq),
+                                    attention_windows=tuple(attention_windows(model.config)))
     return graph, model
