@@ -84,7 +84,7 @@ def _attention_rate(device, dtype, sync: Callable[[], None]) -> float:
     ``causal_fraction(s)``, and the backward ``FLASH_BWD_RATIO`` times that."""
     import torch
     import torch.nn.functional as F
-    from cost_models.compute import FLASH_BWD_RATIO, causal_fraction
+    from cost_models.attention import FLASH_BWD_RATIO, causal_fraction
     b, h, s, d = ATTENTION[device.type]
     q, k, v = (torch.randn(b, h, s, d, device=device, dtype=dtype, requires_grad=True) for _ in range(3))
     flops = (1 + FLASH_BWD_RATIO) * 4.0 * b * h * s * s * d * causal_fraction(s)

@@ -14,7 +14,7 @@ families of shapes with one dimension small (few tokens; a tp-split output; a tp
 then checks the bf16 law out of sample on transformer linears' forward and backward (input and weight
 gradients at their own shapes).
 Rates are FLOP/s over the datasheet peak of ``--profile`` (default dgx-h100), counted as the
-cost model counts them (attention: ``compute.causal_fraction`` of 4·b·h·s²·d forward and
+cost model counts them (attention: ``attention.causal_fraction`` of 4·b·h·s²·d forward and
 ``FLASH_BWD_RATIO`` times that backward). Medians of CUDA-event timed repeats after warm-up.
 """
 
@@ -30,7 +30,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from cost_models.compute import FLASH_BWD_RATIO, causal_fraction
+from cost_models.attention import FLASH_BWD_RATIO, causal_fraction
 from cost_models.hardware import load_profile
 
 SMALL = (128, 256, 512, 1024, 2048, 4096, 8192)

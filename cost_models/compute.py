@@ -59,14 +59,10 @@ from cost_models.hardware import HardwareProfile, ProfileError
 from cost_models.host import checkpoint_s, dispatch_s, tp_host_s, with_host
 from cost_models.model_profile import ModelProfile
 from cost_models.recipe import Fp8WeightCast
+from cost_models.attention import FLASH_BWD_RATIO, executed_fraction
 from cost_models.ring import cp_merge_bytes
 from cost_models.states import tp_whole_params, whole_qkv_params
 from cost_models.strategy import Strategy
-
-FLASH_TILE = 128
-"""Query/key tile of FlashAttention-2's causal kernels: the diagonal tiles run whole."""
-FLASH_BWD_RATIO = 2.5
-"""FlashAttention's backward FLOPs over its forward's (Dao 2023, Sec. 3.1: five GEMMs vs two)."""
 
 FWD_TRAFFIC = (2.2, 2 / 3, 1.8)
 """Element-wise forward bytes moved per saved byte: (replicated, tp-sharded, attention core).
@@ -284,35 +280,6 @@ def kernel_fused(model: ModelProfile, strat: Strategy) -> bool:
     by hand and the program runs the module as written (``recipe.runs_module_as_written``):
     then its two products run as GEMMs and its scores move through memory."""
     return fused(strat) and not (model.written_attention and strat.recipe.runs_module_as_written)
-
-
-def causal_fraction(seq: int) -> float:
-    """Share of the full QKᵀ/AV FLOPs a causal FlashAttention kernel executes."""
-    return min(1.0, (seq + FLASH_TILE) / (2.0 * seq))
-
-
-def window_fraction(seq: int, window: int) -> float:
-    """Share of the full QKᵀ/AV FLOPs a causal kernel executes on a layer whose queries see
-    the last ``window`` keys: the band, w (s - w / 2) of the s² pairs, and the tiles it cuts
-    along its two edges, a tile per query (``causal_fraction`` where no window is shorter)."""
-    causal = causal_fraction(seq)
-    if window <= 0 or window >= seq:
-        return causal
-    return min(causal, window * (seq - window / 2) / seq**2 + FLASH_TILE / seq)
-
-
-def executed_fraction(model: ModelProfile, strat: Strategy) -> float:
-    """Share of the full QKᵀ/AV FLOPs one block's fused kernel executes on average: the causal
-    kernel's (``causal_fraction``); all of them on the blocks whose own code passes SDPA an
-    explicit mask, where the program runs the module as written (``masked_attention_share``);
-    each layer's window band where the program's kernel runs windows (``recipe.sliding_window``)."""
-    causal = causal_fraction(model.seq)
-    if strat.recipe.runs_module_as_written:
-        return causal + (1.0 - causal) * model.masked_attention_share
-    if strat.recipe.sliding_window and model.attention_windows:
-        w = model.attention_windows
-        return sum(window_fraction(model.seq, x) for x in w) / len(w)
-    return causal
 
 
 def expert_gemms(model: ModelProfile, strat: Strategy) -> list[Gemm]:

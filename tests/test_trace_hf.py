@@ -121,7 +121,7 @@ def test_a_sliding_window_shorter_than_the_sequence_is_priced_as_hf_runs_it():
     keeps it as a float bias per layer, HF repeats K and V first, and the kernel skips no causal
     block. The priced activations of the two models differ by what one measured step keeps."""
     from cost_models import Degrees, Strategy
-    from cost_models.compute import causal_fraction, executed_fraction
+    from cost_models.attention import causal_fraction, executed_fraction
     from cost_models.memory import block_act_bytes
     from cost_models.recipe import load_recipe
     wide, narrow = (profile_spec(parse_model_spec(MISTRAL.format(w=w))) for w in (200, 64))
