@@ -221,6 +221,7 @@ def masked_attention_layers(config: Any, seq: int) -> int:
     blocks skipped) and that autograd keeps for the backward, one per layer."""
     return sum(1 for w in attention_windows(config) if w and seq >= w)
 
+
 def _check_sizes(cls_name: str, values: dict[str, object]) -> None:
     """Refuse a shape override above autopar's limits before the config class sees it
     (transformers builds per-layer lists of ``num_hidden_layers`` entries)."""

@@ -5,7 +5,6 @@ count. See ``capture`` (how graphs are captured) and ``measure`` (what each node
 from __future__ import annotations
 
 import dataclasses
-
 import math
 from contextlib import nullcontext
 from typing import Any
