@@ -29,7 +29,6 @@ Attention written out by hand (minGPT: ``q @ k.transpose(-2, -1)``, mask, softma
 
 from __future__ import annotations
 
-import math
 import operator
 from collections import defaultdict
 from dataclasses import dataclass, field, replace
@@ -41,9 +40,10 @@ from torch import fx, nn
 from torch.utils._pytree import tree_flatten
 
 from autopar.trace.lowrank import RMS_NORM, SDPA, core_parts, low_rank
-from torch.utils.flop_counter import FlopCounterMode, flop_registry, sdpa_flop_count
+from torch.utils.flop_counter import FlopCounterMode, flop_registry
 
 from autopar.trace.graph import ActivationBytes, LinearInfo, NodeInfo
+from autopar.trace.kernels import attention, dropout, rms_norm
 
 REP, SHARD = "rep", "shard"
 
@@ -73,6 +73,8 @@ def _tensors(tree: Any) -> list[torch.Tensor]:
 
 _SDPA_ARGS = ("q", "k", "v", "attn_mask", "dropout_p", "is_causal", "scale", "enable_gqa")
 _DROPOUT = {F.dropout, torch.ops.aten.dropout.default, torch.ops.aten.native_dropout.default}
+
+
 def _grouped_mm_flops(a_shape, b_shape, *args, out_shape=None, **kwargs) -> int:
     """[S, in] x [E, in, out] grouped by expert: each routed row meets one expert."""
     return 2 * a_shape[0] * a_shape[-1] * b_shape[-1]
@@ -90,73 +92,6 @@ def flop_mapping() -> dict:
         if op is not None and op not in flop_registry:
             mapping[op] = _grouped_mm_flops
     return mapping
-
-
-class _Saves(torch.autograd.Function):
-    """An op whose forward already ran (on meta) and keeps ``saved`` for backward, as a GPU
-    kernel does. Never differentiated: the tracer only counts."""
-
-    @staticmethod
-    def forward(ctx, out: torch.Tensor, *inputs_and_saved: Any) -> torch.Tensor:
-        n = inputs_and_saved[0]
-        ctx.save_for_backward(*inputs_and_saved[1 + n:])
-        return out.view_as(out)
-
-    @staticmethod
-    def backward(ctx, *grads):  # pragma: no cover - the tracer never runs backward
-        raise RuntimeError("autopar's measuring ops have no backward")
-
-
-def _kernel(out: torch.Tensor, inputs: list[torch.Tensor | None], saved: list[torch.Tensor]) -> torch.Tensor:
-    """``out`` (computed without autograd) attached to ``inputs`` in the autograd graph."""
-    grad_inputs = [t for t in inputs if isinstance(t, torch.Tensor) and t.requires_grad]
-    if not grad_inputs:
-        return out
-    return _Saves.apply(out, len(grad_inputs), *grad_inputs, *saved)
-
-
-def dropout(x: torch.Tensor, p: float) -> torch.Tensor:
-    """Dropout keeping a 1-byte mask (values are irrelevant on meta)."""
-    if p <= 0:
-        return x
-    mask = torch.empty(x.shape, dtype=torch.bool, device=x.device)
-    return x * mask * (1.0 / (1.0 - p))
-
-
-def rms_norm(x: torch.Tensor, shape: list[int], weight: torch.Tensor | None, eps: float | None) -> torch.Tensor:
-    """RMSNorm keeping its input and a float32 rstd, as the fused CUDA kernel does."""
-    with torch.no_grad():
-        out = torch.empty_like(x)
-        rstd = torch.empty(*x.shape[: x.dim() - len(shape)], *([1] * len(shape)), dtype=torch.float32,
-                           device=x.device)
-    return _kernel(out, [x, weight], [x, rstd])
-
-
-def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, attn_mask: torch.Tensor | None = None,
-              dropout_p: float = 0.0, is_causal: bool = False, scale: float | None = None,
-              enable_gqa: bool = False, *, mode: str = "fused") -> tuple[torch.Tensor, float]:
-    """Attention as ``mode`` keeps it; returns (output, FLOPs not seen by FlopCounterMode)."""
-    b, heads, s_q, d = q.shape
-    s_k = k.shape[-2]
-    if mode == "fused":
-        with torch.no_grad():
-            out = torch.empty(b, s_q, heads, v.shape[-1], dtype=q.dtype, device=q.device).transpose(1, 2)
-            lse = torch.empty(b, heads, s_q, dtype=torch.float32, device=q.device)
-        saved = [q, k, v, out, lse] + ([attn_mask] if attn_mask is not None else [])
-        flops = sdpa_flop_count((b, heads, s_q, d), (b, heads, s_k, d), (b, heads, s_k, v.shape[-1]))
-        return _kernel(out, [q, k, v], saved), float(flops)
-    if k.shape[1] != heads:
-        k = k.repeat_interleave(heads // k.shape[1], dim=1)
-        v = v.repeat_interleave(heads // v.shape[1], dim=1)
-    scores = (q * (scale or 1.0 / math.sqrt(d))) @ k.transpose(-2, -1)
-    if is_causal:  # a constant additive mask: nothing to save, as in Megatron's fused softmax
-        scores = scores + torch.empty(s_q, s_k, dtype=scores.dtype, device=scores.device)
-    elif attn_mask is not None:
-        bias = attn_mask if attn_mask.dtype != torch.bool else torch.empty(
-            attn_mask.shape, dtype=scores.dtype, device=scores.device)
-        scores = scores + bias
-    probs = dropout(torch.softmax(scores, dim=-1), dropout_p)
-    return probs @ v, 0.0
 
 
 @dataclass(kw_only=True, slots=True)
