@@ -218,10 +218,15 @@ def test_torchtitan_config_accepts_the_export_and_rejects_a_wrong_world_size(exp
     training = TrainingConfig(**found["TrainingConfig"])
     dims = ParallelDims.from_config(parallelism, world_size=p.gpus)
     assert (dims.dp_replicate * dims.dp_shard, dims.tp, dims.pp, dims.cp) == (p.mesh.dp, p.mesh.tp, p.mesh.pp, p.mesh.cp)
-    assert training.global_batch_size == p.global_batch
-    if p.mesh.pp > 1:  # the trainer's check: pipeline micro-batches divide the local batch
-        assert training.local_batch_size % parallelism.pipeline_parallel_microbatch_size == 0
-        assert training.local_batch_size // parallelism.pipeline_parallel_microbatch_size == p.num_microbatches
+    # torchtitan counts tokens: a micro-batch of b sequences is b x seq tokens (positions restart at
+    # max_context_length), a step global batch x seq; the trainer derives the accumulation steps
+    assert training.max_context_length == p.seq_len
+    assert training.num_tokens_per_microbatch_per_dp_rank == p.micro_batch_size * p.seq_len
+    assert training.num_tokens_per_train_step == p.global_batch * p.seq_len
+    chunks = parallelism.num_pp_microbatches if p.mesh.pp > 1 else 1
+    per_iteration = training.num_tokens_per_microbatch_per_dp_rank * chunks * p.mesh.dp
+    assert training.num_tokens_per_train_step % per_iteration == 0  # the trainer's check
+    assert chunks * training.num_tokens_per_train_step // per_iteration == p.num_microbatches
     with pytest.raises(AssertionError, match="Invalid parallel dims"):
         ParallelDims.from_config(parallelism, world_size=2 * p.gpus)
 
@@ -230,7 +235,7 @@ def test_torchtitan_loads_the_export_module(exports, tmp_path, monkeypatch):
     pytest.importorskip("torchtitan", reason="torchtitan is not installed")
     import importlib.util
     if importlib.util.find_spec("triton") is None:
-        pytest.skip("torchtitan 0.3's model definitions import triton, which is not installed")
+        pytest.skip("torchtitan's model definitions import triton, which is not installed")
     import torch
     from torchtitan.config import ConfigManager
     result = exports["pp-zero-bubble", "torchtitan"]
@@ -356,7 +361,7 @@ def test_cli_export_json_lists_the_warnings_and_stdout_carries_the_file(tmp_path
     res = runner.invoke(app, ["export", str(path), "--to", "torchtitan", "--json"])
     assert res.exit_code == 0, res.output
     data = json.loads(res.stdout)
-    assert data["target"] == "torchtitan" and data["framework"].startswith("torchtitan 0.3")
+    assert data["target"] == "torchtitan" and data["framework"].startswith("torchtitan main at ")
     assert {w["setting"] for w in data["warnings"]} == {"zero_stage", "recompute"}
     assert all(w["nearest_step_time_s"] and w["nearest_fits"] is not None for w in data["warnings"])
     assert len([line for line in res.stderr.splitlines() if line.startswith("autopar: warning:")]) == 3

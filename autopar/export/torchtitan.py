@@ -1,16 +1,21 @@
-"""torchtitan: a config module in torchtitan 0.3's format.
+"""torchtitan: a config module for torchtitan's main branch (``COMMIT``).
 
-Since 0.3 a torchtitan job is a Python function returning ``Trainer.Config`` (selected with
-``--module <module> --config <function>``; ``--section.key`` flags override it). The export
-is such a module: the model (torchtitan's Llama 3 decoder at the plan's shape) and
-``TrainingConfig``/``ParallelismConfig``/activation checkpointing written as literal keyword
-arguments, so that ``parse`` reads them back with ``ast``.
+torchtitan's main branch (no release since 0.2.2 has it) describes a job as a Python function
+returning ``Trainer.Config`` (selected with ``--module <module> --config <function>``;
+``--section.key`` flags override it). The export is such a module: the model (torchtitan's
+Llama 3 decoder at the plan's shape) and ``TrainingConfig``/``ParallelismConfig``/activation
+checkpointing written as literal keyword arguments, so that ``parse`` reads them back with
+``ast``.
 
 Mapping: ZeRO 0 is ``data_parallel_replicate_degree`` (FSDP2 over a one-rank shard mesh: DDP),
 ZeRO 2/3 ``data_parallel_shard_degree`` with ``fsdp_reshard_after_forward`` never/always;
-stages are explicit ``module_fqns_per_model_part``; micro-batches are pipeline micro-batches
-(``pipeline_parallel_microbatch_size``, ``local_batch_size`` = all of them) with a pipeline,
-gradient-accumulation steps (``global_batch_size``) without.
+stages are explicit ``module_fqns_per_model_part``. torchtitan counts tokens, not sequences
+(its batch dimension folded into the tokens since pytorch/torchtitan#4121, 2026-08-20): a
+micro-batch of b sequences is ``num_tokens_per_microbatch_per_dp_rank`` = b x seq tokens with
+``max_context_length`` = seq (positions restart there, and attention with them: the same
+b causal sequences), a step ``num_tokens_per_train_step`` = global batch x seq tokens; with a
+pipeline the micro-batches are ``num_pp_microbatches``, without it gradient-accumulation
+steps, which torchtitan derives from the step's tokens.
 
 Per-op recompute (``op``) is torchtitan's ``SelectiveAC`` (every second matmul's output and
 the attention's kept). What it cannot express: ZeRO-1 (FSDP2 always shards gradients), fp16,
@@ -31,7 +36,9 @@ from autopar.export.common import (Adapter, Family, Nodes, Option, Settings, Sha
 from autopar.plan import Plan
 from cost_models.axes import Degrees
 
-FRAMEWORK = "torchtitan 0.3 (torchtitan.config.ConfigManager, Trainer.Config)"
+COMMIT = "b5bcd76c6"
+"""The torchtitan commit the config module is written for (main, 2026-08-21)."""
+FRAMEWORK = f"torchtitan main at {COMMIT} (torchtitan.config.ConfigManager, Trainer.Config)"
 DEFAULT_FILE = "autopar_torchtitan.py"
 FUNCTION = "autopar_plan"
 SCHEDULES = {"gpipe": "GPipe", "1f1b": "1F1B", "interleaved": "Interleaved1F1B",
@@ -50,7 +57,7 @@ def adapt(a: Adapter, shape: Shape) -> None:
         raise UserError(f"{shape.source} has {shape.experts} routed experts: the torchtitan export writes "
                         "torchtitan's dense Llama 3 decoder; export it with --to megatron")
     if shape.family != Family.LLAMA:
-        a.gap("model", shape.source, "torchtitan 0.3 trains its own model definitions; the nearest is its "
+        a.gap("model", shape.source, "torchtitan trains its own model definitions; the nearest is its "
               "Llama 3 decoder", twin_options(a.plan, shape, "torchtitan's Llama 3 decoder at the same shape ({spec})"))
     if a.plan.zero_stage == 1:
         a.gap("zero_stage", 1, "FSDP2 shards gradients whenever it shards optimizer states",
@@ -92,8 +99,9 @@ def settings_kwargs(plan: Plan) -> tuple[dict, dict]:
     """(TrainingConfig, ParallelismConfig) keyword arguments of the (adapted) plan."""
     m = plan.mesh
     pipelined = m.pp > 1
-    local = plan.micro_batch_size * plan.num_microbatches if pipelined else plan.micro_batch_size
-    training = {"local_batch_size": local, "global_batch_size": plan.global_batch, "seq_len": plan.seq_len,
+    training = {"num_tokens_per_microbatch_per_dp_rank": plan.micro_batch_size * plan.seq_len,
+                "num_tokens_per_train_step": plan.global_batch * plan.seq_len,
+                "max_context_length": plan.seq_len,
                 "dtype": "float32", "mixed_precision_param": "float32" if plan.dtype == "fp32" else "bfloat16",
                 "enable_cpu_offload": plan.offload}
     if pipelined:
@@ -108,7 +116,7 @@ def settings_kwargs(plan: Plan) -> tuple[dict, dict]:
                          "context_parallel_degree": m.cp}
     if pipelined:
         parallelism.update(pipeline_parallel_schedule=SCHEDULES[plan.schedule],
-                           pipeline_parallel_microbatch_size=plan.micro_batch_size,
+                           num_pp_microbatches=plan.num_microbatches,
                            module_fqns_per_model_part=_fqns(plan))
     return training, parallelism
 
@@ -150,7 +158,8 @@ def _model() -> Llama3Model.Config:
         lm_head=Linear.Config(in_features=DIM, out_features=VOCAB, param_init=_output_linear_init(DIM)),
         layers=_build_llama3_layers(
             n_layers=LAYERS, dim=DIM, n_heads=HEADS, n_kv_heads=KV_HEADS, hidden_dim=FFN, fuse_qkv=True,
-            rope=ComplexRoPE.Config(dim=DIM // HEADS, max_seq_len={max(shape.max_positions, 131072)}, theta=500000, scaling="llama"),
+            rope=ComplexRoPE.Config(dim=DIM // HEADS, max_context_length={max(shape.max_positions, 131072)}, theta=500000,
+                                    scaling="llama"),
             attn_backend="flex"))
 
 
@@ -211,23 +220,25 @@ def parse(text: str) -> Settings:
     rep, shard = p.get("data_parallel_replicate_degree", 1), p.get("data_parallel_shard_degree", -1)
     tp, pp, cp = p.get("tensor_parallel_degree", 1), p.get("pipeline_parallel_degree", 1), p.get("context_parallel_degree", 1)
     dp = rep * shard
+    seq = t.get("max_context_length", 2048)
+    micro = t.get("num_tokens_per_microbatch_per_dp_rank", 16384) // seq
+    chunks = p.get("num_pp_microbatches", 1) if pp > 1 else 1  # a dp rank's micro-batches per accumulation step
+    step = t.get("num_tokens_per_train_step", -1)
+    global_batch = step // seq if step > 0 else micro * chunks * dp
+    n = chunks * (derive_batch(dp, micro * chunks, global_batch) or 0)
     if pp > 1:
-        micro = p.get("pipeline_parallel_microbatch_size", 1)
-        n = t["local_batch_size"] // micro * (derive_batch(dp, t["local_batch_size"], t["global_batch_size"]) or 0)
         parts = p.get("module_fqns_per_model_part")
         stage_layers = tuple(sum(1 for f in part if f.startswith("layers.")) for part in parts) if parts else None
         v = len(parts) // pp if parts else None
         schedule = {v: k for k, v in SCHEDULES.items()}.get(p.get("pipeline_parallel_schedule", "1F1B"))
     else:
-        micro = t["local_batch_size"]
-        n = derive_batch(dp, micro, t["global_batch_size"]) or 0
         stage_layers, v, schedule = ((layers,) if layers else None), 1, None
     reshard = p.get("fsdp_reshard_after_forward", "default")
     zero = 0 if shard == 1 else 3 if reshard == "always" or (reshard == "default" and pp == 1) else 2
     ac = found.get("ac", {}).get("mode", "none")
     return Settings(gpus=dp * tp * pp * cp, dp=dp, tp=tp, pp=pp, cp=cp, zero=zero,
                     offload=t.get("enable_cpu_offload", False), micro_batch_size=micro, num_microbatches=n or None,
-                    global_batch=t["global_batch_size"], schedule=schedule, virtual_stages=v,
+                    global_batch=global_batch, schedule=schedule, virtual_stages=v,
                     sequence_parallel=p.get("enable_sequence_parallel", True) and tp > 1, stage_layers=stage_layers,
                     recompute=tuple(mode_counts(k, ac) for k in stage_layers) if stage_layers else None,
                     dtype="fp32" if t.get("mixed_precision_param") == "float32" else "bf16",
