@@ -19,6 +19,7 @@ from autopar.export.common import Pricer
 from autopar.plan import Mesh, Plan
 from autopar.profiles import profile_spec
 from autopar.solve import Pins, search
+from autopar.spec import parse_model_spec
 
 TINY_HF = ("hf:LlamaConfig:num_hidden_layers=4,hidden_size=256,num_attention_heads=8,num_key_value_heads=2,"
            "intermediate_size=512,vocab_size=1024,max_position_embeddings=512")
@@ -466,7 +467,7 @@ def test_megatron_refuses_an_ep_megatron_rejects_in_one_line(changes, fragment):
     assert "\n" not in str(exc.value)
 
 
-@pytest.mark.parametrize("target", ["deepspeed", "accelerate", "torchtitan"])
+@pytest.mark.parametrize("target", ["deepspeed", "accelerate"])
 def test_other_targets_refuse_ep_naming_the_megatron_export(target):
     with pytest.raises(UserError, match=f"ep=4: the {target} export does not write expert parallelism; "
                                         "export it with --to megatron") as exc:
@@ -474,10 +475,72 @@ def test_other_targets_refuse_ep_naming_the_megatron_export(target):
     assert "\n" not in str(exc.value)
 
 
-def test_torchtitan_refuses_a_moe_rather_than_writing_a_dense_llama():
-    with pytest.raises(UserError, match="8 routed experts: the torchtitan export writes torchtitan's dense Llama 3 "
-                                        "decoder; export it with --to megatron"):
-        export_plan(moe_plan(mesh=Mesh(dp=4, tp=2)), "torchtitan")
+QWEN3_MOE = ("hf:Qwen3MoeConfig:hidden_size=256,num_hidden_layers=4,num_attention_heads=8,num_key_value_heads=2,"
+             "head_dim=64,moe_intermediate_size=128,num_experts=8,num_experts_per_tok=2,norm_topk_prob=True,"
+             "vocab_size=1024,max_position_embeddings=512")
+"""A tiny Qwen3-MoE as torchtitan's Qwen3 MoE decoder builds it (every block sparse, top-k renormalised)."""
+
+
+def titan_moe(**kw) -> Plan:
+    """8 devices as FSDP over dp 8, ep 4 regrouping them (tp 1: torchtitan's ep and autopar's are the same ranks)."""
+    return moe_plan(**{**dict(mesh=Mesh(dp=8, ep=4), sequence_parallel=False, micro_batch_size=1, zero_stage=3), **kw})
+
+
+def test_torchtitan_writes_a_qwen3_moe_and_its_expert_parallelism(pricer):
+    from autopar.export import torchtitan
+    p = titan_moe(model=QWEN3_MOE)
+    result = export_plan(p, "torchtitan", pricer=pricer)
+    assert not result.gaps and result.plan == p
+    found = torchtitan.literals(result.content)
+    assert found["ParallelismConfig"]["expert_parallel_degree"] == 4
+    assert {k: found["constants"][k] for k in ("EXPERTS", "TOP_K", "EXPERT_FFN", "HEAD_DIM", "LAYERS")} == {
+        "EXPERTS": 8, "TOP_K": 2, "EXPERT_FFN": 128, "HEAD_DIM": 64, "LAYERS": 4}
+    read = read_back("torchtitan", result.content, p.num_layers)
+    assert read.ep == 4 and read.mismatches(Settings.of(p)) == {}
+    assert read_back("torchtitan", result.content.replace("expert_parallel_degree=4", "expert_parallel_degree=2"),
+                     p.num_layers).mismatches(Settings.of(p)) == {"ep": (2, 4)}
+
+
+def test_torchtitan_writes_another_moe_as_its_qwen3_moe_decoder_priced(pricer):
+    # Mixtral-style experts (no q/k norm) become torchtitan's Qwen3 MoE decoder at the same shape, priced as an
+    # hf:Qwen3MoeConfig; ZeRO 0 (DDP) cannot lend torchtitan's experts their ep ranks: FSDP's shard group can
+    result = export_plan(titan_moe(zero_stage=0), "torchtitan", pricer=pricer)
+    assert [g.setting for g in result.gaps] == ["model", "zero_stage"]
+    twin = parse_model_spec(result.plan.model)
+    assert twin.source == "Qwen3MoeConfig" and (twin.experts, twin.topk, twin.layers, twin.hidden) == (8, 2, 4, 256)
+    assert "moe_intermediate_size=512" in result.plan.model and result.plan.zero_stage in (2, 3)
+    assert result.exported.step_time_s >= result.planned.step_time_s > 0  # q/k norms cost a little
+    assert "EXPERTS, TOP_K, EXPERT_FFN = 8, 2, 512" in result.content
+
+
+def test_torchtitan_refuses_experts_under_tp_in_one_line():
+    with pytest.raises(UserError, match="8 routed experts under tp=2: torchtitan's expert layers take their ranks "
+                                        "from dp x cp x tp") as exc:
+        export_plan(moe_plan(), "torchtitan")
+    assert "\n" not in str(exc.value) and "--to megatron" in str(exc.value)
+
+
+def test_torchtitan_builds_the_exported_moe(pricer, tmp_path, monkeypatch):
+    pytest.importorskip("torchtitan", reason="torchtitan is not installed")
+    if importlib.util.find_spec("triton") is None:
+        pytest.skip("torchtitan's model definitions import triton, which is not installed")
+    import torch
+    from torchtitan.config import ConfigManager
+    from torchtitan.distributed.parallel_dims import ParallelDims
+    p = titan_moe(model=QWEN3_MOE)
+    (tmp_path / "tt_moe.py").write_text(export_plan(p, "torchtitan", pricer=pricer).content)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    config = ConfigManager().parse_args(["--module", "tt_moe", "--config", "autopar_plan"])
+    dims = ParallelDims.from_config(config.parallelism, world_size=p.gpus)
+    assert (dims.dp_shard, dims.ep) == (8, 4)
+    with torch.device("meta"):
+        model = config.model_spec.model.build()
+    experts = {n: t.shape for n, t in model.named_parameters() if "experts" in n and n.startswith("layers.0.")}
+    assert experts and all(shape[0] == 8 for shape in experts.values())  # [experts, ...] stacked
+    assert sum(1 for n, _ in model.named_modules() if n.count(".") == 1 and n.startswith("layers.")) == 4
+    with pytest.raises(ValueError, match="expert_parallel_degree .3. must divide"):
+        config.parallelism.expert_parallel_degree = 3
+        ParallelDims.from_config(config.parallelism, world_size=p.gpus)
 
 
 def test_megatron_core_accepts_the_expert_parallel_export(pricer):

@@ -57,10 +57,10 @@ def export_plan(plan: Plan, target: Target | str, filename: str | None = None,
                 pricer: Pricer | None = None) -> Export:
     """``plan`` as ``target``'s configuration, written for a file named ``filename``."""
     target = Target(target)
-    if plan.mesh.ep > 1 and target != Target.MEGATRON:
+    if plan.mesh.ep > 1 and target not in (Target.MEGATRON, Target.TORCHTITAN):
         raise UserError(f"the plan has ep={plan.mesh.ep}: the {target.value} export does not write expert "
-                        "parallelism; export it with --to megatron (--expert-model-parallel-size) or re-plan "
-                        "with --ep 1")
+                        "parallelism; export it with --to megatron (--expert-model-parallel-size) or torchtitan, "
+                        "or re-plan with --ep 1")
     name = filename or DEFAULT_FILES[target]
     if target == Target.TORCHTITAN and not Path(name).stem.isidentifier():
         raise UserError(f"--out {name}: torchtitan imports the config as a module (--module {Path(name).stem}); "

@@ -21,18 +21,28 @@ Per-op recompute (``op``) is torchtitan's ``SelectiveAC`` (every second matmul's
 the attention's kept). What it cannot express: ZeRO-1 (FSDP2 always shards gradients), fp16,
 autopar's selective recompute (the attention core only; torchtitan's selective AC is per-op),
 per-block recompute mixes, mesh orders other than pp > dp > cp > tp, and
-blocks other than Llama's (RMSNorm, SwiGLU, RoPE). A mixture of experts is refused, not replaced:
-the module builds the dense Llama 3 decoder, and a dense twin would be another model (expert
-parallelism is refused before, in ``export_plan``).
+blocks other than Llama's (RMSNorm, SwiGLU, RoPE).
+
+A mixture of experts is torchtitan's Qwen3 MoE decoder (``torchtitan.models.qwen3``: per-head
+q/k RMSNorm, softmax router renormalised over the top-k, every block sparse, SwiGLU experts):
+an ``hf:Qwen3MoeConfig`` that is all that is written as it is; a Llama-style one (Mixtral,
+``moe:``) and a Qwen3-MoE with other routing or dense blocks become that decoder at the same
+shape, a priced gap (the twin is an ``hf:Qwen3MoeConfig`` spec, so the cost model prices the
+model torchtitan builds). Expert parallelism is ``expert_parallel_degree``: torchtitan takes
+the ep ranks from dp_shard x cp x tp, autopar's ep regroups dp x cp, the same ranks when tp = 1
+and the dp ranks shard (ZeRO 2/3); under tp > 1 torchtitan's experts also span the tp ranks,
+which autopar does not price, and the export refuses. Other mixtures (DeepSeek, GLM, GPT-OSS,
+Qwen2-MoE's shared experts) are refused, naming the Megatron export.
 """
 
 from __future__ import annotations
 
 import ast
+from dataclasses import dataclass
 
 from autopar.errors import UserError
 from autopar.export.common import (Adapter, Family, Nodes, Option, Settings, Shape, derive_batch, describe_recompute,
-                                   mode_counts, order_gap, replace_plan, twin_options, uniform_recompute)
+                                   mode_counts, model_spec, order_gap, replace_plan, twin_options, uniform_recompute)
 from autopar.plan import Plan
 from cost_models.axes import Degrees
 
@@ -52,11 +62,79 @@ AC = {"none": "None", "full": "FullAC.Config()", "op": "SelectiveAC.Config()"}
 output and the attention's, as autopar's ``op``)."""
 
 
+QWEN3_MOE = "Qwen3MoeConfig"
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class Experts:
+    """What torchtitan's Qwen3 MoE decoder takes beyond ``Shape``."""
+
+    head_dim: int
+    width: int
+    """Each expert's hidden width."""
+    theta: float
+    """RoPE base."""
+    eps: float
+    """RMSNorm epsilon."""
+    as_built: bool
+    """The plan's model is the decoder torchtitan builds (else a twin replaces it)."""
+
+    def twin(self, shape: Shape) -> str:
+        """The ``hf:Qwen3MoeConfig`` spec of the decoder torchtitan builds at ``shape``."""
+        return (f"hf:{QWEN3_MOE}:hidden_size={shape.hidden},num_hidden_layers={shape.layers},"
+                f"num_attention_heads={shape.heads},num_key_value_heads={shape.kv_heads},head_dim={self.head_dim},"
+                f"moe_intermediate_size={self.width},num_experts={shape.experts},num_experts_per_tok={shape.topk},"
+                f"norm_topk_prob=True,vocab_size={shape.vocab},tie_word_embeddings={shape.tied},"
+                f"seq={shape.max_positions}")
+
+
+def experts(plan: Plan, shape: Shape) -> Experts:
+    """The decoder's further fields for ``plan``'s mixture of experts: off its HF config for an
+    ``hf:Qwen3MoeConfig``, else off ``shape`` (Llama-style: heads hidden / heads wide, each
+    expert ``ffn`` wide)."""
+    spec = model_spec(plan)
+    if spec.arch != "hf" or spec.source != QWEN3_MOE:
+        return Experts(head_dim=shape.hidden // shape.heads, width=shape.ffn, theta=1e6, eps=1e-6, as_built=False)
+    from autopar.hf import make_config
+    from autopar.spec import hf_option_values
+    config = make_config(QWEN3_MOE, hf_option_values(spec.options))
+    rope = dict(getattr(config, "rope_parameters", None) or {})
+    sparse = config.decoder_sparse_step == 1 and not config.mlp_only_layers
+    return Experts(head_dim=config.head_dim, width=config.moe_intermediate_size,
+                   theta=float(rope.get("rope_theta", 1e6)), eps=config.rms_norm_eps,
+                   as_built=bool(config.norm_topk_prob) and sparse and config.rms_norm_eps == 1e-6)
+
+
+def _adapt_experts(a: Adapter, shape: Shape) -> None:
+    if shape.family != Family.LLAMA and shape.source != QWEN3_MOE:
+        raise UserError(f"{shape.source} has {shape.experts} routed experts: the torchtitan export writes torchtitan's "
+                        "Qwen3 MoE decoder, which builds Qwen3-MoE's and Llama-style (Mixtral's) experts; export it "
+                        "with --to megatron")
+    m = a.plan.mesh
+    if m.tp > 1:
+        raise UserError(f"the plan runs {shape.experts} routed experts under tp={m.tp}: torchtitan's expert layers take "
+                        "their ranks from dp x cp x tp (each expert whole, fed every tp rank's tokens), a layout "
+                        "autopar does not price; re-plan with --tp 1 or export it with --to megatron")
+    found = experts(a.plan, shape)
+    if not found.as_built:
+        twin = found.twin(shape)
+        a.gap("model", shape.source, "torchtitan trains its own model definitions; its mixture of experts is the "
+              "Qwen3 MoE decoder (per-head q/k RMSNorm, the top-k scores renormalised, every block sparse)",
+              [Option(nearest=f"torchtitan's Qwen3 MoE decoder at the same shape ({twin})",
+                      plan=replace_plan(a.plan, model=twin))])
+    if m.ep > 1 and a.plan.zero_stage == 0:
+        a.gap("zero_stage", 0, "torchtitan's experts take their ep ranks from the FSDP shard group, which ZeRO 0 "
+              "(data_parallel_replicate_degree) leaves at one rank",
+              [Option(nearest="data_parallel_shard_degree with fsdp_reshard_after_forward='never' (ZeRO-2)",
+                      plan=replace_plan(a.plan, zero_stage=2)),
+               Option(nearest="data_parallel_shard_degree with fsdp_reshard_after_forward='always' (ZeRO-3)",
+                      plan=replace_plan(a.plan, zero_stage=3))])
+
+
 def adapt(a: Adapter, shape: Shape) -> None:
     if shape.experts:
-        raise UserError(f"{shape.source} has {shape.experts} routed experts: the torchtitan export writes "
-                        "torchtitan's dense Llama 3 decoder; export it with --to megatron")
-    if shape.family != Family.LLAMA:
+        _adapt_experts(a, shape)
+    elif shape.family != Family.LLAMA:
         a.gap("model", shape.source, "torchtitan trains its own model definitions; the nearest is its "
               "Llama 3 decoder", twin_options(a.plan, shape, "torchtitan's Llama 3 decoder at the same shape ({spec})"))
     if a.plan.zero_stage == 1:
@@ -104,8 +182,8 @@ def settings_kwargs(plan: Plan) -> tuple[dict, dict]:
                 "max_context_length": plan.seq_len,
                 "dtype": "float32", "mixed_precision_param": "float32" if plan.dtype == "fp32" else "bfloat16",
                 "enable_cpu_offload": plan.offload}
-    if pipelined:
-        training["disable_cuda_graphs"] = True  # torchtitan's CUDA graphs refuse pipelines
+    if pipelined or m.ep > 1:  # torchtitan's CUDA graphs refuse pipelines and the all-to-all dispatcher's host sync
+        training["disable_cuda_graphs"] = True
     sharded = plan.zero_stage > 0
     parallelism: dict = {"data_parallel_replicate_degree": 1 if sharded else m.dp,
                          "data_parallel_shard_degree": m.dp if sharded else 1,
@@ -114,6 +192,8 @@ def settings_kwargs(plan: Plan) -> tuple[dict, dict]:
                          "enable_sequence_parallel": plan.sequence_parallel and m.tp > 1,
                          "pipeline_parallel_degree": m.pp,
                          "context_parallel_degree": m.cp}
+    if m.ep > 1:
+        parallelism["expert_parallel_degree"] = m.ep
     if pipelined:
         parallelism.update(pipeline_parallel_schedule=SCHEDULES[plan.schedule],
                            num_pp_microbatches=plan.num_microbatches,
@@ -125,24 +205,13 @@ def _kwargs(d: dict, indent: str) -> str:
     return ",\n".join(f"{indent}{k}={v!r}" for k, v in d.items())
 
 
-def render(plan: Plan, shape: Shape, where: Nodes, header: list[str], module: str) -> tuple[str, str]:
-    training, parallelism = settings_kwargs(plan)
-    ac = AC[plan.recompute[0]]  # one mode on every block (``adapt``)
-    launch = (f"PYTHONPATH=<directory of {module}.py> torchrun --nnodes {where.count} --nproc-per-node "
-              f"{where.per_node} -m torchtitan.train --module {module} --config {FUNCTION}")
-    doc = "\n".join(header + ["", "Launch on every node:", f"    {launch}",
-                              "Set hf_assets_path (tokenizer) and the dataloader to your data; any field can "
-                              "be overridden with --section.key."])
-    text = f'''"""{doc}
-"""
-
-from torchtitan.components.loss import ChunkedLossWrapper, CrossEntropyLoss
-from torchtitan.config import ParallelismConfig, TrainingConfig
-from torchtitan.distributed.activation_checkpoint import FullAC, SelectiveAC
-from torchtitan.models.common import ComplexRoPE, Embedding, Linear, RMSNorm
+def _llama3(shape: Shape) -> tuple[str, str]:
+    """(the imports and model of torchtitan's Llama 3 decoder at ``shape``, its base recipe and
+    flavor)."""
+    return f'''from torchtitan.models.common import ComplexRoPE, Embedding, Linear, RMSNorm
 from torchtitan.models.llama3 import (_EMBEDDING_INIT, _NORM_INIT, _build_llama3_layers, _output_linear_init,
                                       model_registry)
-from torchtitan.models.llama3.config_registry import llama3_8b
+from torchtitan.models.llama3.config_registry import llama3_8b as base_recipe
 from torchtitan.models.llama3.model import Llama3Model
 from torchtitan.trainer import Trainer
 
@@ -160,12 +229,57 @@ def _model() -> Llama3Model.Config:
             n_layers=LAYERS, dim=DIM, n_heads=HEADS, n_kv_heads=KV_HEADS, hidden_dim=FFN, fuse_qkv=True,
             rope=ComplexRoPE.Config(dim=DIM // HEADS, max_context_length={max(shape.max_positions, 131072)}, theta=500000,
                                     scaling="llama"),
-            attn_backend="flex"))
+            attn_backend="flex"))''', "8B"
+
+
+def _qwen3_moe(shape: Shape, e: Experts) -> tuple[str, str]:
+    """As ``_llama3``, for torchtitan's Qwen3 MoE decoder."""
+    return f'''from torchtitan.models.common import CosSinRoPE, Embedding, Linear, RMSNorm
+from torchtitan.models.qwen3 import (_EMBEDDING_INIT, _LINEAR_INIT, _NORM_INIT, _build_qwen3_moe_layers,
+                                     model_registry)
+from torchtitan.models.qwen3.config_registry import qwen3_30b_a3b as base_recipe
+from torchtitan.models.qwen3.model import Qwen3Model
+from torchtitan.trainer import Trainer
+
+LAYERS, DIM, HEADS, KV_HEADS, HEAD_DIM, VOCAB, TIED = {shape.layers}, {shape.hidden}, {shape.heads}, {shape.kv_heads}, {e.head_dim}, {shape.vocab}, {shape.tied}
+EXPERTS, TOP_K, EXPERT_FFN = {shape.experts}, {shape.topk}, {e.width}
+
+
+def _model() -> Qwen3Model.Config:
+    """torchtitan's Qwen3 MoE decoder at the plan's shape."""
+    return Qwen3Model.Config(
+        dim=DIM, vocab_size=VOCAB, enable_weight_tying=TIED,
+        tok_embeddings=Embedding.Config(num_embeddings=VOCAB, embedding_dim=DIM, param_init=_EMBEDDING_INIT),
+        norm=RMSNorm.Config(normalized_shape=DIM, eps={e.eps!r}, param_init=_NORM_INIT),
+        lm_head=Linear.Config(in_features=DIM, out_features=VOCAB, param_init=_LINEAR_INIT),
+        layers=_build_qwen3_moe_layers(
+            n_layers=LAYERS, dim=DIM, n_heads=HEADS, n_kv_heads=KV_HEADS, head_dim=HEAD_DIM,
+            moe_hidden_dim=EXPERT_FFN, num_experts=EXPERTS, top_k=TOP_K, fuse_qkv=True, attn_backend="flex",
+            moe_comm_backend="standard",
+            rope=CosSinRoPE.Config(dim=HEAD_DIM, max_context_length={shape.max_positions}, theta={e.theta!r})))''', "30B-A3B"
+
+
+def render(plan: Plan, shape: Shape, where: Nodes, header: list[str], module: str) -> tuple[str, str]:
+    training, parallelism = settings_kwargs(plan)
+    ac = AC[plan.recompute[0]]  # one mode on every block (``adapt``)
+    launch = (f"PYTHONPATH=<directory of {module}.py> torchrun --nnodes {where.count} --nproc-per-node "
+              f"{where.per_node} -m torchtitan.train --module {module} --config {FUNCTION}")
+    doc = "\n".join(header + ["", "Launch on every node:", f"    {launch}",
+                              "Set hf_assets_path (tokenizer) and the dataloader to your data; any field can "
+                              "be overridden with --section.key."])
+    model, flavor = _qwen3_moe(shape, experts(plan, shape)) if shape.experts else _llama3(shape)
+    text = f'''"""{doc}
+"""
+
+from torchtitan.components.loss import ChunkedLossWrapper, CrossEntropyLoss
+from torchtitan.config import ParallelismConfig, TrainingConfig
+from torchtitan.distributed.activation_checkpoint import FullAC, SelectiveAC
+{model}
 
 
 def {FUNCTION}() -> Trainer.Config:
-    config = llama3_8b()  # optimizer, data loader, checkpointing: torchtitan's Llama 3 8B recipe
-    spec = model_registry("8B")
+    config = base_recipe()  # optimizer, data loader, checkpointing: torchtitan's recipe for its {flavor}
+    spec = model_registry("{flavor}")
     spec.model = _model()
     spec.flavor = "autopar"
     config.model_spec = spec
@@ -236,7 +350,7 @@ def parse(text: str) -> Settings:
     reshard = p.get("fsdp_reshard_after_forward", "default")
     zero = 0 if shard == 1 else 3 if reshard == "always" or (reshard == "default" and pp == 1) else 2
     ac = found.get("ac", {}).get("mode", "none")
-    return Settings(gpus=dp * tp * pp * cp, dp=dp, tp=tp, pp=pp, cp=cp, zero=zero,
+    return Settings(gpus=dp * tp * pp * cp, dp=dp, tp=tp, pp=pp, cp=cp, ep=p.get("expert_parallel_degree", 1), zero=zero,
                     offload=t.get("enable_cpu_offload", False), micro_batch_size=micro, num_microbatches=n or None,
                     global_batch=global_batch, schedule=schedule, virtual_stages=v,
                     sequence_parallel=p.get("enable_sequence_parallel", True) and tp > 1, stage_layers=stage_layers,
