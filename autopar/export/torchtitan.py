@@ -25,7 +25,7 @@ blocks other than Llama's (RMSNorm, SwiGLU, RoPE).
 
 A mixture of experts is torchtitan's Qwen3 MoE decoder (``torchtitan.models.qwen3``: per-head
 q/k RMSNorm, softmax router renormalised over the top-k, every block sparse, SwiGLU experts):
-an ``hf:Qwen3MoeConfig`` that is all that is written as it is; a Llama-style one (Mixtral,
+an ``hf:Qwen3MoeConfig`` built so is written as it is; a Llama-style one (Mixtral,
 ``moe:``) and a Qwen3-MoE with other routing or dense blocks become that decoder at the same
 shape, a priced gap (the twin is an ``hf:Qwen3MoeConfig`` spec, so the cost model prices the
 model torchtitan builds). Expert parallelism is ``expert_parallel_degree``: torchtitan takes
@@ -107,14 +107,14 @@ def experts(plan: Plan, shape: Shape) -> Experts:
 
 def _adapt_experts(a: Adapter, shape: Shape) -> None:
     if shape.family != Family.LLAMA and shape.source != QWEN3_MOE:
-        raise UserError(f"{shape.source} has {shape.experts} routed experts: the torchtitan export writes torchtitan's "
-                        "Qwen3 MoE decoder, which builds Qwen3-MoE's and Llama-style (Mixtral's) experts; export it "
-                        "with --to megatron")
+        raise UserError(f"{shape.source} has {shape.experts} routed experts: the torchtitan export writes "
+                        "torchtitan's Qwen3 MoE decoder, which builds Qwen3-MoE's and Llama-style (Mixtral's) "
+                        "experts; export it with --to megatron")
     m = a.plan.mesh
     if m.tp > 1:
-        raise UserError(f"the plan runs {shape.experts} routed experts under tp={m.tp}: torchtitan's expert layers take "
-                        "their ranks from dp x cp x tp (each expert whole, fed every tp rank's tokens), a layout "
-                        "autopar does not price; re-plan with --tp 1 or export it with --to megatron")
+        raise UserError(f"the plan runs {shape.experts} routed experts under tp={m.tp}: torchtitan's expert layers "
+                        "take their ranks from dp x cp x tp (the experts folded over the tp ranks), a layout autopar "
+                        "does not price; re-plan with --tp 1 or export it with --to megatron")
     found = experts(a.plan, shape)
     if not found.as_built:
         twin = found.twin(shape)
@@ -350,7 +350,8 @@ def parse(text: str) -> Settings:
     reshard = p.get("fsdp_reshard_after_forward", "default")
     zero = 0 if shard == 1 else 3 if reshard == "always" or (reshard == "default" and pp == 1) else 2
     ac = found.get("ac", {}).get("mode", "none")
-    return Settings(gpus=dp * tp * pp * cp, dp=dp, tp=tp, pp=pp, cp=cp, ep=p.get("expert_parallel_degree", 1), zero=zero,
+    return Settings(gpus=dp * tp * pp * cp, dp=dp, tp=tp, pp=pp, cp=cp, ep=p.get("expert_parallel_degree", 1),
+                    zero=zero,
                     offload=t.get("enable_cpu_offload", False), micro_batch_size=micro, num_microbatches=n or None,
                     global_batch=global_batch, schedule=schedule, virtual_stages=v,
                     sequence_parallel=p.get("enable_sequence_parallel", True) and tp > 1, stage_layers=stage_layers,
