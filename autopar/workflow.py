@@ -156,9 +156,11 @@ def export_lead_refusal(spec: ModelSpec, target: str) -> str | None:
     ones), which autopar prices, plans and runs, but the export writes one kind of block for.
     The HF families Megatron-Core builds (``autopar.export.hfblocks``: DeepSeek-V2/V3, GLM-4.5)
     export to Megatron as themselves (``--moe-layer-freq``). Read off the (cached) trace of an
-    HF model or a user module."""
+    HF model or a user module. torchtitan builds DeepSeek-V3's (``autopar.export.torchtitan``)."""
     from autopar.export.hfblocks import CONFIGS
-    if spec.arch not in ("hf", "module") or (target == "megatron" and spec.source in CONFIGS):
+    from autopar.export.torchtitan import DEEPSEEK_V3
+    writes_lead = {"megatron": CONFIGS, "torchtitan": (DEEPSEEK_V3,)}
+    if spec.arch not in ("hf", "module") or spec.source in writes_lead.get(target, ()):
         return None
     profile = profile_spec(spec)
     if profile.lead is None:

@@ -313,7 +313,8 @@ def test_leading_dense_blocks_plan_with_every_block_counted_and_export_to_megatr
     all 4 blocks, the leading ones opening the first stage in one recompute mode; explain
     re-prices the plan exactly; launch writes its scripts (the runtime trains both block
     kinds: test_runtime's DeepSeek-V3 and GLM-4.5 parity); the Megatron export writes both
-    kinds (--moe-layer-freq) and the others refuse it in one line."""
+    kinds (--moe-layer-freq), as does torchtitan's DeepSeek-V3 (tests/test_export.py), and the
+    others refuse it in one line."""
     pytest.importorskip("transformers")
     from tests.test_trace_hf import DSV3_TINY
     out = tmp_path / "p.json"

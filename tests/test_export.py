@@ -547,24 +547,57 @@ def test_torchtitan_refuses_experts_under_tp_in_one_line():
     assert "\n" not in str(exc.value) and "--to megatron" in str(exc.value)
 
 
-def test_torchtitan_builds_the_exported_moe(pricer, tmp_path, monkeypatch):
+def _titan_dsv3() -> Plan:
+    return _dsv3_plan(mesh=Mesh(dp=8, ep=4), sequence_parallel=False, recipe="torchtitan", zero_stage=3,
+                      micro_batch_size=1)
+
+
+def test_deepseek_v3_exports_to_torchtitan_as_itself(pricer):
+    """torchtitan's DeepSeek-V3 (multi-latent attention, a shared expert, the sigmoid group-limited router,
+    leading dense blocks) at the HF config's every width: no gap."""
+    pytest.importorskip("transformers")
+    from autopar.export import torchtitan
+    p = _titan_dsv3()
+    result = export_plan(p, "torchtitan", pricer=pricer)
+    assert not result.gaps and result.plan == p
+    for text in ("n_dense_layers=2", "q_lora_rank=32", "kv_lora_rank=16", "qk_rope_head_dim=8", "dense_hidden_dim=96",
+                 "moe_hidden_dim=32", "num_experts=8", "num_shared_experts=1", "router_top_k=2",
+                 "router_score_func='sigmoid'", "router_num_expert_groups=2", "router_num_limited_groups=1",
+                 "router_route_scale=2.5", "router_route_norm=True", "ComplexRoPE.Config(dim=8, "):
+        assert text in result.content, text
+    assert torchtitan.literals(result.content)["ParallelismConfig"]["expert_parallel_degree"] == 4
+    assert read_back("torchtitan", result.content, p.num_layers).mismatches(Settings.of(p)) == {}
+    with pytest.raises(UserError, match="the torchtitan export writes DeepSeek-V3 with plain RoPE, no attention biases"):
+        export_plan(dataclasses.replace(p, model=p.model.replace("vocab_size=128", "vocab_size=128,attention_bias=True")),
+                    "torchtitan")
+
+
+@pytest.mark.parametrize("which", ["qwen3-moe", "deepseek-v3"])
+def test_torchtitan_builds_the_exported_moe_with_the_hf_models_parameters(pricer, tmp_path, monkeypatch, which):
     pytest.importorskip("torchtitan", reason="torchtitan is not installed")
     if importlib.util.find_spec("triton") is None:
         pytest.skip("torchtitan's model definitions import triton, which is not installed")
     import torch
     from torchtitan.config import ConfigManager
     from torchtitan.distributed.parallel_dims import ParallelDims
-    p = titan_moe(model=QWEN3_MOE)
-    (tmp_path / "tt_moe.py").write_text(export_plan(p, "torchtitan", pricer=pricer).content)
+
+    from autopar.hf import make_config, transformers_module
+    from autopar.spec import hf_option_values
+    p = titan_moe(model=QWEN3_MOE) if which == "qwen3-moe" else _titan_dsv3()
+    module = f"tt_{which.replace('-', '_')}"
+    (tmp_path / f"{module}.py").write_text(export_plan(p, "torchtitan", pricer=pricer).content)
     monkeypatch.syspath_prepend(str(tmp_path))
-    config = ConfigManager().parse_args(["--module", "tt_moe", "--config", "autopar_plan"])
+    config = ConfigManager().parse_args(["--module", module, "--config", "autopar_plan"])
     dims = ParallelDims.from_config(config.parallelism, world_size=p.gpus)
     assert (dims.dp_shard, dims.ep) == (8, 4)
+    spec = parse_model_spec(p.model)
     with torch.device("meta"):
         model = config.model_spec.model.build()
-    experts = {n: t.shape for n, t in model.named_parameters() if "experts" in n and n.startswith("layers.0.")}
-    assert experts and all(shape[0] == 8 for shape in experts.values())  # [experts, ...] stacked
-    assert sum(1 for n, _ in model.named_modules() if n.count(".") == 1 and n.startswith("layers.")) == 4
+        hf = transformers_module().AutoModelForCausalLM.from_config(make_config(spec.source, hf_option_values(spec.options)))
+    # the model torchtitan builds holds the HF model's every parameter, experts stacked [experts, ...]
+    assert sum(t.numel() for t in model.parameters()) == sum(t.numel() for t in hf.parameters())
+    experts = {n: t.shape for n, t in model.named_parameters() if "routed_experts" in n and ".3." in n}
+    assert experts and all(shape[0] == spec.experts for shape in experts.values())
     with pytest.raises(ValueError, match="expert_parallel_degree .3. must divide"):
         config.parallelism.expert_parallel_degree = 3
         ParallelDims.from_config(config.parallelism, world_size=p.gpus)
@@ -813,6 +846,7 @@ def test_leading_blocks_other_than_deepseeks_megatron_export_are_refused_in_one_
     from tests.test_trace_hf import DSV3_TINY
     spec = parse_model_spec(DSV3_TINY)
     assert export_lead_refusal(spec, "megatron") is None
+    assert export_lead_refusal(spec, "torchtitan") is None  # torchtitan's DeepSeek-V3 has them
     why = export_lead_refusal(spec, "deepspeed")
     assert "leads with 2 dense blocks" in why and "export it with --to megatron" in why
 

@@ -31,8 +31,11 @@ shape, a priced gap (the twin is an ``hf:Qwen3MoeConfig`` spec, so the cost mode
 model torchtitan builds). Expert parallelism is ``expert_parallel_degree``: torchtitan takes
 the ep ranks from dp_shard x cp x tp, autopar's ep regroups dp x cp, the same ranks when tp = 1
 and the dp ranks shard (ZeRO 2/3); under tp > 1 torchtitan's experts also span the tp ranks,
-which autopar does not price, and the export refuses. Other mixtures (DeepSeek, GLM, GPT-OSS,
-Qwen2-MoE's shared experts) are refused, naming the Megatron export.
+which autopar does not price, and the export refuses. An ``hf:DeepseekV3Config`` is torchtitan's
+DeepSeek-V3 (``build_mla_moe_layers``: multi-latent attention, the leading dense blocks, shared
+and routed experts, the sigmoid group-limited router) at the config's every width, with plain
+RoPE (a spec cannot state YaRN's). Other mixtures (DeepSeek-V2, GLM, GPT-OSS, Qwen2-MoE) are
+refused, naming the Megatron export.
 """
 
 from __future__ import annotations
@@ -63,6 +66,7 @@ output and the attention's, as autopar's ``op``)."""
 
 
 QWEN3_MOE = "Qwen3MoeConfig"
+DEEPSEEK_V3 = "DeepseekV3Config"
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -106,17 +110,21 @@ def experts(plan: Plan, shape: Shape) -> Experts:
 
 
 def _adapt_experts(a: Adapter, shape: Shape) -> None:
-    if shape.family != Family.LLAMA and shape.source != QWEN3_MOE:
+    if shape.family != Family.LLAMA and shape.source not in (QWEN3_MOE, DEEPSEEK_V3):
         raise UserError(f"{shape.source} has {shape.experts} routed experts: the torchtitan export writes "
                         "torchtitan's Qwen3 MoE decoder, which builds Qwen3-MoE's and Llama-style (Mixtral's) "
-                        "experts; export it with --to megatron")
+                        "experts, or its DeepSeek-V3; export it with --to megatron")
     m = a.plan.mesh
     if m.tp > 1:
         raise UserError(f"the plan runs {shape.experts} routed experts under tp={m.tp}: torchtitan's expert layers "
                         "take their ranks from dp x cp x tp (the experts folded over the tp ranks), a layout autopar "
                         "does not price; re-plan with --tp 1 or export it with --to megatron")
-    found = experts(a.plan, shape)
-    if not found.as_built:
+    if shape.source == DEEPSEEK_V3:
+        deepseek_v3(a.plan)  # refuses what torchtitan's DeepSeek-V3 does not build
+        found = None
+    else:
+        found = experts(a.plan, shape)
+    if found is not None and not found.as_built:
         twin = found.twin(shape)
         a.gap("model", shape.source, "torchtitan trains its own model definitions; its mixture of experts is the "
               "Qwen3 MoE decoder (per-head q/k RMSNorm, the top-k scores renormalised, every block sparse)",
@@ -259,6 +267,73 @@ def _model() -> Qwen3Model.Config:
             rope=CosSinRoPE.Config(dim=HEAD_DIM, max_context_length={shape.max_positions}, theta={e.theta!r})))''', "30B-A3B"
 
 
+@dataclass(frozen=True, kw_only=True, slots=True)
+class DeepSeek:
+    """torchtitan's DeepSeek-V3 builder arguments for one model."""
+
+    layers: dict[str, object]
+    """``build_mla_moe_layers``'s keyword arguments but inits, backends and RoPE."""
+    theta: float
+    """RoPE base."""
+    rope_dim: int
+    vocab: int
+    eps: float
+
+
+def deepseek_v3(plan: Plan) -> DeepSeek:
+    """``build_mla_moe_layers``'s arguments and the RoPE's for ``plan``'s ``hf:DeepseekV3Config``,
+    read off its HF config; a ``UserError`` for what torchtitan's DeepSeek-V3 does not build."""
+    from autopar.hf import make_config
+    from autopar.spec import hf_option_values
+    c = make_config(DEEPSEEK_V3, hf_option_values(model_spec(plan).options))
+    rope = dict(getattr(c, "rope_parameters", None) or {})
+    kind = rope.get("rope_type", "default")
+    if kind != "default" or c.attention_bias or c.tie_word_embeddings or c.n_shared_experts < 1:
+        raise UserError(f"{DEEPSEEK_V3} with rope_type={kind!r}, attention_bias={c.attention_bias}, "
+                        f"tie_word_embeddings={c.tie_word_embeddings}, n_shared_experts={c.n_shared_experts}: "
+                        "the torchtitan export writes DeepSeek-V3 with plain RoPE, no attention biases, an untied "
+                        "head and shared experts; export it with --to megatron")
+    layers: dict[str, object] = dict(
+        n_layers=c.num_hidden_layers, n_dense_layers=c.first_k_dense_replace, dim=c.hidden_size,
+        n_heads=c.num_attention_heads, q_lora_rank=c.q_lora_rank or 0, kv_lora_rank=c.kv_lora_rank,
+        qk_nope_head_dim=c.qk_nope_head_dim, qk_rope_head_dim=c.qk_rope_head_dim, v_head_dim=c.v_head_dim,
+        mscale=1.0, dense_hidden_dim=c.intermediate_size, moe_hidden_dim=c.moe_intermediate_size,
+        num_experts=c.n_routed_experts, num_shared_experts=c.n_shared_experts, router_top_k=c.num_experts_per_tok,
+        router_score_func="sigmoid", router_num_expert_groups=c.n_group if c.n_group > 1 else None,
+        router_num_limited_groups=c.topk_group if c.n_group > 1 else None,
+        router_route_scale=float(c.routed_scaling_factor), router_route_norm=bool(c.norm_topk_prob))
+    return DeepSeek(layers=layers, theta=float(rope.get("rope_theta", 10000.0)), rope_dim=c.qk_rope_head_dim,
+                    vocab=c.vocab_size, eps=c.rms_norm_eps)
+
+
+def _deepseek_v3(shape: Shape, plan: Plan) -> tuple[str, str]:
+    """As ``_llama3``, for torchtitan's DeepSeek-V3 (multi-latent attention, shared and routed
+    experts behind its leading dense blocks)."""
+    d = deepseek_v3(plan)
+    layers = ",\n            ".join(f"{k}={v!r}" for k, v in d.layers.items())
+    return f'''from torchtitan.models.common import ComplexRoPE, Embedding, Linear, RMSNorm
+from torchtitan.models.deepseek_v3 import (_EMBEDDING_INIT, _NORM_INIT, _build_dsv3_layers, _output_linear_init,
+                                           model_registry)
+from torchtitan.models.deepseek_v3.config_registry import deepseek_v3_671b as base_recipe
+from torchtitan.models.deepseek_v3.model import DeepSeekV3Model
+from torchtitan.trainer import Trainer
+
+LAYERS, DIM, VOCAB = {shape.layers}, {shape.hidden}, {d.vocab}
+
+
+def _model() -> DeepSeekV3Model.Config:
+    """torchtitan's DeepSeek-V3 at the plan's shape."""
+    return DeepSeekV3Model.Config(
+        vocab_size=VOCAB, dim=DIM,
+        tok_embeddings=Embedding.Config(num_embeddings=VOCAB, embedding_dim=DIM, param_init=_EMBEDDING_INIT),
+        norm=RMSNorm.Config(normalized_shape=DIM, eps={d.eps!r}, param_init=_NORM_INIT),
+        lm_head=Linear.Config(in_features=DIM, out_features=VOCAB, param_init=_output_linear_init(DIM)),
+        layers=_build_dsv3_layers(
+            {layers},
+            attn_backend="flex", moe_comm_backend="standard", non_blocking_capacity_factor=None,
+            rope=ComplexRoPE.Config(dim={d.rope_dim}, max_context_length={shape.max_positions}, theta={d.theta!r})))''', "671B"
+
+
 def render(plan: Plan, shape: Shape, where: Nodes, header: list[str], module: str) -> tuple[str, str]:
     training, parallelism = settings_kwargs(plan)
     ac = AC[plan.recompute[0]]  # one mode on every block (``adapt``)
@@ -267,7 +342,10 @@ def render(plan: Plan, shape: Shape, where: Nodes, header: list[str], module: st
     doc = "\n".join(header + ["", "Launch on every node:", f"    {launch}",
                               "Set hf_assets_path (tokenizer) and the dataloader to your data; any field can "
                               "be overridden with --section.key."])
-    model, flavor = _qwen3_moe(shape, experts(plan, shape)) if shape.experts else _llama3(shape)
+    if shape.source == DEEPSEEK_V3:
+        model, flavor = _deepseek_v3(shape, plan)
+    else:
+        model, flavor = _qwen3_moe(shape, experts(plan, shape)) if shape.experts else _llama3(shape)
     text = f'''"""{doc}
 """
 
