@@ -567,13 +567,42 @@ def test_deepseek_v3_exports_to_torchtitan_as_itself(pricer):
         assert text in result.content, text
     assert torchtitan.literals(result.content)["ParallelismConfig"]["expert_parallel_degree"] == 4
     assert read_back("torchtitan", result.content, p.num_layers).mismatches(Settings.of(p)) == {}
+    biased = dataclasses.replace(p, model=p.model.replace("vocab_size=128", "vocab_size=128,attention_bias=True"))
     with pytest.raises(UserError, match="the torchtitan export writes DeepSeek-V3 with plain RoPE, no attention biases"):
-        export_plan(dataclasses.replace(p, model=p.model.replace("vocab_size=128", "vocab_size=128,attention_bias=True")),
-                    "torchtitan")
+        export_plan(biased, "torchtitan")
 
 
-@pytest.mark.parametrize("which", ["qwen3-moe", "deepseek-v3"])
-def test_torchtitan_builds_the_exported_moe_with_the_hf_models_parameters(pricer, tmp_path, monkeypatch, which):
+QWEN3 = ("hf:Qwen3Config:hidden_size=256,num_hidden_layers=4,num_attention_heads=8,num_key_value_heads=2,"
+         "head_dim=64,intermediate_size=512,vocab_size=1024,max_position_embeddings=512")
+MISTRAL = ("hf:MistralConfig:hidden_size=256,num_hidden_layers=4,num_attention_heads=8,num_key_value_heads=2,"
+           "intermediate_size=512,vocab_size=1024,max_position_embeddings=512,sliding_window=128")
+
+
+def _titan_dense(model: str) -> Plan:
+    return plan(model=model, seq_len=512, global_batch=16, num_microbatches=2, zero_stage=3, stage_layers=(4,),
+                recompute=("none",) * 4)
+
+
+def test_torchtitan_writes_qwen3_and_llama_as_their_hf_configs_state(pricer):
+    # Qwen3 is torchtitan's own Qwen3 decoder (q/k norms, a head width of its own): no twin
+    q3 = export_plan(_titan_dense(QWEN3), "torchtitan", pricer=pricer)
+    assert not q3.gaps and "_build_qwen3_layers(" in q3.content
+    assert "HEAD_DIM, FFN, VOCAB, TIED = 4, 256, 8, 2, 64, 512" in q3.content
+    # an HF Llama keeps its RoPE (transformers' default: base 10000, no Llama 3 scaling) ...
+    llama = export_plan(PLANS["hf"], "torchtitan", pricer=pricer).content
+    rope = llama[llama.index("rope=ComplexRoPE.Config("):].split(")")[0]
+    assert "theta=10000.0" in rope and "scaling" not in rope
+    # ... autopar's own Llama presets are written with Llama 3.1's
+    assert "theta=500000.0, scaling='llama', scaling_factor=8.0" in export_plan(PLANS["fsdp3-offload"], "torchtitan",
+                                                                             pricer=pricer).content
+    # Mistral's windows: torchtitan's Llama 3 attends causally over the sequence, priced as the windowless model
+    mistral = export_plan(_titan_dense(MISTRAL), "torchtitan", pricer=pricer)
+    assert [g.setting for g in mistral.gaps] == ["attention"] and mistral.plan.model.endswith(",sliding_window=None")
+    assert mistral.exported.step_time_s != mistral.planned.step_time_s  # no mask, a causal kernel
+
+
+@pytest.mark.parametrize("which", ["llama", "qwen3", "qwen3-moe", "deepseek-v3"])
+def test_torchtitan_builds_the_exported_model_with_the_hf_models_parameters(pricer, tmp_path, monkeypatch, which):
     pytest.importorskip("torchtitan", reason="torchtitan is not installed")
     if importlib.util.find_spec("triton") is None:
         pytest.skip("torchtitan's model definitions import triton, which is not installed")
@@ -583,24 +612,27 @@ def test_torchtitan_builds_the_exported_moe_with_the_hf_models_parameters(pricer
 
     from autopar.hf import make_config, transformers_module
     from autopar.spec import hf_option_values
-    p = titan_moe(model=QWEN3_MOE) if which == "qwen3-moe" else _titan_dsv3()
+    p = {"llama": lambda: _titan_dense(TINY_HF), "qwen3": lambda: _titan_dense(QWEN3),
+         "qwen3-moe": lambda: titan_moe(model=QWEN3_MOE), "deepseek-v3": _titan_dsv3}[which]()
     module = f"tt_{which.replace('-', '_')}"
     (tmp_path / f"{module}.py").write_text(export_plan(p, "torchtitan", pricer=pricer).content)
     monkeypatch.syspath_prepend(str(tmp_path))
     config = ConfigManager().parse_args(["--module", module, "--config", "autopar_plan"])
     dims = ParallelDims.from_config(config.parallelism, world_size=p.gpus)
-    assert (dims.dp_shard, dims.ep) == (8, 4)
+    assert (dims.dp_shard, dims.ep) == (8, p.mesh.ep)
     spec = parse_model_spec(p.model)
     with torch.device("meta"):
         model = config.model_spec.model.build()
-        hf = transformers_module().AutoModelForCausalLM.from_config(make_config(spec.source, hf_option_values(spec.options)))
+        config_hf = make_config(spec.source, hf_option_values(spec.options))
+        hf = transformers_module().AutoModelForCausalLM.from_config(config_hf)
     # the model torchtitan builds holds the HF model's every parameter, experts stacked [experts, ...]
     assert sum(t.numel() for t in model.parameters()) == sum(t.numel() for t in hf.parameters())
-    experts = {n: t.shape for n, t in model.named_parameters() if "routed_experts" in n and ".3." in n}
-    assert experts and all(shape[0] == spec.experts for shape in experts.values())
-    with pytest.raises(ValueError, match="expert_parallel_degree .3. must divide"):
-        config.parallelism.expert_parallel_degree = 3
-        ParallelDims.from_config(config.parallelism, world_size=p.gpus)
+    if spec.experts:
+        experts = {n: t.shape for n, t in model.named_parameters() if "routed_experts" in n and ".3." in n}
+        assert experts and all(shape[0] == spec.experts for shape in experts.values())
+        with pytest.raises(ValueError, match="expert_parallel_degree .3. must divide"):
+            config.parallelism.expert_parallel_degree = 3
+            ParallelDims.from_config(config.parallelism, world_size=p.gpus)
 
 
 def test_megatron_core_accepts_the_expert_parallel_export(pricer):

@@ -21,7 +21,10 @@ Per-op recompute (``op``) is torchtitan's ``SelectiveAC`` (every second matmul's
 the attention's kept). What it cannot express: ZeRO-1 (FSDP2 always shards gradients), fp16,
 autopar's selective recompute (the attention core only; torchtitan's selective AC is per-op),
 per-block recompute mixes, mesh orders other than pp > dp > cp > tp, and
-blocks other than Llama's (RMSNorm, SwiGLU, RoPE).
+blocks other than Llama's (RMSNorm, SwiGLU, RoPE) and Qwen3's (its q/k norms and head width:
+``_build_qwen3_layers``). An HF Llama or Mistral keeps its RoPE base and Llama 3 scaling (autopar's
+own ``llama:`` presets get Llama 3.1's); its sliding windows are a gap priced as the same model
+without them (torchtitan's Llama 3 attends causally over the whole sequence).
 
 A mixture of experts is torchtitan's Qwen3 MoE decoder (``torchtitan.models.qwen3``: per-head
 q/k RMSNorm, softmax router renormalised over the top-k, every block sparse, SwiGLU experts):
@@ -42,6 +45,7 @@ from __future__ import annotations
 
 import ast
 from dataclasses import dataclass
+from typing import Any
 
 from autopar.errors import UserError
 from autopar.export.common import (Adapter, Family, Nodes, Option, Settings, Shape, derive_batch, describe_recompute,
@@ -65,17 +69,16 @@ AC = {"none": "None", "full": "FullAC.Config()", "op": "SelectiveAC.Config()"}
 output and the attention's, as autopar's ``op``)."""
 
 
-QWEN3_MOE = "Qwen3MoeConfig"
-DEEPSEEK_V3 = "DeepseekV3Config"
+QWEN3, QWEN3_MOE, DEEPSEEK_V3 = "Qwen3Config", "Qwen3MoeConfig", "DeepseekV3Config"
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
-class Experts:
-    """What torchtitan's Qwen3 MoE decoder takes beyond ``Shape``."""
+class Qwen3:
+    """What torchtitan's Qwen3 decoder (dense or MoE) takes beyond ``Shape``."""
 
     head_dim: int
     width: int
-    """Each expert's hidden width."""
+    """The MLP's hidden width (each expert's, in a mixture of experts)."""
     theta: float
     """RoPE base."""
     eps: float
@@ -84,7 +87,7 @@ class Experts:
     """The plan's model is the decoder torchtitan builds (else a twin replaces it)."""
 
     def twin(self, shape: Shape) -> str:
-        """The ``hf:Qwen3MoeConfig`` spec of the decoder torchtitan builds at ``shape``."""
+        """The ``hf:Qwen3MoeConfig`` spec of the MoE decoder torchtitan builds at ``shape``."""
         return (f"hf:{QWEN3_MOE}:hidden_size={shape.hidden},num_hidden_layers={shape.layers},"
                 f"num_attention_heads={shape.heads},num_key_value_heads={shape.kv_heads},head_dim={self.head_dim},"
                 f"moe_intermediate_size={self.width},num_experts={shape.experts},num_experts_per_tok={shape.topk},"
@@ -92,21 +95,70 @@ class Experts:
                 f"seq={shape.max_positions}")
 
 
-def experts(plan: Plan, shape: Shape) -> Experts:
-    """The decoder's further fields for ``plan``'s mixture of experts: off its HF config for an
-    ``hf:Qwen3MoeConfig``, else off ``shape`` (Llama-style: heads hidden / heads wide, each
-    expert ``ffn`` wide)."""
-    spec = model_spec(plan)
-    if spec.arch != "hf" or spec.source != QWEN3_MOE:
-        return Experts(head_dim=shape.hidden // shape.heads, width=shape.ffn, theta=1e6, eps=1e-6, as_built=False)
+def _hf_config(plan: Plan) -> Any:
+    """The plan's HF model's config (an ``hf:`` spec)."""
     from autopar.hf import make_config
     from autopar.spec import hf_option_values
-    config = make_config(QWEN3_MOE, hf_option_values(spec.options))
-    rope = dict(getattr(config, "rope_parameters", None) or {})
-    sparse = config.decoder_sparse_step == 1 and not config.mlp_only_layers
-    return Experts(head_dim=config.head_dim, width=config.moe_intermediate_size,
-                   theta=float(rope.get("rope_theta", 1e6)), eps=config.rms_norm_eps,
-                   as_built=bool(config.norm_topk_prob) and sparse and config.rms_norm_eps == 1e-6)
+    spec = model_spec(plan)
+    return make_config(spec.source, hf_option_values(spec.options))
+
+
+def qwen3(plan: Plan, shape: Shape) -> Qwen3:
+    """torchtitan's Qwen3 decoder fields for ``plan``'s model: off its HF config for an
+    ``hf:Qwen3Config`` or ``hf:Qwen3MoeConfig`` (as built: no attention biases or sliding
+    windows, RMSNorm epsilon 1e-6 as torchtitan's blocks fix it, experts in every block with
+    the top-k renormalised), else off ``shape`` (Llama-style experts: heads hidden / heads wide,
+    each expert ``ffn`` wide)."""
+    if shape.source not in (QWEN3, QWEN3_MOE):
+        return Qwen3(head_dim=shape.hidden // shape.heads, width=shape.ffn, theta=1e6, eps=1e-6, as_built=False)
+    c = _hf_config(plan)
+    rope = dict(getattr(c, "rope_parameters", None) or {})
+    plain = (not c.attention_bias and not getattr(c, "use_sliding_window", False) and c.rms_norm_eps == 1e-6
+             and rope.get("rope_type", "default") == "default")
+    if shape.source == QWEN3_MOE:
+        plain = plain and bool(c.norm_topk_prob) and c.decoder_sparse_step == 1 and not c.mlp_only_layers
+    width = c.moe_intermediate_size if shape.source == QWEN3_MOE else c.intermediate_size
+    return Qwen3(head_dim=c.head_dim, width=width,
+                 theta=float(rope.get("rope_theta", 1e6)), eps=c.rms_norm_eps, as_built=plain)
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class Rope:
+    """``ComplexRoPE.Config``'s base and scaling for a Llama-style model."""
+
+    theta: float = 500000.0
+    scaling: dict[str, float | int] | None = None
+    """Llama 3's frequency scaling (``scaling="llama"``'s fields), or None: plain."""
+    windows: tuple[int, ...] = ()
+    """Sliding windows shorter than the sequence (torchtitan's Llama 3 attends causally over all of it)."""
+    other: str = ""
+    """A RoPE type torchtitan's Llama 3 does not build (written plain)."""
+
+
+LLAMA3_ROPE: dict[str, float | int] = {"scaling_factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                                        "original_max_position_embeddings": 8192}
+"""Llama 3.1's RoPE scaling, which the export writes for autopar's own Llama specs (torchtitan's
+Llama 3 recipe)."""
+
+
+def llama_rope(plan: Plan, shape: Shape) -> Rope:
+    """The RoPE of ``plan``'s Llama-style model: off its HF config for an ``hf:`` Llama or
+    Mistral, else Llama 3.1's (autopar's ``llama:`` presets and twins: the same compute)."""
+    if model_spec(plan).arch != "hf" or shape.family != Family.LLAMA:
+        return Rope(scaling=LLAMA3_ROPE)
+    from autopar.hf import attention_windows
+    c = _hf_config(plan)
+    rope = dict(getattr(c, "rope_parameters", None) or {})
+    kind = rope.get("rope_type", "default")
+    windows = tuple(sorted({w for w in attention_windows(c) if 0 < w < plan.seq_len}))
+    theta = float(rope.get("rope_theta", 10000.0))
+    if kind == "llama3":
+        scaling = {"scaling_factor": float(rope.get("factor", 8.0)),
+                   "low_freq_factor": float(rope.get("low_freq_factor", 1.0)),
+                   "high_freq_factor": float(rope.get("high_freq_factor", 4.0)),
+                   "original_max_position_embeddings": int(rope.get("original_max_position_embeddings", 8192))}
+        return Rope(theta=theta, scaling=scaling, windows=windows)
+    return Rope(theta=theta, windows=windows, other="" if kind == "default" else kind)
 
 
 def _adapt_experts(a: Adapter, shape: Shape) -> None:
@@ -123,7 +175,7 @@ def _adapt_experts(a: Adapter, shape: Shape) -> None:
         deepseek_v3(a.plan)  # refuses what torchtitan's DeepSeek-V3 does not build
         found = None
     else:
-        found = experts(a.plan, shape)
+        found = qwen3(a.plan, shape)
     if found is not None and not found.as_built:
         twin = found.twin(shape)
         a.gap("model", shape.source, "torchtitan trains its own model definitions; its mixture of experts is the "
@@ -139,12 +191,33 @@ def _adapt_experts(a: Adapter, shape: Shape) -> None:
                       plan=replace_plan(a.plan, zero_stage=3))])
 
 
+def _adapt_rope(a: Adapter, shape: Shape) -> None:
+    """What torchtitan's Llama 3 decoder does not build of a Llama-style HF model's attention:
+    gaps that keep the plan (the cost model prices causal attention under torchtitan's recipe)."""
+    rope = llama_rope(a.plan, shape)
+    if rope.windows:  # priced as the same HF model without its windows
+        spec = model_spec(a.plan)
+        twin = f"hf:{spec.source}:" + ",".join([*(f"{k}={v}" for k, v in spec.options if k != "sliding_window"),
+                                                "sliding_window=None"])
+        a.gap("attention", f"sliding windows of {', '.join(map(str, rope.windows))} tokens",
+              "torchtitan's Llama 3 decoder has no sliding windows",
+              [Option(nearest=f"causal attention over all {a.plan.seq_len} tokens ({twin})",
+                      plan=replace_plan(a.plan, model=twin))])
+    if rope.other:
+        a.gap("rope", rope.other, "torchtitan's RoPE scales frequencies as Llama 3 or YaRN only",
+              [Option(nearest=f"plain RoPE of base {rope.theta:g}", plan=a.plan)])
+
+
 def adapt(a: Adapter, shape: Shape) -> None:
     if shape.experts:
         _adapt_experts(a, shape)
+    elif shape.source == QWEN3 and qwen3(a.plan, shape).as_built:
+        pass  # torchtitan's Qwen3 decoder as it is
     elif shape.family != Family.LLAMA:
         a.gap("model", shape.source, "torchtitan trains its own model definitions; the nearest is its "
               "Llama 3 decoder", twin_options(a.plan, shape, "torchtitan's Llama 3 decoder at the same shape ({spec})"))
+    else:
+        _adapt_rope(a, shape)
     if a.plan.zero_stage == 1:
         a.gap("zero_stage", 1, "FSDP2 shards gradients whenever it shards optimizer states",
               [Option(nearest="data_parallel_shard_degree with fsdp_reshard_after_forward='never' (ZeRO-2)",
@@ -213,9 +286,11 @@ def _kwargs(d: dict, indent: str) -> str:
     return ",\n".join(f"{indent}{k}={v!r}" for k, v in d.items())
 
 
-def _llama3(shape: Shape) -> tuple[str, str]:
+def _llama3(shape: Shape, rope: Rope) -> tuple[str, str]:
     """(the imports and model of torchtitan's Llama 3 decoder at ``shape``, its base recipe and
     flavor)."""
+    scaling = "" if rope.scaling is None else ", scaling='llama', " + ", ".join(
+        f"{k}={v!r}" for k, v in rope.scaling.items())
     return f'''from torchtitan.models.common import ComplexRoPE, Embedding, Linear, RMSNorm
 from torchtitan.models.llama3 import (_EMBEDDING_INIT, _NORM_INIT, _build_llama3_layers, _output_linear_init,
                                       model_registry)
@@ -235,12 +310,36 @@ def _model() -> Llama3Model.Config:
         lm_head=Linear.Config(in_features=DIM, out_features=VOCAB, param_init=_output_linear_init(DIM)),
         layers=_build_llama3_layers(
             n_layers=LAYERS, dim=DIM, n_heads=HEADS, n_kv_heads=KV_HEADS, hidden_dim=FFN, fuse_qkv=True,
-            rope=ComplexRoPE.Config(dim=DIM // HEADS, max_context_length={max(shape.max_positions, 131072)}, theta=500000,
-                                    scaling="llama"),
+            rope=ComplexRoPE.Config(dim=DIM // HEADS, max_context_length={max(shape.max_positions, 131072)},
+                                    theta={rope.theta!r}{scaling}),
             attn_backend="flex"))''', "8B"
 
 
-def _qwen3_moe(shape: Shape, e: Experts) -> tuple[str, str]:
+def _qwen3_dense(shape: Shape, q: Qwen3) -> tuple[str, str]:
+    """As ``_llama3``, for torchtitan's dense Qwen3 decoder."""
+    return f'''from torchtitan.models.common import CosSinRoPE, Embedding, Linear, RMSNorm
+from torchtitan.models.qwen3 import _EMBEDDING_INIT, _LINEAR_INIT, _NORM_INIT, _build_qwen3_layers, model_registry
+from torchtitan.models.qwen3.config_registry import qwen3_14b as base_recipe
+from torchtitan.models.qwen3.model import Qwen3Model
+from torchtitan.trainer import Trainer
+
+LAYERS, DIM, HEADS, KV_HEADS, HEAD_DIM, FFN, VOCAB, TIED = {shape.layers}, {shape.hidden}, {shape.heads}, {shape.kv_heads}, {q.head_dim}, {q.width}, {shape.vocab}, {shape.tied}
+
+
+def _model() -> Qwen3Model.Config:
+    """torchtitan's Qwen3 decoder at the plan's shape."""
+    return Qwen3Model.Config(
+        dim=DIM, vocab_size=VOCAB, enable_weight_tying=TIED,
+        tok_embeddings=Embedding.Config(num_embeddings=VOCAB, embedding_dim=DIM, param_init=_EMBEDDING_INIT),
+        norm=RMSNorm.Config(normalized_shape=DIM, eps={q.eps!r}, param_init=_NORM_INIT),
+        lm_head=Linear.Config(in_features=DIM, out_features=VOCAB, param_init=_LINEAR_INIT),
+        layers=_build_qwen3_layers(
+            n_layers=LAYERS, dim=DIM, n_heads=HEADS, n_kv_heads=KV_HEADS, head_dim=HEAD_DIM, hidden_dim=FFN,
+            fuse_qkv=True, attn_backend="flex",
+            rope=CosSinRoPE.Config(dim=HEAD_DIM, max_context_length={shape.max_positions}, theta={q.theta!r})))''', "14B"
+
+
+def _qwen3_moe(shape: Shape, e: Qwen3) -> tuple[str, str]:
     """As ``_llama3``, for torchtitan's Qwen3 MoE decoder."""
     return f'''from torchtitan.models.common import CosSinRoPE, Embedding, Linear, RMSNorm
 from torchtitan.models.qwen3 import (_EMBEDDING_INIT, _LINEAR_INIT, _NORM_INIT, _build_qwen3_moe_layers,
@@ -344,8 +443,12 @@ def render(plan: Plan, shape: Shape, where: Nodes, header: list[str], module: st
                               "be overridden with --section.key."])
     if shape.source == DEEPSEEK_V3:
         model, flavor = _deepseek_v3(shape, plan)
+    elif shape.experts:
+        model, flavor = _qwen3_moe(shape, qwen3(plan, shape))
+    elif shape.source == QWEN3:
+        model, flavor = _qwen3_dense(shape, qwen3(plan, shape))
     else:
-        model, flavor = _qwen3_moe(shape, experts(plan, shape)) if shape.experts else _llama3(shape)
+        model, flavor = _llama3(shape, llama_rope(plan, shape))
     text = f'''"""{doc}
 """
 
