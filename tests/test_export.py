@@ -568,8 +568,42 @@ def test_deepseek_v3_exports_to_torchtitan_as_itself(pricer):
     assert torchtitan.literals(result.content)["ParallelismConfig"]["expert_parallel_degree"] == 4
     assert read_back("torchtitan", result.content, p.num_layers).mismatches(Settings.of(p)) == {}
     biased = dataclasses.replace(p, model=p.model.replace("vocab_size=128", "vocab_size=128,attention_bias=True"))
-    with pytest.raises(UserError, match="the torchtitan export writes DeepSeek-V3 with plain RoPE, no attention biases"):
+    with pytest.raises(UserError, match="the torchtitan export writes DeepSeek-V3 with plain RoPE or YaRN without a "
+                                        "cos/sin factor, no attention biases"):
         export_plan(biased, "torchtitan")
+    yarn = dataclasses.replace(p, model=p.model.replace("vocab_size=128", f"vocab_size=128,{YARN}"))
+    assert "scaling='yarn', rope_factor=4.0" in export_plan(yarn, "torchtitan", pricer=pricer).content
+    with pytest.raises(UserError, match="YaRN without a cos/sin factor"):  # HF scales cos/sin without mscale
+        export_plan(dataclasses.replace(yarn, model=yarn.model.replace("'mscale':1.0,", "")), "torchtitan")
+
+
+YARN = ("rope_parameters={'rope_type':'yarn','rope_theta':10000.0,'factor':4.0,'original_max_position_embeddings':8,"
+        "'beta_fast':32.0,'beta_slow':1.0,'mscale':1.0,'mscale_all_dim':1.0}")
+"""DeepSeek-V3's YaRN (its factor 40 and 4K original context, scaled down to the tiny model's 32 tokens)."""
+
+
+def test_torchtitan_builds_deepseek_v3s_yarn_as_hf_does(pricer, tmp_path, monkeypatch):
+    pytest.importorskip("torchtitan", reason="torchtitan is not installed")
+    if importlib.util.find_spec("triton") is None:
+        pytest.skip("torchtitan's model definitions import triton, which is not installed")
+    import torch
+    from torchtitan.config import ConfigManager
+
+    from autopar.hf import make_config, transformers_module
+    from autopar.spec import hf_option_values
+    p = _titan_dsv3()
+    p = dataclasses.replace(p, model=p.model.replace("vocab_size=128", f"vocab_size=128,{YARN}"))
+    result = export_plan(p, "torchtitan", pricer=pricer)
+    (tmp_path / "tt_yarn.py").write_text(result.content)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    titan = ConfigManager().parse_args(["--module", "tt_yarn", "--config", "autopar_plan"]).model_spec.model.build()
+    spec = parse_model_spec(p.model)
+    hf = transformers_module().AutoModelForCausalLM.from_config(make_config(spec.source, hf_option_values(spec.options)))
+    attention = titan.layers["0"].attention
+    # the softmax scale (mscale_all_dim folded in) and the rotary frequencies are HF's, with no cos/sin factor
+    assert attention.softmax_scale == pytest.approx(hf.model.layers[0].self_attn.scaling, rel=1e-12)
+    assert hf.model.rotary_emb.attention_scaling == 1.0
+    torch.testing.assert_close(torch.angle(attention.rope.cache[1]), hf.model.rotary_emb.inv_freq)
 
 
 QWEN3 = ("hf:Qwen3Config:hidden_size=256,num_hidden_layers=4,num_attention_heads=8,num_key_value_heads=2,"

@@ -37,7 +37,8 @@ and the dp ranks shard (ZeRO 2/3); under tp > 1 torchtitan's experts also span t
 which autopar does not price, and the export refuses. An ``hf:DeepseekV3Config`` is torchtitan's
 DeepSeek-V3 (``build_mla_moe_layers``: multi-latent attention, the leading dense blocks, shared
 and routed experts, the sigmoid group-limited router) at the config's every width, with plain
-RoPE (a spec cannot state YaRN's). Other mixtures (DeepSeek-V2, GLM, GPT-OSS, Qwen2-MoE) are
+RoPE or YaRN as torchtitan builds it (no factor on cos/sin, ``mscale_all_dim`` in the softmax
+scale: DeepSeek-V3's own, where ``mscale`` and ``mscale_all_dim`` agree). Other mixtures (DeepSeek-V2, GLM, GPT-OSS, Qwen2-MoE) are
 refused, naming the Megatron export.
 """
 
@@ -372,8 +373,8 @@ class DeepSeek:
 
     layers: dict[str, object]
     """``build_mla_moe_layers``'s keyword arguments but inits, backends and RoPE."""
-    theta: float
-    """RoPE base."""
+    rope: dict[str, object]
+    """``ComplexRoPE.Config``'s fields but ``dim`` and ``max_context_length``."""
     rope_dim: int
     vocab: int
     eps: float
@@ -387,22 +388,34 @@ def deepseek_v3(plan: Plan) -> DeepSeek:
     c = make_config(DEEPSEEK_V3, hf_option_values(model_spec(plan).options))
     rope = dict(getattr(c, "rope_parameters", None) or {})
     kind = rope.get("rope_type", "default")
-    if kind != "default" or c.attention_bias or c.tie_word_embeddings or c.n_shared_experts < 1:
+    # YaRN as torchtitan builds it: no factor on cos/sin (HF's attention_factor, 1 where mscale and
+    # mscale_all_dim agree), mscale_all_dim folded into the softmax scale (its Attention's mscale)
+    unit = float(rope.get("attention_factor") or 0.0) == 1.0 or (
+        bool(rope.get("mscale")) and float(rope.get("mscale", 0.0)) == float(rope.get("mscale_all_dim") or 0.0))
+    if (kind not in ("default", "yarn") or (kind == "yarn" and not unit) or c.attention_bias
+            or c.tie_word_embeddings or c.n_shared_experts < 1):
         raise UserError(f"{DEEPSEEK_V3} with rope_type={kind!r}, attention_bias={c.attention_bias}, "
                         f"tie_word_embeddings={c.tie_word_embeddings}, n_shared_experts={c.n_shared_experts}: "
-                        "the torchtitan export writes DeepSeek-V3 with plain RoPE, no attention biases, an untied "
-                        "head and shared experts; export it with --to megatron")
+                        "the torchtitan export writes DeepSeek-V3 with plain RoPE or YaRN without a cos/sin factor, "
+                        "no attention biases, an untied head and shared experts; export it with --to megatron")
+    rope_args: dict[str, object] = {"theta": float(rope.get("rope_theta", 10000.0))}
+    if kind == "yarn":
+        rope_args.update(scaling="yarn", rope_factor=float(rope["factor"]), beta_fast=float(rope.get("beta_fast", 32)),
+                         beta_slow=float(rope.get("beta_slow", 1)), truncate=bool(rope.get("truncate", True)),
+                         original_seq_len=int(rope.get("original_max_position_embeddings")
+                                              or c.max_position_embeddings))
     layers: dict[str, object] = dict(
         n_layers=c.num_hidden_layers, n_dense_layers=c.first_k_dense_replace, dim=c.hidden_size,
         n_heads=c.num_attention_heads, q_lora_rank=c.q_lora_rank or 0, kv_lora_rank=c.kv_lora_rank,
         qk_nope_head_dim=c.qk_nope_head_dim, qk_rope_head_dim=c.qk_rope_head_dim, v_head_dim=c.v_head_dim,
-        mscale=1.0, dense_hidden_dim=c.intermediate_size, moe_hidden_dim=c.moe_intermediate_size,
+        mscale=float(rope.get("mscale_all_dim") or 0.0) if kind == "yarn" else 1.0,
+        dense_hidden_dim=c.intermediate_size, moe_hidden_dim=c.moe_intermediate_size,
         num_experts=c.n_routed_experts, num_shared_experts=c.n_shared_experts, router_top_k=c.num_experts_per_tok,
         router_score_func="sigmoid", router_num_expert_groups=c.n_group if c.n_group > 1 else None,
         router_num_limited_groups=c.topk_group if c.n_group > 1 else None,
         router_route_scale=float(c.routed_scaling_factor), router_route_norm=bool(c.norm_topk_prob))
-    return DeepSeek(layers=layers, theta=float(rope.get("rope_theta", 10000.0)), rope_dim=c.qk_rope_head_dim,
-                    vocab=c.vocab_size, eps=c.rms_norm_eps)
+    return DeepSeek(layers=layers, rope=rope_args, rope_dim=c.qk_rope_head_dim, vocab=c.vocab_size,
+                    eps=c.rms_norm_eps)
 
 
 def _deepseek_v3(shape: Shape, plan: Plan) -> tuple[str, str]:
@@ -410,6 +423,7 @@ def _deepseek_v3(shape: Shape, plan: Plan) -> tuple[str, str]:
     experts behind its leading dense blocks)."""
     d = deepseek_v3(plan)
     layers = ",\n            ".join(f"{k}={v!r}" for k, v in d.layers.items())
+    rope = ", ".join(f"{k}={v!r}" for k, v in d.rope.items())
     return f'''from torchtitan.models.common import ComplexRoPE, Embedding, Linear, RMSNorm
 from torchtitan.models.deepseek_v3 import (_EMBEDDING_INIT, _NORM_INIT, _build_dsv3_layers, _output_linear_init,
                                            model_registry)
@@ -430,7 +444,7 @@ def _model() -> DeepSeekV3Model.Config:
         layers=_build_dsv3_layers(
             {layers},
             attn_backend="flex", moe_comm_backend="standard", non_blocking_capacity_factor=None,
-            rope=ComplexRoPE.Config(dim={d.rope_dim}, max_context_length={shape.max_positions}, theta={d.theta!r})))''', "671B"
+            rope=ComplexRoPE.Config(dim={d.rope_dim}, max_context_length={shape.max_positions}, {rope})))''', "671B"
 
 
 def render(plan: Plan, shape: Shape, where: Nodes, header: list[str], module: str) -> tuple[str, str]:
