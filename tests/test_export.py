@@ -582,7 +582,12 @@ YARN = ("rope_parameters={'rope_type':'yarn','rope_theta':10000.0,'factor':4.0,'
 """DeepSeek-V3's YaRN (its factor 40 and 4K original context, scaled down to the tiny model's 32 tokens)."""
 
 
-def test_torchtitan_builds_deepseek_v3s_yarn_as_hf_does(pricer, tmp_path, monkeypatch):
+LLAMA3_ROPE = ("rope_parameters={'rope_type':'llama3','rope_theta':500000.0,'factor':8.0,'low_freq_factor':1.0,"
+               "'high_freq_factor':4.0,'original_max_position_embeddings':64}")
+
+
+@pytest.mark.parametrize("which", ["deepseek-v3-yarn", "llama-3-scaling"])
+def test_torchtitan_builds_the_hf_models_rotary_frequencies(pricer, tmp_path, monkeypatch, which):
     pytest.importorskip("torchtitan", reason="torchtitan is not installed")
     if importlib.util.find_spec("triton") is None:
         pytest.skip("torchtitan's model definitions import triton, which is not installed")
@@ -591,19 +596,25 @@ def test_torchtitan_builds_deepseek_v3s_yarn_as_hf_does(pricer, tmp_path, monkey
 
     from autopar.hf import make_config, transformers_module
     from autopar.spec import hf_option_values
-    p = _titan_dsv3()
-    p = dataclasses.replace(p, model=p.model.replace("vocab_size=128", f"vocab_size=128,{YARN}"))
+    if which == "deepseek-v3-yarn":
+        p = _titan_dsv3()
+        p = dataclasses.replace(p, model=p.model.replace("vocab_size=128", f"vocab_size=128,{YARN}"))
+    else:
+        p = _titan_dense(f"{TINY_HF},{LLAMA3_ROPE}")
     result = export_plan(p, "torchtitan", pricer=pricer)
-    (tmp_path / "tt_yarn.py").write_text(result.content)
+    assert not result.gaps
+    module = f"tt_{which.replace('-', '_')}"  # a module name per case: imports are cached
+    (tmp_path / f"{module}.py").write_text(result.content)
     monkeypatch.syspath_prepend(str(tmp_path))
-    titan = ConfigManager().parse_args(["--module", "tt_yarn", "--config", "autopar_plan"]).model_spec.model.build()
+    titan = ConfigManager().parse_args(["--module", module, "--config", "autopar_plan"]).model_spec.model.build()
     spec = parse_model_spec(p.model)
     hf = transformers_module().AutoModelForCausalLM.from_config(make_config(spec.source, hf_option_values(spec.options)))
     attention = titan.layers["0"].attention
-    # the softmax scale (mscale_all_dim folded in) and the rotary frequencies are HF's, with no cos/sin factor
-    assert attention.softmax_scale == pytest.approx(hf.model.layers[0].self_attn.scaling, rel=1e-12)
+    # the rotary frequencies are HF's, with no cos/sin factor; DeepSeek's softmax scale folds mscale_all_dim in
     assert hf.model.rotary_emb.attention_scaling == 1.0
     torch.testing.assert_close(torch.angle(attention.rope.cache[1]), hf.model.rotary_emb.inv_freq)
+    if which == "deepseek-v3-yarn":
+        assert attention.softmax_scale == pytest.approx(hf.model.layers[0].self_attn.scaling, rel=1e-12)
 
 
 QWEN3 = ("hf:Qwen3Config:hidden_size=256,num_hidden_layers=4,num_attention_heads=8,num_key_value_heads=2,"
