@@ -586,7 +586,7 @@ LLAMA3_ROPE = ("rope_parameters={'rope_type':'llama3','rope_theta':500000.0,'fac
                "'high_freq_factor':4.0,'original_max_position_embeddings':64}")
 
 
-@pytest.mark.parametrize("which", ["deepseek-v3-yarn", "llama-3-scaling"])
+@pytest.mark.parametrize("which", ["deepseek-v3-yarn", "llama-3-scaling", "gpt-oss-yarn"])
 def test_torchtitan_builds_the_hf_models_rotary_frequencies(pricer, tmp_path, monkeypatch, which):
     pytest.importorskip("torchtitan", reason="torchtitan is not installed")
     if importlib.util.find_spec("triton") is None:
@@ -600,7 +600,7 @@ def test_torchtitan_builds_the_hf_models_rotary_frequencies(pricer, tmp_path, mo
         p = _titan_dsv3()
         p = dataclasses.replace(p, model=p.model.replace("vocab_size=128", f"vocab_size=128,{YARN}"))
     else:
-        p = _titan_dense(f"{TINY_HF},{LLAMA3_ROPE}")
+        p = _titan_dense(f"{TINY_HF},{LLAMA3_ROPE}") if which == "llama-3-scaling" else titan_moe(model=GPT_OSS)
     result = export_plan(p, "torchtitan", pricer=pricer)
     assert not result.gaps
     module = f"tt_{which.replace('-', '_')}"  # a module name per case: imports are cached
@@ -609,18 +609,41 @@ def test_torchtitan_builds_the_hf_models_rotary_frequencies(pricer, tmp_path, mo
     titan = ConfigManager().parse_args(["--module", module, "--config", "autopar_plan"]).model_spec.model.build()
     spec = parse_model_spec(p.model)
     hf = transformers_module().AutoModelForCausalLM.from_config(make_config(spec.source, hf_option_values(spec.options)))
-    attention = titan.layers["0"].attention
-    # the rotary frequencies are HF's, with no cos/sin factor; DeepSeek's softmax scale folds mscale_all_dim in
-    assert hf.model.rotary_emb.attention_scaling == 1.0
-    torch.testing.assert_close(torch.angle(attention.rope.cache[1]), hf.model.rotary_emb.inv_freq)
-    if which == "deepseek-v3-yarn":
-        assert attention.softmax_scale == pytest.approx(hf.model.layers[0].self_attn.scaling, rel=1e-12)
+    attention, rotary = titan.layers["0"].attention, hf.model.rotary_emb
+    cache = attention.rope.cache[1]  # position 1: e^(i f) per frequency, or cos then sin (each halves repeated)
+    half = cache.numel() // 4
+    angles = torch.angle(cache) if cache.is_complex() else torch.atan2(cache[2 * half:3 * half], cache[:half])
+    torch.testing.assert_close(angles, rotary.inv_freq)  # HF's rotary frequencies
+    # HF scales cos and sin (both q and k) by YaRN's attention factor where torchtitan folds its square into the
+    # softmax scale; DeepSeek's mscale_all_dim goes into both models' softmax scales
+    scale = hf.model.layers[0].self_attn.scaling * rotary.attention_scaling ** 2
+    if which == "llama-3-scaling":  # no YaRN factor: torchtitan's attention keeps its default 1 / sqrt(head width)
+        assert rotary.attention_scaling == 1.0 and not hasattr(attention, "softmax_scale")
+    else:
+        assert attention.softmax_scale == pytest.approx(scale, rel=1e-12)
 
 
 QWEN3 = ("hf:Qwen3Config:hidden_size=256,num_hidden_layers=4,num_attention_heads=8,num_key_value_heads=2,"
          "head_dim=64,intermediate_size=512,vocab_size=1024,max_position_embeddings=512")
 MISTRAL = ("hf:MistralConfig:hidden_size=256,num_hidden_layers=4,num_attention_heads=8,num_key_value_heads=2,"
            "intermediate_size=512,vocab_size=1024,max_position_embeddings=512,sliding_window=128")
+
+
+GPT_OSS = ("hf:GptOssConfig:hidden_size=256,num_hidden_layers=4,num_local_experts=8,num_experts_per_tok=2,"
+           "intermediate_size=128,vocab_size=1024,seq=512")
+"""A tiny GPT-OSS with the attention torchtitan's GPT-OSS fixes (64 heads of 64, 8 kv heads, 128-token windows)."""
+
+
+def test_gpt_oss_exports_to_torchtitan_as_itself(pricer):
+    p = titan_moe(model=GPT_OSS)
+    result = export_plan(p, "torchtitan", pricer=pricer)
+    assert not result.gaps and "_build_gptoss_layers(" in result.content
+    for text in ("hidden_dim=128", "num_experts=8", "top_k=2", "scaling='yarn', rope_factor=32.0", "truncate=False",
+                 "original_seq_len=4096", "theta=150000.0"):
+        assert text in result.content, text
+    assert read_back("torchtitan", result.content, p.num_layers).mismatches(Settings.of(p)) == {}
+    with pytest.raises(UserError, match="GptOssConfig with num_attention_heads=32: torchtitan's GPT-OSS builds"):
+        export_plan(titan_moe(model=GPT_OSS.replace("seq=512", "num_attention_heads=32,seq=512")), "torchtitan")
 
 
 def _titan_dense(model: str) -> Plan:
@@ -646,7 +669,7 @@ def test_torchtitan_writes_qwen3_and_llama_as_their_hf_configs_state(pricer):
     assert mistral.exported.step_time_s != mistral.planned.step_time_s  # no mask, a causal kernel
 
 
-@pytest.mark.parametrize("which", ["llama", "qwen3", "qwen3-moe", "deepseek-v3"])
+@pytest.mark.parametrize("which", ["llama", "qwen3", "qwen3-moe", "deepseek-v3", "gpt-oss"])
 def test_torchtitan_builds_the_exported_model_with_the_hf_models_parameters(pricer, tmp_path, monkeypatch, which):
     pytest.importorskip("torchtitan", reason="torchtitan is not installed")
     if importlib.util.find_spec("triton") is None:
@@ -658,7 +681,8 @@ def test_torchtitan_builds_the_exported_model_with_the_hf_models_parameters(pric
     from autopar.hf import make_config, transformers_module
     from autopar.spec import hf_option_values
     p = {"llama": lambda: _titan_dense(TINY_HF), "qwen3": lambda: _titan_dense(QWEN3),
-         "qwen3-moe": lambda: titan_moe(model=QWEN3_MOE), "deepseek-v3": _titan_dsv3}[which]()
+         "qwen3-moe": lambda: titan_moe(model=QWEN3_MOE), "deepseek-v3": _titan_dsv3,
+         "gpt-oss": lambda: titan_moe(model=GPT_OSS)}[which]()
     module = f"tt_{which.replace('-', '_')}"
     (tmp_path / f"{module}.py").write_text(export_plan(p, "torchtitan", pricer=pricer).content)
     monkeypatch.syspath_prepend(str(tmp_path))

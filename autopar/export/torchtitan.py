@@ -38,8 +38,11 @@ which autopar does not price, and the export refuses. An ``hf:DeepseekV3Config``
 DeepSeek-V3 (``build_mla_moe_layers``: multi-latent attention, the leading dense blocks, shared
 and routed experts, the sigmoid group-limited router) at the config's every width, with plain
 RoPE or YaRN as torchtitan builds it (no factor on cos/sin, ``mscale_all_dim`` in the softmax
-scale: DeepSeek-V3's own, where ``mscale`` and ``mscale_all_dim`` agree). Other mixtures (DeepSeek-V2, GLM, GPT-OSS, Qwen2-MoE) are
-refused, naming the Megatron export.
+scale: DeepSeek-V3's own, where ``mscale`` and ``mscale_all_dim`` agree). An ``hf:GptOssConfig``
+is torchtitan's GPT-OSS where its config has the attention that model fixes (64 heads of 64, 8 kv
+heads, 128-token windows on every second layer from the first, biases, SwiGLU limit 7); its YaRN
+factor, which HF puts on cos and sin, is torchtitan's softmax-scale mscale squared. Other
+mixtures (DeepSeek-V2, GLM, Qwen2-MoE) are refused, naming the Megatron export.
 """
 
 from __future__ import annotations
@@ -70,7 +73,8 @@ AC = {"none": "None", "full": "FullAC.Config()", "op": "SelectiveAC.Config()"}
 output and the attention's, as autopar's ``op``)."""
 
 
-QWEN3, QWEN3_MOE, DEEPSEEK_V3 = "Qwen3Config", "Qwen3MoeConfig", "DeepseekV3Config"
+QWEN3, QWEN3_MOE = "Qwen3Config", "Qwen3MoeConfig"
+DEEPSEEK_V3, GPT_OSS = "DeepseekV3Config", "GptOssConfig"
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -163,17 +167,17 @@ def llama_rope(plan: Plan, shape: Shape) -> Rope:
 
 
 def _adapt_experts(a: Adapter, shape: Shape) -> None:
-    if shape.family != Family.LLAMA and shape.source not in (QWEN3_MOE, DEEPSEEK_V3):
+    if shape.family != Family.LLAMA and shape.source not in (QWEN3_MOE, DEEPSEEK_V3, GPT_OSS):
         raise UserError(f"{shape.source} has {shape.experts} routed experts: the torchtitan export writes "
                         "torchtitan's Qwen3 MoE decoder, which builds Qwen3-MoE's and Llama-style (Mixtral's) "
-                        "experts, or its DeepSeek-V3; export it with --to megatron")
+                        "experts, or its DeepSeek-V3 or GPT-OSS; export it with --to megatron")
     m = a.plan.mesh
     if m.tp > 1:
         raise UserError(f"the plan runs {shape.experts} routed experts under tp={m.tp}: torchtitan's expert layers "
                         "take their ranks from dp x cp x tp (the experts folded over the tp ranks), a layout autopar "
                         "does not price; re-plan with --tp 1 or export it with --to megatron")
-    if shape.source == DEEPSEEK_V3:
-        deepseek_v3(a.plan)  # refuses what torchtitan's DeepSeek-V3 does not build
+    if shape.source in (DEEPSEEK_V3, GPT_OSS):
+        (deepseek_v3 if shape.source == DEEPSEEK_V3 else gpt_oss)(a.plan)  # refuses what torchtitan does not build
         found = None
     else:
         found = qwen3(a.plan, shape)
@@ -368,19 +372,19 @@ def _model() -> Qwen3Model.Config:
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
-class DeepSeek:
-    """torchtitan's DeepSeek-V3 builder arguments for one model."""
+class Built:
+    """A torchtitan model builder's arguments for one model (DeepSeek-V3's, GPT-OSS's)."""
 
     layers: dict[str, object]
-    """``build_mla_moe_layers``'s keyword arguments but inits, backends and RoPE."""
+    """The layer builder's keyword arguments but inits, backends and RoPE."""
     rope: dict[str, object]
-    """``ComplexRoPE.Config``'s fields but ``dim`` and ``max_context_length``."""
+    """The RoPE config's fields but ``dim`` and ``max_context_length``."""
     rope_dim: int
     vocab: int
     eps: float
 
 
-def deepseek_v3(plan: Plan) -> DeepSeek:
+def deepseek_v3(plan: Plan) -> Built:
     """``build_mla_moe_layers``'s arguments and the RoPE's for ``plan``'s ``hf:DeepseekV3Config``,
     read off its HF config; a ``UserError`` for what torchtitan's DeepSeek-V3 does not build."""
     from autopar.hf import make_config
@@ -414,7 +418,7 @@ def deepseek_v3(plan: Plan) -> DeepSeek:
         router_score_func="sigmoid", router_num_expert_groups=c.n_group if c.n_group > 1 else None,
         router_num_limited_groups=c.topk_group if c.n_group > 1 else None,
         router_route_scale=float(c.routed_scaling_factor), router_route_norm=bool(c.norm_topk_prob))
-    return DeepSeek(layers=layers, rope=rope_args, rope_dim=c.qk_rope_head_dim, vocab=c.vocab_size,
+    return Built(layers=layers, rope=rope_args, rope_dim=c.qk_rope_head_dim, vocab=c.vocab_size,
                     eps=c.rms_norm_eps)
 
 
@@ -447,6 +451,64 @@ def _model() -> DeepSeekV3Model.Config:
             rope=ComplexRoPE.Config(dim={d.rope_dim}, max_context_length={shape.max_positions}, {rope})))''', "671B"
 
 
+GPT_OSS_FIXED = {"num_attention_heads": 64, "num_key_value_heads": 8, "head_dim": 64, "sliding_window": 128,
+                 "swiglu_limit": 7.0, "attention_bias": True, "tie_word_embeddings": False}
+"""What torchtitan's GPT-OSS builds whatever its config (``_build_gptoss_layers``: its attention's heads, every
+second layer's 128-token window from the first, the clamped SwiGLU's limit, biased projections, an untied head)."""
+
+
+def gpt_oss(plan: Plan) -> Built:
+    """``_build_gptoss_layers``'s arguments and the RoPE's for ``plan``'s ``hf:GptOssConfig``, read
+    off its HF config; a ``UserError`` for one torchtitan's GPT-OSS does not build."""
+    c = _hf_config(plan)
+    off = {k: getattr(c, k, None) for k, v in GPT_OSS_FIXED.items() if getattr(c, k, None) != v}
+    alternating = list(c.layer_types) == ["sliding_attention" if i % 2 == 0 else "full_attention"
+                                          for i in range(c.num_hidden_layers)]
+    rope = dict(getattr(c, "rope_parameters", None) or {})
+    if off or not alternating or rope.get("rope_type") != "yarn" or "mscale" in rope or "attention_factor" in rope:
+        found = ", ".join(f"{k}={v}" for k, v in off.items()) or "its layer types or RoPE"
+        raise UserError(f"{GPT_OSS} with {found}: torchtitan's GPT-OSS builds {GPT_OSS_FIXED}, windows on every "
+                        "second layer from the first and YaRN; export it with --to megatron")
+    layers: dict[str, object] = dict(dim=c.hidden_size, n_layers=c.num_hidden_layers, hidden_dim=c.intermediate_size,
+                                     num_experts=c.num_local_experts, top_k=c.num_experts_per_tok)
+    # YaRN's attention factor (0.1 ln factor + 1, on cos and sin in HF) is torchtitan's softmax scale's mscale^2
+    rope_args: dict[str, object] = dict(
+        theta=float(rope.get("rope_theta", 150000.0)), scaling="yarn", rope_factor=float(rope["factor"]),
+        beta_fast=float(rope.get("beta_fast", 32)), beta_slow=float(rope.get("beta_slow", 1)),
+        truncate=bool(rope.get("truncate", True)),
+        original_seq_len=int(rope.get("original_max_position_embeddings") or c.max_position_embeddings))
+    return Built(layers=layers, rope=rope_args, rope_dim=c.head_dim, vocab=c.vocab_size, eps=c.rms_norm_eps)
+
+
+def _gpt_oss(shape: Shape, plan: Plan) -> tuple[str, str]:
+    """As ``_llama3``, for torchtitan's GPT-OSS (attention sinks, windows on every second layer,
+    biased experts with a clamped SwiGLU)."""
+    d = gpt_oss(plan)
+    layers = ",\n            ".join(f"{k}={v!r}" for k, v in d.layers.items())
+    rope = ", ".join(f"{k}={v!r}" for k, v in d.rope.items())
+    return f'''from torchtitan.models.common import CosSinRoPE, Embedding, Linear, RMSNorm
+from torchtitan.models.gpt_oss import (_EMBEDDING_INIT, _NORM_INIT, _build_gptoss_layers, _output_linear_init,
+                                      model_registry)
+from torchtitan.models.gpt_oss.config_registry import gpt_oss_120b as base_recipe
+from torchtitan.models.gpt_oss.model import GptOssModel
+from torchtitan.trainer import Trainer
+
+LAYERS, DIM, VOCAB = {shape.layers}, {shape.hidden}, {d.vocab}
+
+
+def _model() -> GptOssModel.Config:
+    """torchtitan's GPT-OSS at the plan's shape."""
+    return GptOssModel.Config(
+        dim=DIM, vocab_size=VOCAB,
+        tok_embeddings=Embedding.Config(num_embeddings=VOCAB, embedding_dim=DIM, param_init=_EMBEDDING_INIT),
+        norm=RMSNorm.Config(normalized_shape=DIM, eps={d.eps!r}, param_init=_NORM_INIT),
+        lm_head=Linear.Config(in_features=DIM, out_features=VOCAB, param_init=_output_linear_init(DIM)),
+        layers=_build_gptoss_layers(
+            {layers},
+            load_balance_coeff=1e-3, fuse_qkv=True, moe_comm_backend="standard",
+            rope=CosSinRoPE.Config(dim={d.rope_dim}, max_context_length={shape.max_positions}, {rope})))''', "120b"
+
+
 def render(plan: Plan, shape: Shape, where: Nodes, header: list[str], module: str) -> tuple[str, str]:
     training, parallelism = settings_kwargs(plan)
     ac = AC[plan.recompute[0]]  # one mode on every block (``adapt``)
@@ -457,6 +519,8 @@ def render(plan: Plan, shape: Shape, where: Nodes, header: list[str], module: st
                               "be overridden with --section.key."])
     if shape.source == DEEPSEEK_V3:
         model, flavor = _deepseek_v3(shape, plan)
+    elif shape.source == GPT_OSS:
+        model, flavor = _gpt_oss(shape, plan)
     elif shape.experts:
         model, flavor = _qwen3_moe(shape, qwen3(plan, shape))
     elif shape.source == QWEN3:
