@@ -655,7 +655,7 @@ def test_torchtitan_writes_qwen3_and_llama_as_their_hf_configs_state(pricer):
     # Qwen3 is torchtitan's own Qwen3 decoder (q/k norms, a head width of its own): no twin
     q3 = export_plan(_titan_dense(QWEN3), "torchtitan", pricer=pricer)
     assert not q3.gaps and "_build_qwen3_layers(" in q3.content
-    assert "HEAD_DIM, FFN, VOCAB, TIED = 4, 256, 8, 2, 64, 512" in q3.content
+    assert "HEAD_DIM, VOCAB, TIED = 4, 256, 8, 2, 64, 1024, False" in q3.content and "\nFFN = 512\n" in q3.content
     # an HF Llama keeps its RoPE (transformers' default: base 10000, no Llama 3 scaling) ...
     llama = export_plan(PLANS["hf"], "torchtitan", pricer=pricer).content
     rope = llama[llama.index("rope=ComplexRoPE.Config("):].split(")")[0]
