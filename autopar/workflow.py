@@ -158,7 +158,7 @@ def export_lead_refusal(spec: ModelSpec, target: str) -> str | None:
     export to Megatron as themselves (``--moe-layer-freq``). Read off the (cached) trace of an
     HF model or a user module. torchtitan builds DeepSeek-V3's (``autopar.export.torchtitan``)."""
     from autopar.export.hfblocks import CONFIGS
-    from autopar.export.torchtitan import DEEPSEEK_V3
+    from autopar.export.titanmodels import DEEPSEEK_V3
     writes_lead = {"megatron": CONFIGS, "torchtitan": (DEEPSEEK_V3,)}
     if spec.arch not in ("hf", "module") or spec.source in writes_lead.get(target, ()):
         return None
